@@ -1,0 +1,69 @@
+"""Fault injection at named points of the save/load protocol, for tests. Free when off: one
+environment lookup per point.
+
+``SHARDSAFE_FAULT`` holds one or more comma-separated specs ``POINT:rank=R:ACTION[=ARG]``:
+
+- ``POINT`` a name from :data:`POINTS` (``*`` matches every point);
+- ``rank=R`` the global rank that misbehaves (``rank=*`` for all);
+- ``ACTION`` is ``raise`` (an ``OSError`` as a failing disk would), ``exit`` (``os._exit(ARG or 13)``,
+  no cleanup, like a crash), ``kill`` (SIGKILL to itself) or ``sleep=SECONDS``.
+
+Example: ``SHARDSAFE_FAULT=save.commit:rank=0:exit``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+POINTS: dict[str, str] = {
+    "save.rendezvous": "every rank, after arriving, before planning",
+    "save.plan": "every rank, after computing the write plan, before staging or writing",
+    "save.stage": "every rank, after copying its share into staging buffers (async save)",
+    "save.write": "a writing rank, after its first piece of data reached the file",
+    "save.report": "every rank, after fsync of its files, before reporting to rank 0",
+    "save.commit": "rank 0, all reports received, before writing the manifest",
+    "save.publish": "rank 0, manifest durable in staging, before it becomes visible at the target",
+    "save.confirm": "every rank, after the commit record, before returning",
+    "load.rendezvous": "every rank, after arriving, before reading the manifest",
+    "load.read": "every rank, after reading its first chunk",
+}
+
+
+class InjectedFault(OSError):
+    """The error an injected ``raise`` produces (an ``OSError``, like a failing disk)."""
+
+
+def fault_point(point: str, rank: int) -> None:
+    """Misbehave here if ``SHARDSAFE_FAULT`` says so for this point and rank."""
+    spec = os.environ.get("SHARDSAFE_FAULT")
+    if not spec:
+        return
+    for item in spec.split(","):
+        _maybe_fire(item.strip(), point, rank)
+
+
+def _maybe_fire(item: str, point: str, rank: int) -> None:
+    parts = item.split(":")
+    if len(parts) != 3 or not parts[1].startswith("rank="):
+        raise ValueError(f"SHARDSAFE_FAULT item {item!r} is not POINT:rank=R:ACTION")
+    name, rank_part, action = parts
+    if name not in ("*", point):
+        return
+    if name != "*" and name not in POINTS:
+        raise ValueError(f"SHARDSAFE_FAULT names unknown point {name!r}; known: {', '.join(POINTS)}")
+    want = rank_part[len("rank=") :]
+    if want != "*" and int(want) != rank:
+        return
+    verb, _, arg = action.partition("=")
+    if verb == "raise":
+        raise InjectedFault(f"injected fault at {point} on rank {rank}")
+    if verb == "exit":
+        os._exit(int(arg or 13))
+    if verb == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if verb == "sleep":
+        time.sleep(float(arg))
+        return
+    raise ValueError(f"SHARDSAFE_FAULT action {action!r} is not raise, exit, kill or sleep=S")

@@ -1,0 +1,443 @@
+"""All cross-rank talk of shardsafe: rendezvous, barriers, broadcasts, deadlines and error propagation,
+through the rendezvous store (``torch.distributed.Store``), never through collectives of the training
+process group. With no process group (one process) every call is local and immediate.
+
+One :class:`Coordinator` serves one operation (a save, a load, a runtime barrier). Operations are
+matched across ranks by a per-process sequence number. Every decision is settled by the first writer
+of a ``compare_set`` on a decision key, so a late rank, a failing rank and a timing-out rank can never
+disagree on the outcome. An operation abandoned on timeout is skipped by ranks that arrive late, so a
+later operation called by every rank still meets (no poisoned state).
+
+Store layout under ``shardsafe/<group>/``::
+
+    <seq>/arrive/r/<rank>      arrival record: op, target, call site, host, pid
+    <seq>/arrive/count         arrivals so far (store.add)
+    <seq>/arrive/decision      "go" or a timeout record (first compare_set wins)
+    <seq>/<phase>/...          the same three keys for each barrier of the operation
+    <seq>/<phase>/value        a broadcast value
+    <seq>/abort                the first failure of the operation: rank, phase, error
+    status/<rank>              where the rank is now (for stall and timeout reports)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from shardsafe import knobs
+from shardsafe.errors import RankDeadError, RankDesyncError, RankTimeoutError, RemoteRankError
+
+logger = logging.getLogger(__name__)
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_GO = "go"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Deadlines:
+    """Seconds each kind of wait may take."""
+
+    arrive: float
+    """Waiting for every rank to reach an operation or barrier (catches the ``if rank == 0:`` guard)."""
+    io: float
+    """Waiting for the slowest rank's data writes or reads, and for the commit."""
+
+    def __post_init__(self) -> None:
+        for name in ("arrive", "io"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"Deadlines.{name}={value!r} must be a positive number of seconds")
+
+    @staticmethod
+    def resolve(timeout: float | Deadlines | None) -> Deadlines:
+        """``timeout=`` argument, else ``SHARDSAFE_TIMEOUT`` / ``SHARDSAFE_IO_TIMEOUT``, else defaults."""
+        if isinstance(timeout, Deadlines):
+            return timeout
+        if timeout is None:
+            return Deadlines(arrive=knobs.arrive_timeout(), io=knobs.io_timeout())
+        if not timeout > 0:
+            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds, or None")
+        return Deadlines(arrive=float(timeout), io=float(timeout))
+
+
+def call_site() -> str:
+    """``file:line`` of the innermost frame outside shardsafe: the user's call."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+_seq_lock = threading.Lock()
+_seq: dict[tuple[int, str], int] = {}
+_cleaned: dict[tuple[int, str], int] = {}
+_phases_used: dict[tuple[tuple[int, str], int], set[str]] = {}
+
+
+class Coordinator:
+    """Cross-rank talk for one operation. Create with :meth:`join` on every rank of the group."""
+
+    def __init__(
+        self,
+        store: dist.Store | None,
+        rank: int,
+        world_size: int,
+        namespace: str,
+        op: str,
+        target: str,
+        deadlines: Deadlines,
+        global_rank: int,
+    ) -> None:
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.global_rank = global_rank
+        self.namespace = namespace
+        self.op = op
+        self.target = target
+        self.deadlines = deadlines
+        self.seq = 0
+        self.identity = 0
+        self.infos: list[dict[str, Any]] = []
+
+    # ----------------------------------------------------------------------------------- joining
+
+    @classmethod
+    def join(
+        cls,
+        op: str,
+        target: str,
+        *,
+        deadlines: Deadlines,
+        group: Any = None,
+        store: dist.Store | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        match_site: bool = False,
+        extra: dict[str, Any] | None = None,
+    ) -> Coordinator:
+        """(all ranks) Rendezvous for operation ``op`` on ``target``.
+
+        Waits up to ``deadlines.arrive`` for every rank; raises :class:`RankTimeoutError` naming the
+        ranks that never came, and :class:`RankDesyncError` on every rank when ranks arrived doing
+        different things (another op or target; another call site when ``match_site``).
+        The group comes from ``store``/``rank``/``world_size`` when given, else from ``group`` or the
+        default process group, else it is a single process.
+        """
+        if store is None:
+            store, rank, world_size, global_rank, ns, identity = _resolve_group(group)
+        else:
+            if rank is None or world_size is None:
+                raise ValueError("Coordinator.join(store=...) also needs rank= and world_size=")
+            global_rank, ns, identity = rank, f"shardsafe/custom{world_size}", id(store)
+        assert rank is not None and world_size is not None
+        self = cls(store, rank, world_size, ns, op, target, deadlines, global_rank)
+        self.identity = identity
+        site = call_site()
+        info = {"op": op, "target": target, "site": site, "host": socket.gethostname(), "pid": os.getpid()}
+        info.update(extra or {})
+        if store is None or world_size == 1:
+            self.infos = [info]
+            return self
+        self._arrive(info, match_site)
+        return self
+
+    def _arrive(self, info: dict[str, Any], match_site: bool) -> None:
+        key = (self.identity, self.namespace)
+        started = time.monotonic()
+        while True:
+            with _seq_lock:
+                self.seq = _seq.get(key, 0) + 1
+                _seq[key] = self.seq
+            self._status("arrive")
+            self._use("arrive")
+            self._set(self._k("arrive", "r", str(self.rank)), json.dumps(info))
+            if self._add(self._k("arrive/count"), 1) == self.world_size:
+                self._compare_set(self._k("arrive/decision"), _GO)
+            remaining = self.deadlines.arrive - (time.monotonic() - started)
+            decision = self._await_decision("arrive", max(remaining, 0.0), watch_abort=False)
+            if decision == _GO:
+                break
+            record = json.loads(decision)
+            if self.rank in record["arrived"]:
+                raise self._timeout_error("arrive", record["missing"], self.deadlines.arrive)
+            # Late for an operation the others abandoned: skip it, meet them at the next one.
+            logger.warning(
+                "shardsafe: rank %d arrived at %s %s after ranks %s gave up waiting (they timed out); "
+                "moving on to the next operation",
+                self.rank,
+                self.op,
+                self.target,
+                record["arrived"],
+            )
+        self.infos = [json.loads(v) for v in self._get_all("arrive")]
+        self._cleanup_previous(key)
+        fields = ("op", "target", "site") if match_site else ("op", "target")
+        if any(tuple(i[f] for f in fields) != tuple(self.infos[0][f] for f in fields) for i in self.infos):
+            lines = "\n".join(
+                f"  rank {r}: {i['op']}({i['target']!r}) called at {i['site']}"
+                for r, i in enumerate(self.infos)
+            )
+            raise RankDesyncError(
+                f"ranks are out of step: they met at the same point doing different things:\n{lines}\n"
+                "Every rank must make the same shardsafe calls in the same order (same path, same call "
+                "site); look for a rank-dependent branch before these lines."
+            )
+
+    # ---------------------------------------------------------------------------------- barriers
+
+    def barrier(self, phase: str, payload: str = "", *, timeout: float, collect: bool = False) -> list[str]:
+        """(all ranks) Post ``payload`` and wait until every rank has. Returns every rank's payload,
+        in rank order, when ``collect`` (else ``[]``). Raises :class:`RemoteRankError` as soon as any
+        rank reports a failure (:meth:`fail`), :class:`RankTimeoutError` at the deadline."""
+        if self.store is None or self.world_size == 1:
+            return [payload] if collect else []
+        self._status(phase)
+        self._use(phase)
+        self._set(self._k(phase, "r", str(self.rank)), payload)
+        if self._add(self._k(phase, "count"), 1) == self.world_size:
+            self._compare_set(self._k(phase, "decision"), _GO)
+        decision = self._await_decision(phase, timeout, watch_abort=True)
+        if decision != _GO:
+            record = json.loads(decision)
+            raise self._timeout_error(phase, record["missing"], timeout)
+        return self._get_all(phase) if collect else []
+
+    def broadcast(self, phase: str, value: str | None, *, src: int = 0, timeout: float) -> str:
+        """(all ranks) ``src`` passes the value, the others get it; failures and deadlines as in
+        :meth:`barrier`."""
+        if self.store is None or self.world_size == 1:
+            assert value is not None
+            return value
+        self._status(phase)
+        self._use(phase)
+        key = self._k(phase, "value")
+        if self.rank == src:
+            assert value is not None
+            self._set(key, value)
+            return value
+        started = time.monotonic()
+        warned = False
+        delay = 0.002
+        while not self._check(key):
+            self._raise_if_aborted()
+            elapsed = time.monotonic() - started
+            if elapsed > timeout:
+                raise self._timeout_error(phase, [src], timeout)
+            if not warned and elapsed > knobs.stall_fraction() * timeout:
+                warned = True
+                self._warn_stall(phase, f"rank {src}'s {phase} record", [src], elapsed, timeout)
+            time.sleep(delay)
+            delay = min(delay * 2, knobs.poll_seconds())
+        return self._get(key)
+
+    def fail(self, phase: str, err: BaseException) -> None:
+        """(the failing rank) Tell every rank of this operation that it failed, so their waits raise
+        :class:`RemoteRankError` at once instead of at the deadline. The caller re-raises ``err``."""
+        if self.store is None or self.world_size == 1 or self.seq == 0:
+            return
+        record = {"rank": self.global_rank, "phase": phase, "error": f"{type(err).__name__}: {err}"}
+        try:
+            self._compare_set(self._k("abort"), json.dumps(record))
+        except RankDeadError as dead:
+            # The store is gone, so nobody can be told; the caller raises its own error anyway.
+            logger.error("shardsafe: rank %d could not report its failure in %s: %s", self.rank, phase, dead)
+
+    # ------------------------------------------------------------------------------- internals
+
+    def _k(self, *parts: str) -> str:
+        return "/".join((self.namespace, str(self.seq), *parts))
+
+    def _get_all(self, phase: str) -> list[str]:
+        return [self._get(self._k(phase, "r", str(r))) for r in range(self.world_size)]
+
+    def _await_decision(self, phase: str, timeout: float, *, watch_abort: bool) -> str:
+        key = self._k(phase, "decision")
+        started = time.monotonic()
+        warned = False
+        delay = 0.002
+        while not self._check(key):
+            if watch_abort:
+                self._raise_if_aborted()
+            elapsed = time.monotonic() - started
+            if elapsed > timeout:
+                arrived = [r for r in range(self.world_size) if self._check(self._k(phase, "r", str(r)))]
+                missing = [r for r in range(self.world_size) if r not in arrived]
+                record = json.dumps(
+                    {"kind": "timeout", "by": self.rank, "arrived": arrived, "missing": missing}
+                )
+                decided = self._compare_set(key, record)
+                if watch_abort and decided != _GO:
+                    self._compare_set(
+                        self._k("abort"),
+                        json.dumps(
+                            {
+                                "rank": self.global_rank,
+                                "phase": phase,
+                                "error": f"timed out waiting for ranks {missing}",
+                            }
+                        ),
+                    )
+                return decided
+            if not warned and elapsed > knobs.stall_fraction() * timeout:
+                warned = True
+                missing = [r for r in range(self.world_size) if not self._check(self._k(phase, "r", str(r)))]
+                self._warn_stall(phase, f"every rank to reach {phase!r}", missing, elapsed, timeout)
+            time.sleep(delay)
+            delay = min(delay * 2, knobs.poll_seconds())
+        return self._get(key)
+
+    def _raise_if_aborted(self) -> None:
+        key = self._k("abort")
+        if not self._check(key):
+            return
+        record = json.loads(self._get(key))
+        if record["rank"] == self.global_rank:
+            return
+        raise RemoteRankError(
+            f"{self.op} of {self.target!r} failed on rank {record['rank']} in phase {record['phase']!r}: "
+            f"{record['error']}. Nothing was committed; fix the cause on rank {record['rank']} and retry.",
+            rank=record["rank"],
+            phase=record["phase"],
+            cause=record["error"],
+        )
+
+    def _timeout_error(self, phase: str, missing: list[int], timeout: float) -> RankTimeoutError:
+        picture = "\n".join(self._status_lines())
+        return RankTimeoutError(
+            f"{self.op} of {self.target!r}: rank {self.rank} waited {timeout:.0f}s in phase {phase!r} but "
+            f"ranks {missing} never arrived. Call {self.op}() on every rank of the process group, with the "
+            f"same path; the library decides who writes. (If those ranks are merely slow, raise timeout= "
+            f"or SHARDSAFE_TIMEOUT.) Where each rank was:\n{picture}",
+            missing_ranks=missing,
+        )
+
+    def _warn_stall(self, phase: str, what: str, missing: list[int], elapsed: float, timeout: float) -> None:
+        stack = "".join(traceback.format_stack(limit=12)[:-2])
+        logger.warning(
+            "shardsafe: rank %d has waited %.1fs of %.0fs for %s (%s of %s, phase %s); not there yet: %s\n"
+            "ranks:\n%s\nwaiting at:\n%s",
+            self.rank,
+            elapsed,
+            timeout,
+            what,
+            self.op,
+            self.target,
+            phase,
+            missing,
+            "\n".join(self._status_lines()),
+            stack,
+        )
+
+    def _status(self, phase: str) -> None:
+        if self.store is None:
+            return
+        record = {"op": self.op, "target": self.target, "seq": self.seq, "phase": phase, "since": time.time()}
+        self._set(f"{self.namespace}/status/{self.rank}", json.dumps(record))
+
+    def _status_lines(self) -> list[str]:
+        lines = []
+        now = time.time()
+        for r in range(self.world_size):
+            key = f"{self.namespace}/status/{r}"
+            try:
+                if not self._check(key):
+                    lines.append(f"  rank {r}: no shardsafe call seen yet")
+                    continue
+                s = json.loads(self._get(key))
+            except RankDeadError:
+                lines.append(f"  rank {r}: unknown (store unreachable)")
+                continue
+            lines.append(
+                f"  rank {r}: {s['op']}({s['target']!r}) #{s['seq']} in phase {s['phase']!r} "
+                f"for {now - s['since']:.1f}s"
+            )
+        return lines
+
+    def _cleanup_previous(self, key: tuple[int, str]) -> None:
+        """Rank 0 deletes the keys of operations every rank has now left behind (all seq < this one)."""
+        if self.rank != 0:
+            return
+        with _seq_lock:
+            start = _cleaned.get(key, 0) + 1
+            _cleaned[key] = self.seq - 1
+        for seq in range(start, self.seq):
+            prefix = f"{self.namespace}/{seq}"
+            names = [f"{prefix}/abort"]
+            for phase in _phases_used.pop((key, seq), {"arrive"}):
+                names += [f"{prefix}/{phase}/{leaf}" for leaf in ("count", "decision", "value")]
+                names += [f"{prefix}/{phase}/r/{r}" for r in range(self.world_size)]
+            for name in names:
+                try:
+                    self._store().delete_key(name)
+                except Exception as err:  # housekeeping only: a key of a finished operation is inert
+                    logger.debug("shardsafe: could not delete store key %s: %s", name, err)
+
+    def _use(self, phase: str) -> None:
+        if self.rank == 0:
+            _phases_used.setdefault(((self.identity, self.namespace), self.seq), set()).add(phase)
+
+    # Store access: every call goes through _call, which turns a lost connection into RankDeadError.
+
+    def _store(self) -> dist.Store:
+        assert self.store is not None
+        return self.store
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except (RuntimeError, OSError, ConnectionError) as err:
+            raise RankDeadError(
+                f"{self.op} of {self.target!r}: rank {self.rank} lost the rendezvous store during {what} "
+                f"({err}). The process hosting it (rank 0 or the launcher) has most likely died; restart "
+                "the job, it will resume from the last committed checkpoint."
+            ) from err
+
+    def _set(self, k: str, v: str) -> None:
+        self._call(f"set {k}", lambda: self._store().set(k, v))
+
+    def _get(self, k: str) -> str:
+        raw: bytes = self._call(f"get {k}", lambda: self._store().get(k))
+        return raw.decode()
+
+    def _check(self, k: str) -> bool:
+        return bool(self._call(f"check {k}", lambda: self._store().check([k])))
+
+    def _add(self, k: str, n: int) -> int:
+        return int(self._call(f"add {k}", lambda: self._store().add(k, n)))
+
+    def _compare_set(self, k: str, v: str) -> str:
+        """Set ``k`` to ``v`` unless it is already set; return whichever value it holds now."""
+        raw: bytes = self._call(f"compare_set {k}", lambda: self._store().compare_set(k, "", v))
+        return raw.decode()
+
+
+def _resolve_group(group: Any) -> tuple[dist.Store | None, int, int, int, str, int]:
+    """(store, rank in group, group size, global rank, namespace, identity) of ``group`` or the default
+    group. The identity (the default process group object) keys the per-process sequence counter: it
+    is stable while the group lives and new when the group is re-created over a fresh store."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("group= was given but torch.distributed is not initialized")
+        return None, 0, 1, 0, "shardsafe/local", 0
+    pg = group if group is not None else dist.group.WORLD
+    ranks = dist.get_process_group_ranks(pg)
+    name = (
+        "-".join(map(str, ranks)) if len(ranks) <= 8 else f"{len(ranks)}r{hash(tuple(ranks)) & 0xFFFFFFFF:x}"
+    )
+    store = dist.distributed_c10d._get_default_store()
+    identity = id(dist.group.WORLD)
+    return store, dist.get_rank(pg), dist.get_world_size(pg), dist.get_rank(), f"shardsafe/g{name}", identity

@@ -1,0 +1,84 @@
+"""The exceptions shardsafe raises. All derive from :class:`CheckpointError` (an ``Exception``), and each
+also derives from the builtin it refines, so ``except FileNotFoundError`` keeps working."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+class CheckpointError(Exception):
+    """Base class of every error shardsafe raises on purpose."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """The target already holds a committed checkpoint and ``overwrite=False``."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No committed checkpoint at the path (nothing there, or only an uncommitted save)."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint's bytes or manifest fail validation: checksum mismatch, truncation, hostile names."""
+
+
+class MissingKeysError(CheckpointError, KeyError):
+    """Keys requested from a checkpoint are not in it (``strict=True``)."""
+
+    def __init__(self, message: str, missing: Sequence[str], available: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.message = message
+        self.missing = list(missing)
+        self.available = list(available)
+
+    def __str__(self) -> str:  # KeyError would repr() the message; keep it readable
+        return self.message
+
+
+class UnsafeValueError(CheckpointError, TypeError):
+    """A value cannot be stored without pickle (or a loader met a pickled value it did not opt in to)."""
+
+
+class CoordinationError(CheckpointError):
+    """Ranks could not agree: base class of the errors of the cross-rank protocol."""
+
+
+class RankTimeoutError(CoordinationError, TimeoutError):
+    """A deadline passed while waiting for other ranks; names the ranks that never arrived."""
+
+    def __init__(self, message: str, missing_ranks: Iterable[int] = ()) -> None:
+        super().__init__(message)
+        self.missing_ranks = sorted(missing_ranks)
+
+
+class RemoteRankError(CoordinationError):
+    """Another rank failed; carries its rank, the phase and its original message."""
+
+    def __init__(self, message: str, rank: int, phase: str, cause: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.phase = phase
+        self.cause = cause
+
+
+class RankDesyncError(CoordinationError):
+    """Ranks reached the same rendezvous doing different things (other operation, path or call site)."""
+
+
+class RankDeadError(CoordinationError):
+    """The rendezvous store became unreachable, which means the rank hosting it has died."""
+
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CoordinationError",
+    "CorruptCheckpointError",
+    "MissingKeysError",
+    "RankDeadError",
+    "RankDesyncError",
+    "RankTimeoutError",
+    "RemoteRankError",
+    "UnsafeValueError",
+]

@@ -1,0 +1,61 @@
+"""Internal tunables, in one place. Each has a default and an environment override
+(``SHARDSAFE_<NAME>``); none is public API."""
+
+from __future__ import annotations
+
+import os
+
+
+def _float(name: str, default: float) -> float:
+    raw = os.environ.get(f"SHARDSAFE_{name}")
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(
+            f"SHARDSAFE_{name}={raw!r} is not a number; unset it or give seconds/bytes"
+        ) from None
+    if value <= 0:
+        raise ValueError(f"SHARDSAFE_{name}={raw!r} must be positive")
+    return value
+
+
+def arrive_timeout() -> float:
+    """Seconds to wait for every rank to reach a save/load (rendezvous) or a runtime barrier."""
+    return _float("TIMEOUT", 300.0)
+
+
+def io_timeout() -> float:
+    """Seconds to wait for the slowest rank's writes/reads and the commit. Large states need long."""
+    return _float("IO_TIMEOUT", max(1800.0, arrive_timeout()))
+
+
+def stall_fraction() -> float:
+    """After this fraction of a deadline, a waiting rank logs once what it waits for (WARNING)."""
+    return _float("STALL_FRACTION", 0.25)
+
+
+def poll_seconds() -> float:
+    """How often a waiting rank wakes up to check the clock and stall state."""
+    return _float("POLL_SECONDS", 0.5)
+
+
+def checksum_block_bytes() -> int:
+    """Checksums are kept per block of a chunk, so a partial read can be verified on its own."""
+    return int(_float("CHECKSUM_BLOCK_BYTES", 8 * 1024 * 1024))
+
+
+def write_piece_bytes() -> int:
+    """Bytes per write() call on the save path (hashing runs per piece, while memory is hot)."""
+    return int(_float("WRITE_PIECE_BYTES", 8 * 1024 * 1024))
+
+
+def split_replicated_bytes() -> int:
+    """A replicated tensor larger than this is split into row ranges written by several ranks."""
+    return int(_float("SPLIT_REPLICATED_BYTES", 32 * 1024 * 1024))
+
+
+def io_threads() -> int:
+    """Threads per rank for reading on load."""
+    return int(_float("IO_THREADS", 4))

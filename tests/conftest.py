@@ -1,0 +1,3 @@
+import logging
+
+logging.getLogger("shardsafe").setLevel(logging.DEBUG)

@@ -1,0 +1,149 @@
+"""Run a function on N ranks (spawned processes, gloo on CPU) with a hard deadline.
+
+The parent hosts the TCPStore on a port the OS picked (bound, never closed and reused), so a rank
+that dies, even rank 0, does not take the rendezvous store with it, as under torchrun. Every run has a
+deadline: ranks still alive at the end are killed, and their outcome says so.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+
+@dataclass
+class Outcome:
+    rank: int
+    exitcode: int | None = None
+    result: Any = None
+    error_type: str | None = None
+    error: str | None = None
+    traceback: str | None = None
+    error_mro: list[str] = field(default_factory=list)
+    elapsed: float | None = None
+    killed: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.exitcode == 0 and self.error_type is None
+
+
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    port: int,
+    args: tuple[Any, ...],
+    env: dict[str, str],
+    q: Any,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    start = time.monotonic()
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    try:
+        result = fn(rank, world, *args)
+        q.put((rank, "ok", result, None, None, None, [], time.monotonic() - start))
+    except BaseException as err:  # reported to the parent, which decides what the test expects
+        mro = [c.__name__ for c in type(err).__mro__]
+        q.put(
+            (
+                rank,
+                "err",
+                None,
+                type(err).__name__,
+                str(err),
+                traceback.format_exc(),
+                mro,
+                time.monotonic() - start,
+            )
+        )
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    rank_env: dict[int, dict[str, str]] | None = None,
+) -> list[Outcome]:
+    """Run ``fn(rank, world, *args)`` on ``world`` fresh processes; return each rank's outcome."""
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120)
+    )
+    q = ctx.Queue()
+    procs = []
+    for r in range(world):
+        e = {**(env or {}), **((rank_env or {}).get(r, {}))}
+        p = ctx.Process(target=_entry, args=(fn, r, world, store.port, args, e, q), daemon=True)
+        p.start()
+        procs.append(p)
+    outcomes = {r: Outcome(rank=r) for r in range(world)}
+    deadline = time.monotonic() + timeout
+    pending = set(range(world))
+    while pending and time.monotonic() < deadline:
+        try:
+            rank, kind, result, etype, emsg, tb, mro, elapsed = q.get(timeout=0.2)
+            o = outcomes[rank]
+            o.result, o.error_type, o.error, o.traceback, o.error_mro, o.elapsed = (
+                result,
+                etype,
+                emsg,
+                tb,
+                mro,
+                elapsed,
+            )
+            pending.discard(rank)
+        except queue.Empty:
+            pass
+        for r in list(pending):
+            if not procs[r].is_alive() and procs[r].exitcode is not None:
+                # died without reporting (os._exit / SIGKILL); drain a late message first
+                time.sleep(0.05)
+                if q.empty():
+                    pending.discard(r)
+    for r, p in enumerate(procs):
+        p.join(timeout=max(0.1, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+            outcomes[r].killed = True
+        outcomes[r].exitcode = p.exitcode
+    del store
+    return [outcomes[r] for r in range(world)]
+
+
+def check_ok(outcomes: list[Outcome]) -> list[Any]:
+    """Assert every rank succeeded; return their results."""
+    bad = [o for o in outcomes if not o.ok]
+    assert not bad, "\n".join(
+        f"rank {o.rank}: exit={o.exitcode} killed={o.killed} {o.error_type}: {o.error}\n{o.traceback}"
+        for o in bad
+    )
+    return [o.result for o in outcomes]

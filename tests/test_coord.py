@@ -1,0 +1,82 @@
+"""The coordination layer on its own: rendezvous, barriers, failure propagation, deadlines, resync."""
+
+from __future__ import annotations
+
+import time
+
+from harness import check_ok, run_ranks
+from shardsafe.coord import Coordinator, Deadlines
+from shardsafe.errors import RankDesyncError, RankTimeoutError, RemoteRankError
+
+D = Deadlines(arrive=3.0, io=3.0)
+
+
+def _guard_then_all(rank: int, world: int) -> dict[str, object]:
+    out: dict[str, object] = {}
+    if rank == 0:  # the classic mistake: only rank 0 calls
+        t = time.monotonic()
+        try:
+            Coordinator.join("save", "/ckpt/a", deadlines=D)
+        except RankTimeoutError as err:
+            out["guard"] = (str(err), err.missing_ranks, time.monotonic() - t)
+    else:
+        time.sleep(4.0)  # rank 1 is busy elsewhere while rank 0 times out
+    c = Coordinator.join("save", "/ckpt/b", deadlines=D)  # then every rank calls: must meet
+    payloads = c.barrier("write", f"r{rank}", timeout=3.0, collect=True)
+    out["payloads"] = payloads
+    out["seq"] = c.seq
+    return out
+
+
+def test_rank0_guard_times_out_naming_missing_rank_then_next_call_meets() -> None:
+    r0, r1 = check_ok(run_ranks(_guard_then_all, 2, timeout=60))
+    msg, missing, took = r0["guard"]
+    assert missing == [1]
+    assert "ranks [1] never arrived" in msg and "/ckpt/a" in msg and "on every rank" in msg
+    assert took < 3.0 + 10
+    assert r0["payloads"] == ["r0", "r1"] == r1["payloads"]
+
+
+def _one_rank_fails(rank: int, world: int) -> tuple[str, float, int, str]:
+    c = Coordinator.join("save", "/ckpt", deadlines=Deadlines(arrive=30, io=30))
+    t = time.monotonic()
+    try:
+        if rank == 2:
+            err = OSError(28, "No space left on device")
+            c.fail("write", err)
+            raise err
+        c.barrier("write", "", timeout=30)
+    except RemoteRankError as err:
+        return ("remote", time.monotonic() - t, err.rank, str(err))
+    except OSError as err:
+        return ("own", time.monotonic() - t, rank, str(err))
+    return ("none", 0.0, -1, "")
+
+
+def test_failure_on_one_rank_reaches_every_rank_promptly() -> None:
+    res = check_ok(run_ranks(_one_rank_fails, 3, timeout=60))
+    assert res[2][0] == "own"
+    for kind, took, who, msg in res[:2]:
+        assert kind == "remote" and who == 2
+        assert took < 5.0, took  # seconds, not the 30 s deadline
+        assert "No space left on device" in msg and "'write'" in msg
+
+
+def _desync(rank: int, world: int) -> str:
+    try:
+        Coordinator.join("save" if rank == 0 else "load", "/ckpt", deadlines=D)
+    except RankDesyncError as err:
+        return str(err)
+    return ""
+
+
+def test_out_of_step_ranks_raise_on_both_with_what_each_did() -> None:
+    for msg in check_ok(run_ranks(_desync, 2, timeout=60)):
+        assert "rank 0: save('/ckpt')" in msg and "rank 1: load('/ckpt')" in msg
+
+
+def test_single_process_needs_no_store() -> None:
+    c = Coordinator.join("save", "/x", deadlines=D)
+    assert c.world_size == 1
+    assert c.barrier("write", "p", timeout=1, collect=True) == ["p"]
+    assert c.broadcast("id", "v", timeout=1) == "v"
