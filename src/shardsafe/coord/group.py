@@ -138,7 +138,7 @@ class Coordinator:
         default process group, else it is a single process.
         """
         if store is None:
-            store, rank, world_size, global_rank, ns, identity = _resolve_group(group)
+            store, rank, world_size, global_rank, ns, identity = resolve_group(group)
         else:
             if rank is None or world_size is None:
                 raise ValueError("Coordinator.join(store=...) also needs rank= and world_size=")
@@ -425,7 +425,7 @@ class Coordinator:
         return raw.decode()
 
 
-def _resolve_group(group: Any) -> tuple[dist.Store | None, int, int, int, str, int]:
+def resolve_group(group: Any) -> tuple[dist.Store | None, int, int, int, str, int]:
     """(store, rank in group, group size, global rank, namespace, identity) of ``group`` or the default
     group. The identity (the default process group object) keys the per-process sequence counter: it
     is stable while the group lives and new when the group is re-created over a fresh store."""

@@ -1,0 +1,45 @@
+"""shardsafe: distributed PyTorch checkpoints that are strategy-aware, all-or-nothing, verified,
+pickle-free and never hang.
+
+Every rank calls the same functions; the library decides which rank writes which bytes.
+"""
+
+from shardsafe.engine.api import CheckpointInfo, SaveHandle, VerifySummary, async_save, inspect, load, save, verify
+from shardsafe.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CoordinationError,
+    CorruptCheckpointError,
+    MissingKeysError,
+    RankDeadError,
+    RankDesyncError,
+    RankTimeoutError,
+    RemoteRankError,
+    UnsafeValueError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointInfo",
+    "CheckpointNotFoundError",
+    "CoordinationError",
+    "CorruptCheckpointError",
+    "MissingKeysError",
+    "RankDeadError",
+    "RankDesyncError",
+    "RankTimeoutError",
+    "RemoteRankError",
+    "SaveHandle",
+    "UnsafeValueError",
+    "VerifySummary",
+    "__version__",
+    "async_save",
+    "inspect",
+    "load",
+    "save",
+    "verify",
+]

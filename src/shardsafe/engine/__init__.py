@@ -1,0 +1,1 @@
+"""Save and load engines: planning, writing, committing, reading."""

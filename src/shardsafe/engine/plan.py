@@ -1,0 +1,59 @@
+"""Who writes which bytes. The plan is a pure function of the state's metadata (names, shapes, dtypes,
+placements) and the world size, so every rank computes the same assignment without exchanging data.
+
+- Sharded tensors (DTensor with a Shard placement): each owner writes its own box.
+- Replicated tensors (plain tensors, DDP parameters, fully replicated DTensors): written once. A large
+  one is split into row ranges so several ranks share it; pieces go to the rank with the fewest
+  assigned bytes so far, largest first (ties: lowest rank), which balances the bytes written.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from shardsafe import knobs
+from shardsafe.format.datafile import PendingChunk
+from shardsafe.state.flatten import TensorItem
+
+
+def _row_ranges(rows: int, parts: int) -> list[tuple[int, int]]:
+    step = -(-rows // parts)
+    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
+
+
+def plan_writes(items: Sequence[TensorItem], rank: int, world_size: int) -> list[PendingChunk]:
+    """(every rank, locally) The chunks this rank writes, as views of its tensors (no copy yet)."""
+    mine: list[PendingChunk] = []
+    pieces: list[tuple[int, str, TensorItem, int, int]] = []  # (nbytes, name, item, row_lo, row_hi)
+    split = knobs.split_replicated_bytes()
+    for item in items:
+        if not item.replicated:
+            if item.owner and item.local.numel() > 0:
+                mine.append(PendingChunk(item.name, item.offsets, tuple(item.local.shape), item.local))
+            continue
+        rows = item.shape[0] if item.shape else 1
+        parts = min(world_size, rows, max(1, item.nbytes // split)) if item.shape else 1
+        for lo, hi in _row_ranges(rows, parts) if parts > 1 else [(0, rows)]:
+            row_bytes = item.nbytes // rows if rows else 0
+            pieces.append(((hi - lo) * row_bytes, item.name, item, lo, hi))
+    load = [0] * world_size
+    for nbytes, _, item, lo, hi in sorted(pieces, key=lambda p: (-p[0], p[1], p[3])):
+        writer = min(range(world_size), key=lambda r: (load[r], r))
+        load[writer] += nbytes
+        if writer != rank:
+            continue
+        if not item.shape:
+            mine.append(PendingChunk(item.name, (), (), item.local))
+        elif (lo, hi) == (0, item.shape[0]):
+            mine.append(PendingChunk(item.name, (0,) * len(item.shape), item.shape, item.local))
+        else:
+            box = (hi - lo, *item.shape[1:])
+            offsets = (lo,) + (0,) * (len(item.shape) - 1)
+            mine.append(PendingChunk(item.name, offsets, box, item.local[lo:hi]))
+    return [c for c in mine if math.prod(c.sizes) > 0 or not _has_other(items, c)]
+
+
+def _has_other(items: Sequence[TensorItem], chunk: PendingChunk) -> bool:
+    """An empty chunk is kept only for an empty tensor (so the manifest still records it)."""
+    return any(i.name == chunk.name and math.prod(i.shape) > 0 for i in items)

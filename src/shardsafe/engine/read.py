@@ -1,0 +1,129 @@
+"""Reading tensors out of a checkpoint: only the byte ranges a destination box needs, verified block
+by block, copied straight into the destination when it is a contiguous CPU tensor of the saved dtype.
+
+A destination is a tensor (this rank's local data) and its global offsets; it may cut across the
+saved chunks in any way (resharding between any world sizes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from shardsafe import knobs
+from shardsafe.errors import CheckpointNotFoundError, CorruptCheckpointError
+from shardsafe.format.datafile import read_verified, tensor_bytes
+from shardsafe.format.manifest import Chunk, Manifest, TensorEntry, parse_manifest
+from shardsafe.storage import MANIFEST_NAME, Storage
+
+
+def read_manifest(storage: Storage, path: str) -> Manifest:
+    """(any rank) The validated manifest of the committed checkpoint at ``path``."""
+    where = storage.join(path, MANIFEST_NAME)
+    try:
+        raw = storage.read_bytes(where)
+    except FileNotFoundError:
+        raise _not_found(storage, path) from None
+    except IsADirectoryError:
+        raise CorruptCheckpointError(f"{where} is a directory, not a manifest") from None
+    return parse_manifest(raw, where)
+
+
+def _not_found(storage: Storage, path: str) -> CheckpointNotFoundError:
+    if storage.list_dir(path):
+        return CheckpointNotFoundError(
+            f"{path} holds no MANIFEST.json: it is an uncommitted (interrupted or failed) save, not a checkpoint. "
+            "Load an older checkpoint; a CheckpointManager removes such leftovers."
+        )
+    return CheckpointNotFoundError(f"no checkpoint at {path} (no MANIFEST.json); check the path")
+
+
+@dataclass
+class Task:
+    """Copy the part of ``chunk`` that overlaps the destination into ``dest``."""
+
+    name: str
+    chunk: Chunk
+    dest: torch.Tensor  # the destination region (a view), shaped like the overlap
+    box_lo: tuple[int, ...]  # overlap, in chunk-local coordinates
+    box_hi: tuple[int, ...]
+
+
+def plan_reads(name: str, entry: TensorEntry, dest: torch.Tensor, offsets: Sequence[int]) -> list[Task]:
+    """Tasks that fill ``dest`` (global offsets ``offsets``) from the chunks of ``entry``."""
+    tasks = []
+    for c in entry.chunks:
+        lo = [max(co, do) for co, do in zip(c.offsets, offsets, strict=True)]
+        hi = [min(co + cs, do + ds) for co, cs, do, ds in zip(c.offsets, c.sizes, offsets, dest.shape, strict=True)]
+        if any(h <= low for low, h in zip(lo, hi, strict=True)) and entry.shape:
+            continue
+        region = dest[tuple(slice(a - d, b - d) for a, b, d in zip(lo, hi, offsets, strict=True))]
+        tasks.append(
+            Task(
+                name,
+                c,
+                region,
+                tuple(a - o for a, o in zip(lo, c.offsets, strict=True)),
+                tuple(b - o for b, o in zip(hi, c.offsets, strict=True)),
+            )
+        )
+    return tasks
+
+
+def run_tasks(
+    storage: Storage, path: str, manifest: Manifest, tasks: Sequence[Task], on_first: Callable[[], None]
+) -> int:
+    """Execute the reads (a few threads; each raises through its future). Returns the bytes read."""
+    if not tasks:
+        return 0
+    threads = max(1, min(knobs.io_threads(), len(tasks)))
+    total = 0
+    if threads == 1:
+        for i, t in enumerate(tasks):
+            total += _run(storage, path, manifest, t)
+            if i == 0:
+                on_first()
+        return total
+    with ThreadPoolExecutor(threads, thread_name_prefix="shardsafe-read") as pool:
+        futures = [pool.submit(_run, storage, path, manifest, t) for t in tasks]
+        for i, f in enumerate(futures):
+            total += f.result()
+            if i == 0:
+                on_first()
+    return total
+
+
+def _run(storage: Storage, path: str, manifest: Manifest, t: Task) -> int:
+    c = t.chunk
+    file = storage.join(path, c.file)
+    dtype = manifest.tensors[t.name].dtype
+    if not c.sizes:  # a 0-d tensor
+        tmp = torch.empty((), dtype=dtype)
+        _read(storage, file, c, manifest.block_bytes, 0, tmp, t.name)
+        t.dest.copy_(tmp)
+        return dtype.itemsize
+    row = math.prod(c.sizes[1:]) * dtype.itemsize
+    full_rows = t.box_lo[1:] == (0,) * (len(c.sizes) - 1) and t.box_hi[1:] == tuple(c.sizes[1:])
+    start, stop = t.box_lo[0] * row, t.box_hi[0] * row
+    direct = (
+        full_rows and t.dest.dtype == dtype and t.dest.device.type == "cpu" and t.dest.is_contiguous()
+    )
+    if direct:
+        _read(storage, file, c, manifest.block_bytes, start, t.dest, t.name)
+        return stop - start
+    rows = torch.empty((t.box_hi[0] - t.box_lo[0], *c.sizes[1:]), dtype=dtype)
+    _read(storage, file, c, manifest.block_bytes, start, rows, t.name)
+    src = rows[(slice(None), *(slice(a, b) for a, b in zip(t.box_lo[1:], t.box_hi[1:], strict=True)))]
+    t.dest.copy_(src)
+    return stop - start
+
+
+def _read(storage: Storage, file: str, c: Chunk, block: int, start: int, out: torch.Tensor, name: str) -> None:
+    try:
+        read_verified(storage, file, c, block, start, tensor_bytes(out), name)
+    except (EOFError, FileNotFoundError) as err:
+        raise CorruptCheckpointError(f"{file}: cannot read tensor {name!r}: {err}") from err

@@ -1,0 +1,293 @@
+"""The save protocol (DESIGN.md). One :class:`SaveJob` per save; a synchronous save runs both halves
+inline, an asynchronous one runs :meth:`SaveJob.finish` on a background thread.
+
+(all ranks) ``begin``: rendezvous; rank 0 checks the target, picks the save id, creates staging and
+    broadcasts them; plan locally; stage (async: copy this rank's share into reusable buffers).
+(all ranks) ``finish``: write this rank's data file (checksums while writing, fsync), report to the
+    store; (rank 0) wait for every report, write the manifest last, publish atomically, broadcast the
+    commit record; (other ranks) wait for that record. On any failure every rank raises and rank 0
+    removes staging, leaving the target untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from shardsafe import knobs
+from shardsafe.coord import Coordinator, Deadlines, fault_point
+from shardsafe.errors import CheckpointError, CheckpointExistsError, CoordinationError
+from shardsafe.format.datafile import PendingChunk, write_file
+from shardsafe.format.manifest import Chunk, FileEntry, Manifest, TensorEntry
+from shardsafe.format.values import encode
+from shardsafe.engine.plan import plan_writes
+from shardsafe.engine.staging import stage_chunks
+from shardsafe.state.flatten import FlatState, flatten
+from shardsafe.storage import MANIFEST_NAME, Storage, Writer, get_storage
+
+logger = logging.getLogger(__name__)
+
+
+class SaveJob:
+    """One save of ``state`` to ``path``; see the module docstring for the call order."""
+
+    def __init__(
+        self,
+        path: str,
+        state: Mapping[str, Any],
+        *,
+        overwrite: bool,
+        deadlines: Deadlines,
+        group: Any,
+        metadata: Any,
+        allow_pickle: bool,
+        storage_options: dict[str, Any] | None,
+    ) -> None:
+        self.path = str(path)
+        self.state = state
+        self.overwrite = overwrite
+        self.deadlines = deadlines
+        self.group = group
+        self.metadata = metadata
+        self.allow_pickle = allow_pickle
+        self.storage: Storage = get_storage(self.path, storage_options)
+        self.coord: Coordinator | None = None
+        self.phase = "rendezvous"
+        self.save_id = ""
+        self.staging = ""
+        self.flat: FlatState | None = None
+        self.chunks: list[PendingChunk] = []
+        self.started = time.monotonic()
+        self.blocking_seconds = 0.0
+
+    # ------------------------------------------------------------------------------------ begin
+
+    def begin(self, *, copy: bool) -> None:
+        """(all ranks, caller's thread) Rendezvous, plan and stage. With ``copy`` the chunks are copied
+        into staging buffers, so the caller may change its tensors as soon as this returns."""
+        self.coord = coord = Coordinator.join("save", self.path, deadlines=self.deadlines, group=self.group)
+        try:
+            fault_point("save.rendezvous", coord.global_rank)
+            self.phase = "plan"
+            decision = None
+            if coord.rank == 0:
+                decision = self._choose_save_id()
+            record = json.loads(coord.broadcast("save_id", decision, timeout=self.deadlines.arrive))
+            if "exists" in record:
+                raise CheckpointExistsError(record["exists"])
+            self.save_id, self.staging = record["save_id"], record["staging"]
+            self.flat = flatten(self.state, allow_pickle=self.allow_pickle)
+            self.chunks = plan_writes(self.flat.items, coord.rank, coord.world_size)
+            fault_point("save.plan", coord.global_rank)
+            self.phase = "stage"
+            self.chunks = stage_chunks(self.chunks, copy=copy)
+            if copy:
+                fault_point("save.stage", coord.global_rank)
+        except BaseException as err:
+            self._failed(err)
+            raise self._wrap(err) from err
+        self.blocking_seconds = time.monotonic() - self.started
+
+    def _choose_save_id(self) -> str:
+        """(rank 0) Refuse an existing target without ``overwrite``; else a fresh id and its staging."""
+        committed = self.storage.join(self.path, MANIFEST_NAME)
+        if not self.overwrite and self.storage.exists(committed):
+            return json.dumps(
+                {
+                    "exists": f"{self.path} already holds a committed checkpoint; pass overwrite=True to replace it "
+                    "atomically, or save to a new path"
+                }
+            )
+        save_id = f"{int(time.time())}{uuid.uuid4().hex[:10]}"
+        staging = self.storage.staging_dir(self.path, save_id)
+        self.storage.prepare_staging(staging)
+        return json.dumps({"save_id": save_id, "staging": staging})
+
+    # ----------------------------------------------------------------------------------- finish
+
+    def finish(self) -> None:
+        """(all ranks; caller's thread or the background thread) Write, report, commit, confirm."""
+        coord, flat = self.coord, self.flat
+        assert coord is not None and flat is not None
+        writer: Writer | None = None
+        try:
+            self.phase = "write"
+            report: dict[str, Any] = {"rank": coord.rank, "chunks": [], "files": {}, "fingerprint": _fingerprint(flat)}
+            if self.chunks:
+                name = f"data-{coord.rank:05d}-{self.save_id}.safetensors"
+                writer = self.storage.open_writer(self.storage.join(self.staging, name))
+                entry, records = write_file(
+                    writer, name, self.chunks, knobs.checksum_block_bytes(),
+                    lambda: fault_point("save.write", coord.global_rank),
+                )
+                w, writer = writer, None
+                w.close()
+                report["files"][name] = [entry.size, entry.header_bytes, entry.header_checksum]
+                report["chunks"] = [[c.name, r.to_json()] for c, r in zip(self.chunks, records, strict=True)]
+            self.chunks = []  # drop staging references early
+            fault_point("save.report", coord.global_rank)
+            self.phase = "report"
+            reports = coord.barrier("written", json.dumps(report), timeout=self.deadlines.io, collect=coord.rank == 0)
+            self.phase = "commit"
+            if coord.rank == 0:
+                self._commit(coord, flat, [json.loads(r) for r in reports])
+            else:
+                outcome = json.loads(coord.broadcast("commit", None, timeout=self.deadlines.io))
+                if "error" in outcome:
+                    raise CheckpointError(outcome["error"])
+            fault_point("save.confirm", coord.global_rank)
+        except BaseException as err:
+            if writer is not None:
+                writer.abort()
+            self._failed(err)
+            raise self._wrap(err) from err
+
+    def _commit(self, coord: Coordinator, flat: FlatState, reports: list[dict[str, Any]]) -> None:
+        """(rank 0) Build the manifest from every report, write it last, make it visible, tell the ranks."""
+        mismatch = [r["rank"] for r in reports if r["fingerprint"] != _fingerprint(flat)]
+        if mismatch:
+            raise CheckpointError(
+                f"save of {self.path!r}: ranks {mismatch} passed a state with other keys, shapes or dtypes than rank "
+                "0. Every rank must save the same structure (the same model and optimizer)."
+            )
+        fault_point("save.commit", coord.global_rank)
+        manifest = self._manifest(coord, flat, reports)
+        fault_point("save.publish", coord.global_rank)
+        stale = self.storage.publish(self.staging, self.path, manifest.to_bytes(), overwrite=self.overwrite)
+        coord.broadcast("commit", json.dumps({"ok": True}), timeout=self.deadlines.io)
+        if stale:
+            try:
+                self.storage.remove_files(self.path, stale)
+            except OSError as err:  # the checkpoint is committed; the old files are unreferenced litter
+                logger.warning("shardsafe: committed %s but could not remove old data files %s: %s", self.path, stale, err)
+        total = manifest.total_bytes
+        took = time.monotonic() - self.started
+        logger.info(
+            "shardsafe: saved %s (%.1f MiB, %d ranks, %s) in %.2fs (%.0f MiB/s; blocking %.2fs)",
+            self.path, total / 2**20, coord.world_size, flat.strategy, took, total / 2**20 / max(took, 1e-9),
+            self.blocking_seconds,
+        )
+
+    def _manifest(self, coord: Coordinator, flat: FlatState, reports: list[dict[str, Any]]) -> Manifest:
+        chunks: dict[str, list[Chunk]] = {}
+        files: dict[str, FileEntry] = {}
+        for report in reports:
+            for fname, (size, header_bytes, header_sum) in report["files"].items():
+                files[fname] = FileEntry(size, header_bytes, header_sum)
+            for name, c in report["chunks"]:
+                chunks.setdefault(name, []).append(
+                    Chunk(tuple(c["offsets"]), tuple(c["sizes"]), c["file"], c["key"], c["begin"], c["end"],
+                          tuple(c["checksums"]))
+                )
+        tensors = {}
+        for item in flat.items:
+            mine = sorted(chunks.get(item.name, []), key=lambda c: c.offsets)
+            if sum(math.prod(c.sizes) for c in mine) != math.prod(item.shape):
+                raise CheckpointError(
+                    f"save of {self.path!r}: tensor {item.name!r} was not fully written by the ranks (planning differed "
+                    "between ranks); every rank must pass the same state structure"
+                )
+            tensors[item.name] = TensorEntry(item.local.dtype, item.shape, tuple(mine))
+        import shardsafe
+
+        return Manifest(
+            save_id=self.save_id,
+            created=time.time(),
+            world_size=coord.world_size,
+            strategy=flat.strategy,
+            library={"shardsafe": shardsafe.__version__, "torch": torch.__version__.split("+")[0]},
+            block_bytes=knobs.checksum_block_bytes(),
+            metadata=encode(self.metadata, "metadata", _no_tensors),
+            objects=flat.objects,
+            tensors=tensors,
+            files=files,
+        )
+
+    # ---------------------------------------------------------------------------------- failure
+
+    def _failed(self, err: BaseException) -> None:
+        """Tell the other ranks (unless they told us), and on rank 0 remove what this save wrote."""
+        coord = self.coord
+        if coord is None:
+            return
+        from shardsafe.errors import RemoteRankError
+
+        if not isinstance(err, (RemoteRankError, CheckpointExistsError)):
+            coord.fail(self.phase, err)
+        if coord.rank == 0 and self.staging:
+            try:
+                self.storage.discard_staging(self.staging, self.path)
+            except OSError as cleanup:
+                logger.error("shardsafe: could not remove staging %s after a failed save: %s", self.staging, cleanup)
+
+    def _wrap(self, err: BaseException) -> BaseException:
+        if isinstance(err, (CheckpointError, CoordinationError)) or not isinstance(err, Exception):
+            return err
+        rank = self.coord.global_rank if self.coord else 0
+        return CheckpointError(
+            f"save of {self.path!r} failed on rank {rank} in phase {self.phase!r}: {type(err).__name__}: {err}. "
+            "Nothing was committed; the previous checkpoint (if any) is untouched. Fix the cause and save again."
+        )
+
+
+def _fingerprint(flat: FlatState) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for item in flat.items:
+        h.update(f"{item.name}|{item.shape}|{item.local.dtype}|{item.replicated};".encode())
+    return h.hexdigest()[:16]
+
+
+def _no_tensors(path: str, _t: torch.Tensor) -> str:
+    raise TypeError(f"{path!r}: metadata= holds plain values only (no tensors)")
+
+
+class SaveHandle:
+    """A save in progress. ``wait()`` returns once the checkpoint is committed on every rank, or raises
+    the save's error (on every rank)."""
+
+    def __init__(self, job: SaveJob, thread: threading.Thread | None) -> None:
+        self.job = job
+        self._thread = thread
+        self._error: BaseException | None = None
+        self._reported = False
+
+    @property
+    def path(self) -> str:
+        return self.job.path
+
+    def _run(self) -> None:
+        try:
+            self.job.finish()
+        except BaseException as err:  # kept and raised by wait() / the next save; never swallowed
+            self._error = err
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def exception(self) -> BaseException | None:
+        return self._error if self.done() else None
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the save is committed (or failed); ``timeout`` seconds at most (default: the
+        save's io deadline plus a margin, since the save's own waits are bounded by it)."""
+        if self._thread is not None:
+            limit = timeout if timeout is not None else self.job.deadlines.io + self.job.deadlines.arrive + 60
+            self._thread.join(limit)
+            if self._thread.is_alive():
+                raise TimeoutError(
+                    f"save of {self.job.path!r} still running after {limit:.0f}s (phase {self.job.phase!r}); "
+                    "call wait() again or raise the timeout"
+                )
+        if self._error is not None:
+            self._reported = True
+            raise self._error

@@ -1,0 +1,153 @@
+"""Data files: valid safetensors files (8-byte little-endian header length, JSON header padded with
+spaces to a multiple of 8, then the raw bytes of each chunk, back to back, in header order).
+
+Checksums are xxh3-64 over fixed-size blocks of each chunk, computed while the bytes are written (no
+read-back pass) and verified for every block read, so a partial read is verified on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from shardsafe.errors import CorruptCheckpointError
+from shardsafe.format.manifest import SAFETENSORS_DTYPES, Chunk, FileEntry
+from shardsafe.storage.base import Storage, Writer
+
+
+def digest(data: memoryview | bytearray | bytes) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError("tensor_bytes needs a contiguous CPU tensor")
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+@dataclass
+class PendingChunk:
+    """A chunk this rank writes: its manifest tensor name, box, and the tensor holding the bytes."""
+
+    name: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    data: torch.Tensor  # contiguous CPU tensor of exactly ``sizes``
+
+    @property
+    def key(self) -> str:
+        return self.name if not any(self.offsets) else f"{self.name}@{','.join(map(str, self.offsets))}"
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.sizes) * self.data.dtype.itemsize
+
+
+def build_header(chunks: Sequence[PendingChunk]) -> bytes:
+    """The safetensors header (length prefix included) for ``chunks`` laid out in order."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt", "writer": "shardsafe"}}
+    pos = 0
+    for c in chunks:
+        header[c.key] = {
+            "dtype": SAFETENSORS_DTYPES[c.data.dtype],
+            "shape": list(c.sizes),
+            "data_offsets": [pos, pos + c.nbytes],
+        }
+        pos += c.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(len(text) + 8) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def write_file(
+    writer: Writer,
+    file: str,
+    chunks: Sequence[PendingChunk],
+    block: int,
+    on_first_piece: Callable[[], None],
+) -> tuple[FileEntry, list[Chunk]]:
+    """(a writing rank) Stream ``chunks`` into ``writer`` as one safetensors file, hashing each block as
+    it goes. The caller closes (makes durable) or aborts the writer."""
+    header = build_header(chunks)
+    writer.write(memoryview(header))
+    pos = len(header)
+    first = True
+    records: list[Chunk] = []
+    for c in chunks:
+        data = tensor_bytes(c.data)
+        sums = []
+        for start in range(0, max(len(data), 1), block):
+            piece = data[start : start + block]
+            sums.append(digest(piece))
+            if len(piece):
+                writer.write(piece)
+            if first:
+                first = False
+                on_first_piece()
+        records.append(Chunk(c.offsets, c.sizes, file, c.key, pos, pos + len(data), tuple(sums)))
+        pos += len(data)
+    return FileEntry(size=pos, header_bytes=len(header), header_checksum=digest(header)), records
+
+
+def read_verified(
+    storage: Storage, path: str, chunk: Chunk, block: int, start: int, out: memoryview, tensor: str
+) -> None:
+    """Fill ``out`` with the chunk's bytes at ``[start, start + len(out))`` (relative to the chunk),
+    verifying every checksum block those bytes touch. Whole blocks land directly in ``out``; the
+    edge blocks of a partial read go through a small buffer."""
+    stop = start + len(out)
+    length = chunk.end - chunk.begin
+    if length == 0:
+        _check(path, chunk, 0, block, b"", tensor)
+        return
+    for k in range(start // block, -(-stop // block)):
+        lo, hi = k * block, min((k + 1) * block, length)
+        if start <= lo and hi <= stop:
+            view = out[lo - start : hi - start]
+            storage.read_into(path, chunk.begin + lo, view)
+            _check(path, chunk, k, block, view, tensor)
+        else:
+            buf = bytearray(hi - lo)
+            storage.read_into(path, chunk.begin + lo, memoryview(buf))
+            _check(path, chunk, k, block, buf, tensor)
+            a, b = max(lo, start), min(hi, stop)
+            out[a - start : b - start] = memoryview(buf)[a - lo : b - lo]
+
+
+def _check(path: str, chunk: Chunk, k: int, block: int, data: memoryview | bytearray | bytes, tensor: str) -> None:
+    if digest(data) != chunk.checksums[k]:
+        at = chunk.begin + k * block
+        raise CorruptCheckpointError(
+            f"{path}: checksum mismatch in tensor {tensor!r} (chunk at {list(chunk.offsets)}, file bytes "
+            f"[{at}, {at + len(data)})): the file is corrupt. Load an older checkpoint or restore this file from a copy."
+        )
+
+
+def verify_header(storage: Storage, path: str, entry: FileEntry, chunks: Sequence[Chunk]) -> None:
+    """Check a data file's size, header checksum, and that its safetensors header matches the manifest."""
+    size = storage.size(path)
+    if size != entry.size:
+        raise CorruptCheckpointError(f"{path}: {size} bytes, the manifest says {entry.size} (truncated or altered)")
+    raw = bytearray(entry.header_bytes)
+    storage.read_into(path, 0, memoryview(raw))
+    if digest(raw) != entry.header_checksum:
+        raise CorruptCheckpointError(f"{path}: safetensors header checksum mismatch: the file is corrupt")
+    (n,) = struct.unpack("<Q", raw[:8])
+    if 8 + n != entry.header_bytes:
+        raise CorruptCheckpointError(f"{path}: header length field {n} disagrees with the manifest")
+    header = json.loads(bytes(raw[8:]))
+    for c in chunks:
+        info = header.get(c.key)
+        want = [c.begin - entry.header_bytes, c.end - entry.header_bytes]
+        if not isinstance(info, dict) or info.get("data_offsets") != want or info.get("shape") != list(c.sizes):
+            raise CorruptCheckpointError(f"{path}: header entry {c.key!r} disagrees with the manifest")

@@ -1,0 +1,194 @@
+"""Typed JSON: every non-tensor value of a checkpoint, stored without pickle (format v1, docs/format.md).
+
+JSON ``null``, ``true``/``false``, integers, strings, finite floats (always written with a ``.`` or
+exponent) and arrays stand for themselves. Every JSON object is a tagged node ``{"$": TAG, ...}``:
+
+=============  ===========================================  =====================================
+tag            fields                                       Python value
+=============  ===========================================  =====================================
+``float``      ``v``: ``"nan"``, ``"inf"`` or ``"-inf"``    non-finite float
+``dict``       ``items``: ``[[key, value], ...]``           dict with ``str`` or ``int`` keys
+``tuple``      ``items``: ``[value, ...]``                  tuple
+``bytes``      ``b64``: base64 text                         bytes
+``size``       ``v``: ``[int, ...]``                        torch.Size
+``dtype``      ``v``: ``"float32"`` ...                     torch.dtype
+``device``     ``v``: ``"cpu"`` ...                         torch.device
+``tensor``     ``ref``: tensor name in the manifest         torch.Tensor (stored in data files)
+``ndarray``    ``ref``: tensor name in the manifest         numpy.ndarray (stored as a tensor)
+``npscalar``   ``dtype``: numpy dtype name, ``v``: value    numpy scalar
+``pickle``     ``b64``: pickled bytes                       anything (opt-in on both sides only)
+=============  ===========================================  =====================================
+
+Any other tag is rejected on load, never skipped.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shardsafe.errors import CorruptCheckpointError, UnsafeValueError
+
+Json = Any
+TensorSink = Callable[[str, torch.Tensor], str]
+"""Called with (path, tensor) for every tensor met while encoding; returns the manifest name."""
+TensorSource = Callable[[str], Any]
+"""Called with a manifest tensor name while decoding; returns the tensor to put there."""
+
+_TAGS = frozenset(
+    {"float", "dict", "tuple", "bytes", "size", "dtype", "device", "tensor", "ndarray", "npscalar", "pickle"}
+)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str, where: str) -> torch.dtype:
+    value = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not isinstance(value, torch.dtype):
+        raise CorruptCheckpointError(f"{where}: unknown dtype {name!r}")
+    return value
+
+
+def encode(value: Any, path: str, on_tensor: TensorSink, *, allow_pickle: bool = False) -> Json:
+    """Typed JSON for ``value``; ``path`` names it in errors (``model/layers.0.weight``)."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return float(value)
+        return {"$": "float", "v": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    if isinstance(value, torch.Tensor):
+        return {"$": "tensor", "ref": on_tensor(path, value)}
+    if isinstance(value, torch.Size):
+        return {"$": "size", "v": list(value)}
+    if isinstance(value, torch.dtype):
+        return {"$": "dtype", "v": dtype_name(value)}
+    if isinstance(value, torch.device):
+        return {"$": "device", "v": str(value)}
+    if isinstance(value, (bytes, bytearray)):
+        return {"$": "bytes", "b64": base64.b64encode(bytes(value)).decode()}
+    if isinstance(value, dict):
+        items = []
+        for k, v in value.items():
+            if isinstance(k, bool) or not isinstance(k, (str, int)):
+                raise UnsafeValueError(
+                    f"{path!r}: dict key {k!r} of type {type(k).__name__} cannot be stored; "
+                    "use str or int keys (or pass allow_pickle=True to save and load)"
+                )
+            items.append([k, encode(v, f"{path}/{k}", on_tensor, allow_pickle=allow_pickle)])
+        return {"$": "dict", "items": items}
+    if isinstance(value, list):
+        return [encode(v, f"{path}/{i}", on_tensor, allow_pickle=allow_pickle) for i, v in enumerate(value)]
+    if type(value) is tuple:
+        items = [encode(v, f"{path}/{i}", on_tensor, allow_pickle=allow_pickle) for i, v in enumerate(value)]
+        return {"$": "tuple", "items": items}
+    numpy = _numpy_value(value, path, on_tensor)
+    if numpy is not None:
+        return numpy
+    if allow_pickle:
+        return {"$": "pickle", "b64": base64.b64encode(pickle.dumps(value)).decode()}
+    raise UnsafeValueError(
+        f"{path!r}: a value of type {type(value).__module__}.{type(value).__qualname__} cannot be stored without "
+        "pickle. Convert it to plain types (int, float, str, bool, None, list, tuple, dict, bytes, tensors), give "
+        "the object state_dict()/load_state_dict(), or opt in with allow_pickle=True on both save and load."
+    )
+
+
+def _numpy_value(value: Any, path: str, on_tensor: TensorSink) -> Json | None:
+    module = type(value).__module__
+    if not module.startswith("numpy"):
+        return None
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject:
+            return None
+        return {"$": "ndarray", "ref": on_tensor(path, torch.from_numpy(np.ascontiguousarray(value)))}
+    if isinstance(value, np.generic) and isinstance(value, (np.bool_, np.integer, np.floating)):
+        inner = encode(value.item(), path, on_tensor)
+        return {"$": "npscalar", "dtype": str(value.dtype), "v": inner}
+    return None
+
+
+def decode(node: Json, where: str, resolve: TensorSource, *, allow_pickle: bool = False) -> Any:
+    """The Python value of a typed JSON node; ``where`` names it in errors."""
+    if node is None or isinstance(node, (bool, int, float, str)):
+        return node
+    if isinstance(node, list):
+        return [decode(v, f"{where}/{i}", resolve, allow_pickle=allow_pickle) for i, v in enumerate(node)]
+    if not isinstance(node, dict) or not isinstance(node.get("$"), str):
+        raise CorruptCheckpointError(f"{where}: malformed value node {str(node)[:80]!r}")
+    tag = node["$"]
+    if tag not in _TAGS:
+        raise CorruptCheckpointError(f"{where}: unknown value kind {tag!r}; this checkpoint needs a newer shardsafe")
+    try:
+        return _decode_tagged(tag, node, where, resolve, allow_pickle)
+    except (KeyError, TypeError, ValueError) as err:
+        raise CorruptCheckpointError(f"{where}: malformed {tag!r} node: {err}") from err
+
+
+def _decode_tagged(tag: str, node: dict[str, Any], where: str, resolve: TensorSource, allow_pickle: bool) -> Any:
+    if tag == "float":
+        if node["v"] not in ("nan", "inf", "-inf"):
+            raise ValueError(f"bad float {node['v']!r}")
+        return float(node["v"])
+    if tag == "dict":
+        out: dict[Any, Any] = {}
+        for key, value in node["items"]:
+            if isinstance(key, bool) or not isinstance(key, (str, int)):
+                raise ValueError(f"bad dict key {key!r}")
+            out[key] = decode(value, f"{where}/{key}", resolve, allow_pickle=allow_pickle)
+        return out
+    if tag == "tuple":
+        return tuple(decode(v, f"{where}/{i}", resolve, allow_pickle=allow_pickle) for i, v in enumerate(node["items"]))
+    if tag == "bytes":
+        return base64.b64decode(node["b64"], validate=True)
+    if tag == "size":
+        return torch.Size([int(v) for v in node["v"]])
+    if tag == "dtype":
+        return dtype_from_name(node["v"], where)
+    if tag == "device":
+        return torch.device(node["v"])
+    if tag == "tensor":
+        return resolve(str(node["ref"]))
+    if tag == "ndarray":
+        tensor = resolve(str(node["ref"]))
+        return tensor.numpy() if isinstance(tensor, torch.Tensor) else tensor
+    if tag == "npscalar":
+        import numpy as np
+
+        return np.dtype(str(node["dtype"])).type(decode(node["v"], where, resolve))
+    # tag == "pickle"
+    if not allow_pickle:
+        raise CorruptCheckpointError(
+            f"{where}: the checkpoint holds a pickled value, and loading it would run code from whoever wrote the "
+            "file. Refused; pass allow_pickle=True to load only if you trust its author."
+        )
+    return pickle.loads(base64.b64decode(node["b64"], validate=True))  # noqa: S301 - explicit opt-in
+
+
+def tensor_refs(node: Json) -> list[str]:
+    """Every tensor name a typed JSON node refers to, in order."""
+    out: list[str] = []
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(reversed(item))
+        elif isinstance(item, dict):
+            if item.get("$") in ("tensor", "ndarray"):
+                out.append(str(item.get("ref")))
+            elif item.get("$") == "dict":
+                stack.extend(reversed([v for _, v in item.get("items", [])]))
+            elif item.get("$") == "tuple":
+                stack.extend(reversed(item.get("items", [])))
+    return out

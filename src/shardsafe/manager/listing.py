@@ -1,0 +1,219 @@
+"""What is under a checkpoint root: committed checkpoints (from their manifests, through
+:func:`shardsafe.inspect`), incomplete ones (staging directories and directories without a manifest)
+and corrupt ones (a manifest that does not parse, or bytes that fail :func:`shardsafe.verify`).
+Also the ``shardsafe ls ROOT`` command (:func:`ls_main`).
+
+Listing is local to the calling process and talks to no other rank.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal, TextIO
+
+from shardsafe.engine import api
+from shardsafe.errors import CheckpointNotFoundError, CorruptCheckpointError
+from shardsafe.manager.config import NameTemplate
+from shardsafe.manager.rootfs import RootFS, open_root
+from shardsafe.storage.base import MANIFEST_NAME
+
+Status = Literal["committed", "incomplete", "corrupt"]
+
+_LEFTOVER = re.compile(r"^\.(?P<target>.+)\.(?P<kind>staging|litter)-(?P<id>[^./]+)$")
+_DATA_FILE = re.compile(r"^data-\d+-.+\.safetensors$")
+_TRAILING_DIGITS = re.compile(r"(\d+)$")
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """One entry under a root, as :meth:`CheckpointManager.list` and ``shardsafe ls`` report it."""
+
+    name: str
+    """The directory name inside the root (hidden ``.<name>.staging-<id>`` for a save in flight)."""
+    path: str
+    status: Status
+    """``committed`` (its manifest exists and parses), ``incomplete`` (no manifest: a save that is
+    running or crashed) or ``corrupt`` (its manifest or, with verification, its bytes are bad)."""
+    step: int | None
+    """The training step it holds (the save's ``metadata["step"]``, else read from the name)."""
+    created: float | None
+    """Unix time of the commit; for an incomplete entry, of its last change."""
+    size: int
+    """Bytes of tensor data (committed) or of the files present (incomplete)."""
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+    """The ``metrics=`` given to the save."""
+    reason: str = ""
+    """Why it is not committed or not intact; empty when it is."""
+    files: tuple[str, ...] = ()
+    """Data files its manifest lists (committed only)."""
+    target: str = ""
+    """For a staging or litter directory: the checkpoint name it was meant for; else ``name``."""
+
+    @property
+    def leftover(self) -> bool:
+        """A hidden staging/litter directory rather than a checkpoint directory."""
+        return self.name != self.target
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["metrics"] = dict(self.metrics)
+        del out["files"], out["target"]
+        return out
+
+
+def _step_from_name(name: str, template: NameTemplate | None) -> int | None:
+    if template is not None:
+        return template.parse(name)
+    m = _TRAILING_DIGITS.search(name)
+    return int(m.group(1)) if m else None
+
+
+def scan(fs: RootFS, root: str, template: NameTemplate | None = None) -> list[CheckpointRecord]:
+    """(any rank, local) Every checkpoint-like entry under ``root``, sorted by step then name.
+
+    With ``template`` only entries of that naming are reported (a manager never looks at anything
+    else in its root); without, every directory holding a manifest or data files is (``shardsafe
+    ls``). Staging and litter directories of unfinished saves come back as ``incomplete``."""
+    records: list[CheckpointRecord] = []
+    for name in fs.list_dir(root):
+        path = fs.join(root, name)
+        record = _leftover(fs, name, path, template) if name.startswith(".") else _checkpoint(fs, name, path, template)
+        if record is not None:
+            records.append(record)
+    records.sort(key=lambda r: (r.step is None, r.step or 0, r.name))
+    return records
+
+
+def _leftover(fs: RootFS, name: str, path: str, template: NameTemplate | None) -> CheckpointRecord | None:
+    m = _LEFTOVER.match(name)
+    if m is None or not fs.is_dir(path):
+        return None
+    target = m.group("target")
+    step = _step_from_name(target, template)
+    if template is not None and step is None:
+        return None
+    try:
+        created, size = fs.mtime(path), fs.size(path)
+    except FileNotFoundError:  # finished (renamed into place) or removed while we looked
+        return None
+    reason = (
+        f"staging directory of a save of {target!r} that has not committed (still running, or crashed)"
+        if m.group("kind") == "staging"
+        else f"remains of an earlier crashed save of {target!r}, set aside by a later save"
+    )
+    return CheckpointRecord(name, path, "incomplete", step, created, size, reason=reason, target=target)
+
+
+def _checkpoint(fs: RootFS, name: str, path: str, template: NameTemplate | None) -> CheckpointRecord | None:
+    if not fs.is_dir(path):
+        return None
+    step = _step_from_name(name, template)
+    if template is not None and step is None:
+        return None
+    if fs.exists(fs.join(path, MANIFEST_NAME)):
+        try:
+            info = api.inspect(path)
+        except CorruptCheckpointError as err:
+            return CheckpointRecord(name, path, "corrupt", step, None, 0, reason=f"bad manifest: {err}", target=name)
+        except CheckpointNotFoundError:  # deleted while we looked
+            return None
+        meta = info.metadata if isinstance(info.metadata, dict) else {}
+        if template is None and _is_int(meta.get("step")):
+            step = meta["step"]
+        metrics = meta.get("metrics")
+        return CheckpointRecord(
+            name,
+            path,
+            "committed",
+            step,
+            info.created,
+            info.total_bytes,
+            metrics=dict(metrics) if isinstance(metrics, dict) else {},
+            files=tuple(info.files),
+            target=name,
+        )
+    names = fs.list_dir(path)
+    if template is None and not any(_DATA_FILE.match(n) for n in names):
+        return None  # some other directory, not a checkpoint
+    try:
+        created, size = fs.mtime(path), fs.size(path)
+    except FileNotFoundError:
+        return None
+    reason = "no MANIFEST.json: a save that did not commit, or a checkpoint whose deletion was interrupted"
+    return CheckpointRecord(name, path, "incomplete", step, created, size, reason=reason, target=name)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def verify_record(record: CheckpointRecord) -> CheckpointRecord:
+    """(any rank, local) ``record`` checked byte for byte with :func:`shardsafe.verify`: returned as is
+    when intact, as ``corrupt`` with the reason when not. Reads every data byte of the checkpoint."""
+    if record.status != "committed":
+        return record
+    try:
+        api.verify(record.path)
+    except (CorruptCheckpointError, OSError) as err:
+        return replace(record, status="corrupt", reason=f"{type(err).__name__}: {err}")
+    return record
+
+
+def human_size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _format_metrics(metrics: Mapping[str, Any]) -> str:
+    return " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+
+
+def _table(records: list[CheckpointRecord]) -> list[str]:
+    rows = [("NAME", "STATUS", "STEP", "CREATED", "SIZE", "METRICS")]
+    for r in records:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.created)) if r.created is not None else "-"
+        step = str(r.step) if r.step is not None else "-"
+        rows.append((r.name, r.status, step, created, human_size(r.size), _format_metrics(r.metrics)))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths, strict=True)) + "  " + row[5] for row in rows]
+    lines = [line.rstrip() for line in lines]
+    for r in records:
+        if r.reason:
+            lines.append(f"{r.name}: {r.reason}")
+    return lines
+
+
+def ls_main(root: str, *, verify: bool, as_json: bool, out: TextIO) -> int:
+    """``shardsafe ls ROOT [--verify] [--json]``: print the checkpoints under ``root`` with status,
+    step, time, size and metrics. Exit code: 0 when fine, 1 when ``verify`` and any entry is incomplete
+    or corrupt, 2 when ``root`` is not a directory (message on stderr)."""
+    try:
+        fs = open_root(root)
+    except ValueError as err:
+        print(f"shardsafe ls: {err}", file=sys.stderr)
+        return 2
+    if not fs.is_dir(root):
+        what = "does not exist" if not fs.exists(root) else "is not a directory"
+        print(f"shardsafe ls: {root!r} {what}; give the directory that holds the checkpoints", file=sys.stderr)
+        return 2
+    records = scan(fs, root)
+    if verify:
+        records = [verify_record(r) for r in records]
+    if as_json:
+        json.dump({"root": root, "checkpoints": [r.to_json() for r in records]}, out, indent=2)
+        out.write("\n")
+    elif records:
+        out.write("\n".join(_table(records)) + "\n")
+    else:
+        out.write(f"no checkpoints under {root}\n")
+    bad = [r for r in records if r.status != "committed"]
+    return 1 if verify and bad else 0

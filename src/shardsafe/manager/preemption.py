@@ -1,0 +1,116 @@
+"""Preemption: a signal asks for one last checkpoint, and every rank must save it at the same step.
+
+- :class:`SignalFlag` installs handlers that only set a flag (no I/O, no locks: a handler may run
+  between any two bytecodes of the training loop) and puts the previous handlers back on
+  :meth:`~SignalFlag.restore`.
+- :class:`StopAgreement` settles the step through the rendezvous store. The first rank to notice its
+  flag proposes ``its step + 1`` with ``compare_set`` (first writer wins, so every proposal resolves
+  to the same value); every rank checks the key (one cheap ``store.check``) at each ``maybe_save``
+  and saves at the first step at or after the agreed one.
+
+Why ``+ 1`` is enough: a rank notices its flag in ``maybe_save(s)``, after the collectives of step
+``s``; no other rank can finish step ``s + 1`` (whose collectives need this rank) before the proposal
+is in the store. Ranks that do not run in lockstep (no collective per step) could pass the step
+before seeing it; the save's rendezvous then fails with a :class:`~shardsafe.RankDesyncError` or
+:class:`~shardsafe.RankTimeoutError` naming the ranks, never a hang.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any, Union
+
+import torch.distributed as dist
+
+from shardsafe.errors import RankDeadError
+
+logger = logging.getLogger(__name__)
+
+_Handler = Union[Callable[[int, FrameType | None], Any], int, signal.Handlers, None]
+
+
+class SignalFlag:
+    """(each rank, main thread) Handlers for ``signals`` that record the first signal received."""
+
+    def __init__(self, signals: tuple[signal.Signals, ...]) -> None:
+        self.received: signal.Signals | None = None
+        self._previous: dict[signal.Signals, _Handler] = {}
+        if signals and threading.current_thread() is not threading.main_thread():
+            names = ", ".join(s.name for s in signals)
+            raise ValueError(
+                f"CheckpointManager(save_on_signals=({names})) must be created in the main thread (Python "
+                "delivers signals only there); create it there, or pass save_on_signals=() and call "
+                "save() yourself on preemption"
+            )
+        try:
+            for sig in signals:
+                self._previous[sig] = signal.getsignal(sig)
+                signal.signal(sig, self._handle)
+        except BaseException:
+            self.restore()
+            raise
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum)
+
+    def restore(self) -> None:
+        """Put back the handlers that were there before, unless someone replaced ours since (theirs
+        then stays). Safe to call twice."""
+        for sig, previous in self._previous.items():
+            if signal.getsignal(sig) == self._handle:
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+            else:
+                logger.debug("shardsafe: handler for %s was replaced by someone else; leaving theirs", sig.name)
+        self._previous.clear()
+
+
+_instances = itertools.count()
+
+
+class StopAgreement:
+    """(every rank) The step at which all ranks take the preemption checkpoint, agreed through the
+    store under ``key``. With no store (one process) the agreement is local."""
+
+    def __init__(self, store: dist.Store | None, key: str) -> None:
+        self.store = store
+        self.key = key
+        self._local: int | None = None
+
+    @classmethod
+    def for_manager(cls, store: dist.Store | None, namespace: str) -> StopAgreement:
+        """One key per manager: managers are created in the same order on every rank, so the n-th
+        manager of each rank shares the n-th key."""
+        return cls(store, f"{namespace}/manager/{next(_instances)}/stop_at")
+
+    def propose(self, step: int) -> int:
+        """Ask to stop at ``step`` unless a step is already agreed; return the agreed step."""
+        if self.store is None:
+            if self._local is None:
+                self._local = step
+            return self._local
+        raw = self._call("compare_set", lambda: self.store.compare_set(self.key, "", str(step)))  # type: ignore[union-attr]
+        return int(raw.decode())
+
+    def agreed(self) -> int | None:
+        """The agreed step, or ``None`` when no rank has asked to stop (one ``check`` on the store)."""
+        if self.store is None:
+            return self._local
+        if self._local is None and self._call("check", lambda: self.store.check([self.key])):  # type: ignore[union-attr]
+            self._local = int(self._call("get", lambda: self.store.get(self.key)).decode())  # type: ignore[union-attr]
+        return self._local
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except (RuntimeError, OSError) as err:
+            raise RankDeadError(
+                f"preemption agreement: lost the rendezvous store during {what} of {self.key!r} ({err}). The "
+                "process hosting it (rank 0 or the launcher) has most likely died; restart the job, it resumes "
+                "from the last committed checkpoint."
+            ) from err

@@ -1,0 +1,110 @@
+"""The few filesystem operations the manager needs on its root (list, age, size, delete), behind one
+small interface, so listing and deletion switch to another backend in one place (:func:`open_root`)
+instead of ``os`` calls scattered through the manager."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Protocol
+
+from shardsafe.storage import is_remote
+
+
+class RootFS(Protocol):
+    """Listing and deletion under a checkpoint root. Paths are ``str``."""
+
+    def join(self, base: str, name: str) -> str:
+        """``base`` + separator + a plain ``name``."""
+        ...
+
+    def list_dir(self, path: str) -> list[str]:
+        """Names directly inside ``path``, sorted; empty when it does not exist."""
+        ...
+
+    def is_dir(self, path: str) -> bool: ...
+
+    def exists(self, path: str) -> bool: ...
+
+    def mtime(self, path: str) -> float:
+        """Last change (unix time) of ``path`` or of anything directly inside it: how long ago a save
+        last touched a staging directory. Raises ``FileNotFoundError``."""
+        ...
+
+    def size(self, path: str) -> int:
+        """Bytes of a file, or of the files directly inside a directory."""
+        ...
+
+    def remove_file(self, path: str) -> None:
+        """Delete one file; a missing one is fine, any other failure raises."""
+        ...
+
+    def remove_tree(self, path: str) -> None:
+        """Delete a directory and everything in it; a missing one is fine, any other failure raises."""
+        ...
+
+
+class LocalRootFS:
+    """:class:`RootFS` on a local (or POSIX network) filesystem."""
+
+    def join(self, base: str, name: str) -> str:
+        return os.path.join(base, name)
+
+    def list_dir(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def is_dir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def mtime(self, path: str) -> float:
+        newest = os.stat(path).st_mtime
+        if os.path.isdir(path):
+            with os.scandir(path) as it:
+                for entry in it:
+                    try:
+                        newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+                    except FileNotFoundError:  # removed while we looked: it no longer counts
+                        continue
+        return newest
+
+    def size(self, path: str) -> int:
+        if not os.path.isdir(path):
+            return os.stat(path).st_size
+        total = 0
+        with os.scandir(path) as it:
+            for entry in it:
+                try:
+                    if entry.is_file(follow_symlinks=False):
+                        total += entry.stat(follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    continue
+        return total
+
+    def remove_file(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def remove_tree(self, path: str) -> None:
+        try:
+            shutil.rmtree(path)
+        except FileNotFoundError:
+            pass
+
+
+def open_root(root: str) -> RootFS:
+    """The :class:`RootFS` for ``root``. Only local directories are handled for now; a remote root
+    (``s3://...``) is refused here, before anything is saved, rather than half-working."""
+    if is_remote(root):
+        raise ValueError(
+            f"CheckpointManager(root={root!r}): remote roots are not supported by the manager yet; use a "
+            "local (or mounted network) directory, or call shardsafe.save/load on remote paths directly"
+        )
+    return LocalRootFS()

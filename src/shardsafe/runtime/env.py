@@ -1,0 +1,116 @@
+"""Detecting a world that someone else started: torchrun (torch.distributed.run) or SLURM's srun.
+
+When one is present, :meth:`shardsafe.Runtime.launch` starts no process and joins it instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterEnv:
+    """This process's place in a world started by an outside launcher."""
+
+    kind: str
+    """``"torchrun"`` or ``"slurm"``."""
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+    def export(self) -> None:
+        """Set the variables ``init_process_group(init_method="env://")`` reads, where missing."""
+        for key, value in (
+            ("RANK", self.rank),
+            ("WORLD_SIZE", self.world_size),
+            ("LOCAL_RANK", self.local_rank),
+            ("LOCAL_WORLD_SIZE", self.local_world_size),
+            ("MASTER_ADDR", self.master_addr),
+            ("MASTER_PORT", self.master_port),
+        ):
+            os.environ.setdefault(key, str(value))
+
+
+def detect(environ: Mapping[str, str] | None = None) -> ClusterEnv | None:
+    """The outside world this process belongs to, or ``None`` when it was started on its own."""
+    env = os.environ if environ is None else environ
+    if "TORCHELASTIC_RUN_ID" in env or all(k in env for k in _TORCHRUN_VARS):
+        return _torchrun(env)
+    if _int(env, "SLURM_NTASKS", 1) > 1 and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        return _slurm(env)
+    return None
+
+
+def _torchrun(env: Mapping[str, str]) -> ClusterEnv:
+    missing = [k for k in _TORCHRUN_VARS if k not in env]
+    if missing:
+        raise ValueError(
+            f"torchrun-style environment without {', '.join(missing)}: start the script with torchrun "
+            "(python -m torch.distributed.run) or set all of " + ", ".join(_TORCHRUN_VARS)
+        )
+    world = _int(env, "WORLD_SIZE", 1)
+    return ClusterEnv(
+        kind="torchrun",
+        rank=_int(env, "RANK", 0),
+        world_size=world,
+        local_rank=_int(env, "LOCAL_RANK", 0),
+        local_world_size=_int(env, "LOCAL_WORLD_SIZE", world),
+        node_rank=_int(env, "GROUP_RANK", 0),
+        master_addr=env["MASTER_ADDR"],
+        master_port=_int(env, "MASTER_PORT", 0),
+    )
+
+
+def _slurm(env: Mapping[str, str]) -> ClusterEnv:
+    world = _int(env, "SLURM_NTASKS", 1)
+    nodes = max(1, _int(env, "SLURM_NNODES", 1))
+    per_node = env.get("SLURM_NTASKS_PER_NODE", "")
+    match = re.match(r"^(\d+)", per_node)
+    local_world = int(match.group(1)) if match else max(1, world // nodes)
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
+    job_id = _int(env, "SLURM_JOB_ID", 0)
+    return ClusterEnv(
+        kind="slurm",
+        rank=_int(env, "SLURM_PROCID", 0),
+        world_size=world,
+        local_rank=_int(env, "SLURM_LOCALID", 0),
+        local_world_size=local_world,
+        node_rank=_int(env, "SLURM_NODEID", 0),
+        master_addr=env.get("MASTER_ADDR") or first_host(nodelist),
+        # Every task derives the same port from the job id: nothing is bound and released first.
+        master_port=_int(env, "MASTER_PORT", 10000 + job_id % 20000),
+    )
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``"gpu[07-09,12],cpu1"`` -> ``"gpu07"``."""
+    head = re.match(r"^([^,\[]*)(?:\[([^\]]*)\])?", nodelist.strip())
+    if head is None or not head.group(1) and not head.group(2):
+        raise ValueError(f"cannot read the SLURM node list {nodelist!r}; set MASTER_ADDR")
+    prefix, ranges = head.group(1), head.group(2)
+    if not ranges:
+        return prefix
+    return prefix + re.split(r"[-,]", ranges)[0]
+
+
+def _int(env: Mapping[str, str], key: str, default: int) -> int:
+    raw = env.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {key}={raw!r} is not an integer") from None

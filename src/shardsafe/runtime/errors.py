@@ -1,0 +1,32 @@
+"""Errors of the runtime: misuse of launch/setup, and failures of worker processes."""
+
+from __future__ import annotations
+
+
+class LaunchError(RuntimeError):
+    """The runtime was used in a way that cannot work (e.g. ``launch()`` twice, ``setup()`` before
+    ``launch()``, a world size that disagrees with torchrun's). Raised at once, never after a hang."""
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed and its own exception could not be carried over (it died without
+    reporting, e.g. ``os._exit``, SIGKILL or a crash, or its exception could not be unpickled)."""
+
+    def __init__(self, message: str, *, rank: int, exitcode: int | None, remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.remote_traceback = remote_traceback
+
+
+class WorkerTraceback(Exception):
+    """The traceback of an exception raised in a worker, attached as ``__cause__`` of the exception the
+    parent re-raises, so the worker's stack shows above the parent's."""
+
+    def __init__(self, rank: int, text: str) -> None:
+        super().__init__(rank, text)
+        self.rank = rank
+        self.text = text
+
+    def __str__(self) -> str:
+        return f"\n\nraised on rank {self.rank}:\n{self.text.rstrip()}"

@@ -1,0 +1,1 @@
+"""User state <-> flat tensors and typed values."""

@@ -1,0 +1,26 @@
+"""Storage backends behind the narrow :class:`~shardsafe.storage.base.Storage` interface."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardsafe.storage.base import MANIFEST_NAME, Storage, Writer
+from shardsafe.storage.local import LocalStorage
+
+__all__ = ["MANIFEST_NAME", "LocalStorage", "Storage", "Writer", "get_storage", "is_remote"]
+
+
+def is_remote(path: str) -> bool:
+    """A path with a scheme (``s3://``, ``memory://``, ``file://``...) goes through fsspec."""
+    return "://" in str(path)
+
+
+def get_storage(path: str, storage_options: dict[str, Any] | None = None) -> Storage:
+    """The backend for ``path``: local POSIX for plain paths, fsspec for paths with a scheme."""
+    if is_remote(path):
+        from shardsafe.storage.remote import FsspecStorage
+
+        return FsspecStorage.for_path(path, storage_options)  # type: ignore[no-any-return]
+    if storage_options:
+        raise ValueError(f"storage_options= applies to remote paths (s3://...), not to the local path {path!r}")
+    return LocalStorage()
