@@ -7,6 +7,7 @@ deadline: ranks still alive at the end are killed, and their outcome says so.
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -62,7 +64,9 @@ def _entry(
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
         result = fn(rank, world, *args)
-        q.put((rank, "ok", result, None, None, None, [], time.monotonic() - start))
+        buf = io.BytesIO()
+        torch.save(result, buf)  # tensors by value: a queue would pass file descriptors of a dying process
+        q.put((rank, "ok", buf.getvalue(), None, None, None, [], time.monotonic() - start))
     except BaseException as err:  # reported to the parent, which decides what the test expects
         mro = [c.__name__ for c in type(err).__mro__]
         q.put(
@@ -111,6 +115,8 @@ def run_ranks(
         try:
             rank, kind, result, etype, emsg, tb, mro, elapsed = q.get(timeout=0.2)
             o = outcomes[rank]
+            if result is not None:
+                result = torch.load(io.BytesIO(result), weights_only=False)
             o.result, o.error_type, o.error, o.traceback, o.error_mro, o.elapsed = (
                 result,
                 etype,

@@ -1,0 +1,87 @@
+"""Small models and helpers shared by the multi-process tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d_in, d_out)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, d_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * self.scale
+
+
+class Net(nn.Module):
+    """Odd sizes (7, 5, 3 rows) so that FSDP2 shards are uneven on 2, 3 and 4 ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(6, 7), Block(7, 5)])
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def build(strategy: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model: nn.Module = Net()
+    if strategy == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    elif strategy == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for b in model.blocks:  # type: ignore[union-attr]
+            fully_shard(b)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return model, opt
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, start: int = 0) -> None:
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(1000 + step)
+        x = torch.randn(8, 6, generator=g)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _full(v: Any) -> Any:
+    if hasattr(v, "full_tensor"):
+        return v.full_tensor().clone()
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone()
+    return v
+
+
+def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Every parameter, buffer and optimizer state tensor, whole, keyed by name (uses collectives: test only)."""
+    m = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    out = {f"model/{k}": _full(v) for k, v in m.state_dict().items()}
+    names = {id(p): n for n, p in m.named_parameters()}
+    flat = [p for g in opt.param_groups for p in g["params"]]
+    for i, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            out[f"opt/{names[id(flat[i])]}/{k}"] = _full(v)
+    return out
+
+
+def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
