@@ -13,9 +13,7 @@ def _float(name: str, default: float) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(
-            f"SHARDSAFE_{name}={raw!r} is not a number; unset it or give seconds/bytes"
-        ) from None
+        raise ValueError(f"SHARDSAFE_{name}={raw!r} is not a number; unset it or give seconds/bytes") from None
     if value <= 0:
         raise ValueError(f"SHARDSAFE_{name}={raw!r} must be positive")
     return value

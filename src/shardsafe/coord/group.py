@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import Store
 
 from shardsafe import knobs
 from shardsafe.errors import RankDeadError, RankDesyncError, RankTimeoutError, RemoteRankError
@@ -92,7 +93,7 @@ class Coordinator:
 
     def __init__(
         self,
-        store: dist.Store | None,
+        store: Store | None,
         rank: int,
         world_size: int,
         namespace: str,
@@ -123,7 +124,7 @@ class Coordinator:
         *,
         deadlines: Deadlines,
         group: Any = None,
-        store: dist.Store | None = None,
+        store: Store | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         match_site: bool = False,
@@ -188,8 +189,7 @@ class Coordinator:
         fields = ("op", "target", "site") if match_site else ("op", "target")
         if any(tuple(i[f] for f in fields) != tuple(self.infos[0][f] for f in fields) for i in self.infos):
             lines = "\n".join(
-                f"  rank {r}: {i['op']}({i['target']!r}) called at {i['site']}"
-                for r, i in enumerate(self.infos)
+                f"  rank {r}: {i['op']}({i['target']!r}) called at {i['site']}" for r, i in enumerate(self.infos)
             )
             raise RankDesyncError(
                 f"ranks are out of step: they met at the same point doing different things:\n{lines}\n"
@@ -276,9 +276,7 @@ class Coordinator:
             if elapsed > timeout:
                 arrived = [r for r in range(self.world_size) if self._check(self._k(phase, "r", str(r)))]
                 missing = [r for r in range(self.world_size) if r not in arrived]
-                record = json.dumps(
-                    {"kind": "timeout", "by": self.rank, "arrived": arrived, "missing": missing}
-                )
+                record = json.dumps({"kind": "timeout", "by": self.rank, "arrived": arrived, "missing": missing})
                 decided = self._compare_set(key, record)
                 if watch_abort and decided != _GO:
                     self._compare_set(
@@ -392,7 +390,7 @@ class Coordinator:
 
     # Store access: every call goes through _call, which turns a lost connection into RankDeadError.
 
-    def _store(self) -> dist.Store:
+    def _store(self) -> Store:
         assert self.store is not None
         return self.store
 
@@ -425,7 +423,7 @@ class Coordinator:
         return raw.decode()
 
 
-def resolve_group(group: Any) -> tuple[dist.Store | None, int, int, int, str, int]:
+def resolve_group(group: Any) -> tuple[Store | None, int, int, int, str, int]:
     """(store, rank in group, group size, global rank, namespace, identity) of ``group`` or the default
     group. The identity (the default process group object) keys the per-process sequence counter: it
     is stable while the group lives and new when the group is re-created over a fresh store."""
@@ -435,9 +433,7 @@ def resolve_group(group: Any) -> tuple[dist.Store | None, int, int, int, str, in
         return None, 0, 1, 0, "shardsafe/local", 0
     pg = group if group is not None else dist.group.WORLD
     ranks = dist.get_process_group_ranks(pg)
-    name = (
-        "-".join(map(str, ranks)) if len(ranks) <= 8 else f"{len(ranks)}r{hash(tuple(ranks)) & 0xFFFFFFFF:x}"
-    )
+    name = "-".join(map(str, ranks)) if len(ranks) <= 8 else f"{len(ranks)}r{hash(tuple(ranks)) & 0xFFFFFFFF:x}"
     store = dist.distributed_c10d._get_default_store()
     identity = id(dist.group.WORLD)
     return store, dist.get_rank(pg), dist.get_world_size(pg), dist.get_rank(), f"shardsafe/g{name}", identity

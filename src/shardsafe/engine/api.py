@@ -26,8 +26,17 @@ logger = logging.getLogger("shardsafe")
 _inflight: SaveHandle | None = None
 _inflight_lock = threading.Lock()
 
-__all__ = ["CheckpointInfo", "EntryInfo", "SaveHandle", "VerifySummary", "async_save", "inspect", "load", "save",
-           "verify"]
+__all__ = [
+    "CheckpointInfo",
+    "EntryInfo",
+    "SaveHandle",
+    "VerifySummary",
+    "async_save",
+    "inspect",
+    "load",
+    "save",
+    "verify",
+]
 
 
 def _previous_done(deadlines: Deadlines) -> None:
@@ -45,13 +54,30 @@ def _previous_done(deadlines: Deadlines) -> None:
         logger.debug("shardsafe: previous save of %s had failed (already reported)", handle.path)
 
 
-def _start(path: str | os.PathLike[str], state: Mapping[str, Any], *, background: bool, overwrite: bool,
-           timeout: float | Deadlines | None, group: Any, metadata: Any, allow_pickle: bool,
-           storage_options: dict[str, Any] | None) -> SaveHandle:
+def _start(
+    path: str | os.PathLike[str],
+    state: Mapping[str, Any],
+    *,
+    background: bool,
+    overwrite: bool,
+    timeout: float | Deadlines | None,
+    group: Any,
+    metadata: Any,
+    allow_pickle: bool,
+    storage_options: dict[str, Any] | None,
+) -> SaveHandle:
     deadlines = Deadlines.resolve(timeout)
     _previous_done(deadlines)
-    job = SaveJob(os.fspath(path), state, overwrite=overwrite, deadlines=deadlines, group=group,
-                  metadata=metadata, allow_pickle=allow_pickle, storage_options=storage_options)
+    job = SaveJob(
+        os.fspath(path),
+        state,
+        overwrite=overwrite,
+        deadlines=deadlines,
+        group=group,
+        metadata=metadata,
+        allow_pickle=allow_pickle,
+        storage_options=storage_options,
+    )
     job.begin(copy=background)
     if not background:
         job.finish()
@@ -91,8 +117,17 @@ def save(
     ``timeout`` (seconds) bounds every wait; default ``SHARDSAFE_TIMEOUT`` or 300 s for ranks to
     arrive and ``SHARDSAFE_IO_TIMEOUT`` or 1800 s for writes and the commit.
     """
-    _start(path, state, background=False, overwrite=overwrite, timeout=timeout, group=group, metadata=metadata,
-           allow_pickle=allow_pickle, storage_options=storage_options)
+    _start(
+        path,
+        state,
+        background=False,
+        overwrite=overwrite,
+        timeout=timeout,
+        group=group,
+        metadata=metadata,
+        allow_pickle=allow_pickle,
+        storage_options=storage_options,
+    )
 
 
 def async_save(
@@ -110,8 +145,17 @@ def async_save(
     and commit run in the background. Change the model freely after it returns: the checkpoint holds
     the values at the call. A new save first waits for the previous one. Errors raise from
     ``handle.wait()`` (and from the next save if never waited for) on every rank."""
-    return _start(path, state, background=True, overwrite=overwrite, timeout=timeout, group=group,
-                  metadata=metadata, allow_pickle=allow_pickle, storage_options=storage_options)
+    return _start(
+        path,
+        state,
+        background=True,
+        overwrite=overwrite,
+        timeout=timeout,
+        group=group,
+        metadata=metadata,
+        allow_pickle=allow_pickle,
+        storage_options=storage_options,
+    )
 
 
 def load(
@@ -135,8 +179,15 @@ def load(
     With ``state=None`` (one process, no rendezvous): the whole checkpoint as CPU tensors and values.
     """
     _previous_done(Deadlines.resolve(timeout))
-    return _load.load(os.fspath(path), state, strict=strict, deadlines=Deadlines.resolve(timeout), group=group,
-                      allow_pickle=allow_pickle, storage_options=storage_options)
+    return _load.load(
+        os.fspath(path),
+        state,
+        strict=strict,
+        deadlines=Deadlines.resolve(timeout),
+        group=group,
+        allow_pickle=allow_pickle,
+        storage_options=storage_options,
+    )
 
 
 @dataclass(frozen=True)
@@ -209,8 +260,16 @@ def inspect(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | N
     for key, obj in manifest.objects.items():
         entries.append(EntryInfo(key, obj["kind"], None, None, 0, 0))
     for name, t in manifest.tensors.items():
-        entries.append(EntryInfo(name, "tensor", str(t.dtype).removeprefix("torch."), t.shape, len(t.chunks),
-                                 math.prod(t.shape) * t.dtype.itemsize))
+        entries.append(
+            EntryInfo(
+                name,
+                "tensor",
+                str(t.dtype).removeprefix("torch."),
+                t.shape,
+                len(t.chunks),
+                math.prod(t.shape) * t.dtype.itemsize,
+            )
+        )
     return CheckpointInfo(
         path=path,
         format_version=manifest.format_version,
@@ -231,7 +290,7 @@ def _flush_at_exit() -> None:
     """Interpreter exit: finish the save in flight, or say loudly that it could not."""
     with _inflight_lock:
         handle = _inflight
-    if handle is None or handle.done() and handle._reported:
+    if handle is None or (handle.done() and handle._reported):
         return
     try:
         handle.wait()

@@ -74,7 +74,9 @@ def load(
                 fn()
             out = plan.extra
             if plan.missing:
-                logger.warning("shardsafe: loaded %s without %s (not in the checkpoint; strict=False)", path, plan.missing)
+                logger.warning(
+                    "shardsafe: loaded %s without %s (not in the checkpoint; strict=False)", path, plan.missing
+                )
         if coord is not None:
             phase = "confirm"
             coord.barrier("loaded", timeout=deadlines.io)
@@ -84,8 +86,13 @@ def load(
         raise
     took = time.monotonic() - started
     if coord is None or coord.rank == 0:
-        logger.info("shardsafe: loaded %s (%.1f MiB read on rank 0) in %.2fs (%.0f MiB/s)",
-                    path, nbytes / 2**20, took, nbytes / 2**20 / max(took, 1e-9))
+        logger.info(
+            "shardsafe: loaded %s (%.1f MiB read on rank 0) in %.2fs (%.0f MiB/s)",
+            path,
+            nbytes / 2**20,
+            took,
+            nbytes / 2**20 / max(took, 1e-9),
+        )
     return out
 
 
@@ -93,9 +100,7 @@ def _decode(manifest: Manifest, key: str, resolved: dict[str, torch.Tensor], all
     return decode(manifest.objects[key]["value"], key, resolved.__getitem__, allow_pickle=allow_pickle)
 
 
-def _plan(
-    manifest: Manifest, state: MutableMapping[str, Any], strict: bool, allow_pickle: bool, path: str
-) -> _Plan:
+def _plan(manifest: Manifest, state: MutableMapping[str, Any], strict: bool, allow_pickle: bool, path: str) -> _Plan:
     """Check every requested key against the checkpoint and build the reads, modifying nothing."""
     plan = _Plan()
     names = param_names(state)
@@ -230,6 +235,7 @@ def _plan_value(
     if isinstance(obj, torch.Tensor) and isinstance(node, dict) and node.get("$") == "tensor":
         _dest(plan, manifest, refs[0], obj, f"{path}: {key}")
         return
+
     def put(k: str, value: Any) -> None:
         if kind_of(obj) == "stateful":
             obj.load_state_dict(value)

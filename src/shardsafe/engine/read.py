@@ -109,9 +109,7 @@ def _run(storage: Storage, path: str, manifest: Manifest, t: Task) -> int:
     row = math.prod(c.sizes[1:]) * dtype.itemsize
     full_rows = t.box_lo[1:] == (0,) * (len(c.sizes) - 1) and t.box_hi[1:] == tuple(c.sizes[1:])
     start, stop = t.box_lo[0] * row, t.box_hi[0] * row
-    direct = (
-        full_rows and t.dest.dtype == dtype and t.dest.device.type == "cpu" and t.dest.is_contiguous()
-    )
+    direct = full_rows and t.dest.dtype == dtype and t.dest.device.type == "cpu" and t.dest.is_contiguous()
     if direct:
         _read(storage, file, c, manifest.block_bytes, start, t.dest, t.name)
         return stop - start

@@ -24,12 +24,12 @@ import torch
 
 from shardsafe import knobs
 from shardsafe.coord import Coordinator, Deadlines, fault_point
+from shardsafe.engine.plan import plan_writes
+from shardsafe.engine.staging import stage_chunks
 from shardsafe.errors import CheckpointError, CheckpointExistsError, CoordinationError
 from shardsafe.format.datafile import PendingChunk, write_file
 from shardsafe.format.manifest import Chunk, FileEntry, Manifest, TensorEntry
 from shardsafe.format.values import encode
-from shardsafe.engine.plan import plan_writes
-from shardsafe.engine.staging import stage_chunks
 from shardsafe.state.flatten import FlatState, flatten
 from shardsafe.storage import MANIFEST_NAME, Storage, Writer, get_storage
 
@@ -125,7 +125,10 @@ class SaveJob:
                 name = f"data-{coord.rank:05d}-{self.save_id}.safetensors"
                 writer = self.storage.open_writer(self.storage.join(self.staging, name))
                 entry, records = write_file(
-                    writer, name, self.chunks, knobs.checksum_block_bytes(),
+                    writer,
+                    name,
+                    self.chunks,
+                    knobs.checksum_block_bytes(),
                     lambda: fault_point("save.write", coord.global_rank),
                 )
                 w, writer = writer, None
@@ -167,12 +170,19 @@ class SaveJob:
             try:
                 self.storage.remove_files(self.path, stale)
             except OSError as err:  # the checkpoint is committed; the old files are unreferenced litter
-                logger.warning("shardsafe: committed %s but could not remove old data files %s: %s", self.path, stale, err)
+                logger.warning(
+                    "shardsafe: committed %s but could not remove old data files %s: %s", self.path, stale, err
+                )
         total = manifest.total_bytes
         took = time.monotonic() - self.started
         logger.info(
             "shardsafe: saved %s (%.1f MiB, %d ranks, %s) in %.2fs (%.0f MiB/s; blocking %.2fs)",
-            self.path, total / 2**20, coord.world_size, flat.strategy, took, total / 2**20 / max(took, 1e-9),
+            self.path,
+            total / 2**20,
+            coord.world_size,
+            flat.strategy,
+            took,
+            total / 2**20 / max(took, 1e-9),
             self.blocking_seconds,
         )
 
@@ -184,15 +194,23 @@ class SaveJob:
                 files[fname] = FileEntry(size, header_bytes, header_sum)
             for name, c in report["chunks"]:
                 chunks.setdefault(name, []).append(
-                    Chunk(tuple(c["offsets"]), tuple(c["sizes"]), c["file"], c["key"], c["begin"], c["end"],
-                          tuple(c["checksums"]))
+                    Chunk(
+                        tuple(c["offsets"]),
+                        tuple(c["sizes"]),
+                        c["file"],
+                        c["key"],
+                        c["begin"],
+                        c["end"],
+                        tuple(c["checksums"]),
+                    )
                 )
         tensors = {}
         for item in flat.items:
             mine = sorted(chunks.get(item.name, []), key=lambda c: c.offsets)
             if sum(math.prod(c.sizes) for c in mine) != math.prod(item.shape):
                 raise CheckpointError(
-                    f"save of {self.path!r}: tensor {item.name!r} was not fully written by the ranks (planning differed "
+                    f"save of {self.path!r}: tensor {item.name!r} was not fully written by the ranks "
+                    "(planning differed "
                     "between ranks); every rank must pass the same state structure"
                 )
             tensors[item.name] = TensorEntry(item.local.dtype, item.shape, tuple(mine))

@@ -32,7 +32,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 @dataclass
@@ -129,7 +129,8 @@ def _check(path: str, chunk: Chunk, k: int, block: int, data: memoryview | bytea
         at = chunk.begin + k * block
         raise CorruptCheckpointError(
             f"{path}: checksum mismatch in tensor {tensor!r} (chunk at {list(chunk.offsets)}, file bytes "
-            f"[{at}, {at + len(data)})): the file is corrupt. Load an older checkpoint or restore this file from a copy."
+            f"[{at}, {at + len(data)})): the file is corrupt. "
+            "Load an older checkpoint or restore this file from a copy."
         )
 
 

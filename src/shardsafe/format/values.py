@@ -173,7 +173,7 @@ def _decode_tagged(tag: str, node: dict[str, Any], where: str, resolve: TensorSo
             f"{where}: the checkpoint holds a pickled value, and loading it would run code from whoever wrote the "
             "file. Refused; pass allow_pickle=True to load only if you trust its author."
         )
-    return pickle.loads(base64.b64decode(node["b64"], validate=True))  # noqa: S301 - explicit opt-in
+    return pickle.loads(base64.b64decode(node["b64"], validate=True))
 
 
 def tensor_refs(node: Json) -> list[str]:

@@ -93,9 +93,9 @@ def remove_leftovers(
         if record.target in busy:
             continue
         if record.status == "incomplete":
-            if record.created is not None and now - record.created >= min_age:
-                if _remove(fs, record.path, tree=True):
-                    removed.append(record.path)
+            old = record.created is not None and now - record.created >= min_age
+            if old and _remove(fs, record.path, tree=True):
+                removed.append(record.path)
         elif record.status == "committed":
             listed = set(record.files)
             for name in fs.list_dir(record.path):

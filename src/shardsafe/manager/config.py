@@ -114,9 +114,7 @@ class ManagerConfig:
             and math.isfinite(self.every_seconds)
             and self.every_seconds > 0
         ):
-            raise ValueError(
-                f"every_seconds={self.every_seconds!r} must be a positive number of seconds, or None"
-            )
+            raise ValueError(f"every_seconds={self.every_seconds!r} must be a positive number of seconds, or None")
         if self.keep_last == 0:
             raise ValueError(
                 "keep_last=0 would delete the checkpoint a run resumes from; use keep_last=1 to keep only "

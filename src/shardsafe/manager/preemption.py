@@ -23,15 +23,16 @@ import signal
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 from shardsafe.errors import RankDeadError
 
 logger = logging.getLogger(__name__)
 
-_Handler = Union[Callable[[int, FrameType | None], Any], int, signal.Handlers, None]
+_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
 class SignalFlag:
@@ -77,13 +78,13 @@ class StopAgreement:
     """(every rank) The step at which all ranks take the preemption checkpoint, agreed through the
     store under ``key``. With no store (one process) the agreement is local."""
 
-    def __init__(self, store: dist.Store | None, key: str) -> None:
+    def __init__(self, store: Store | None, key: str) -> None:
         self.store = store
         self.key = key
         self._local: int | None = None
 
     @classmethod
-    def for_manager(cls, store: dist.Store | None, namespace: str) -> StopAgreement:
+    def for_manager(cls, store: Store | None, namespace: str) -> StopAgreement:
         """One key per manager: managers are created in the same order on every rank, so the n-th
         manager of each rank shares the n-th key."""
         return cls(store, f"{namespace}/manager/{next(_instances)}/stop_at")
@@ -94,15 +95,17 @@ class StopAgreement:
             if self._local is None:
                 self._local = step
             return self._local
-        raw = self._call("compare_set", lambda: self.store.compare_set(self.key, "", str(step)))  # type: ignore[union-attr]
+        store = self.store
+        raw = self._call("compare_set", lambda: store.compare_set(self.key, "", str(step)))
         return int(raw.decode())
 
     def agreed(self) -> int | None:
         """The agreed step, or ``None`` when no rank has asked to stop (one ``check`` on the store)."""
-        if self.store is None:
+        store = self.store
+        if store is None:
             return self._local
-        if self._local is None and self._call("check", lambda: self.store.check([self.key])):  # type: ignore[union-attr]
-            self._local = int(self._call("get", lambda: self.store.get(self.key)).decode())  # type: ignore[union-attr]
+        if self._local is None and self._call("check", lambda: store.check([self.key])):
+            self._local = int(self._call("get", lambda: store.get(self.key)).decode())
         return self._local
 
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:

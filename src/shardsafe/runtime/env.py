@@ -98,7 +98,7 @@ def _slurm(env: Mapping[str, str]) -> ClusterEnv:
 def first_host(nodelist: str) -> str:
     """The first host of a SLURM node list: ``"gpu[07-09,12],cpu1"`` -> ``"gpu07"``."""
     head = re.match(r"^([^,\[]*)(?:\[([^\]]*)\])?", nodelist.strip())
-    if head is None or not head.group(1) and not head.group(2):
+    if head is None or (not head.group(1) and not head.group(2)):
         raise ValueError(f"cannot read the SLURM node list {nodelist!r}; set MASTER_ADDR")
     prefix, ranges = head.group(1), head.group(2)
     if not ranges:

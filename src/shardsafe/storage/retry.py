@@ -110,7 +110,7 @@ class RetryPolicy:
     def delay(self, attempt: int) -> float:
         """Sleep after failed attempt number ``attempt`` (1-based): exponential, half of it jittered,
         so ranks throttled together do not retry in lockstep."""
-        cap = min(self.max_delay, self.base_delay * 2 ** (attempt - 1))
+        cap = min(self.max_delay, self.base_delay * 2.0 ** (attempt - 1))
         return cap / 2 + random.uniform(0, cap / 2)
 
 

@@ -1,0 +1,312 @@
+"""The :class:`CheckpointManager`: when to save, what to keep, where to resume from, and a clean stop
+on preemption. It composes the pieces of this package; each rule lives in its own module."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal
+
+import torch
+
+from shardsafe.coord import Deadlines
+from shardsafe.coord.group import resolve_group
+from shardsafe.engine import api
+from shardsafe.manager.cleanup import apply_retention, remove_leftovers
+from shardsafe.manager.config import ManagerConfig
+from shardsafe.manager.listing import CheckpointRecord, scan
+from shardsafe.manager.preemption import SignalFlag, StopAgreement
+from shardsafe.manager.resume import newest_verified, resume_newest
+from shardsafe.manager.retention import RetentionPolicy
+from shardsafe.manager.rootfs import open_root
+from shardsafe.manager.schedule import PREEMPTION, Schedule
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    """An async save in flight."""
+
+    handle: api.SaveHandle
+    step: int
+    name: str
+    housekept: bool = False
+
+
+class CheckpointManager:
+    """Saves a training run's checkpoints under ``root`` on a schedule, keeps the ones retention asks
+    for, resumes from the newest one that is complete and intact, and takes a last checkpoint when the
+    job is preempted (a signal in ``save_on_signals``).
+
+    Create it on every rank after ``torch.distributed.init_process_group`` (or with no process group
+    for one process), with the same arguments, and call the same methods with the same steps on every
+    rank; the manager makes the ranks agree (through the rendezvous store) and rank 0 alone deletes.
+
+    Typical loop::
+
+        with CheckpointManager("run/", every_n_steps=500, keep_last=3) as mgr:
+            start = mgr.resume(state) or 0
+            for step in range(start + 1, total + 1):
+                train_step()
+                mgr.maybe_save(step, state, metrics={"loss": loss})
+                if mgr.should_stop():
+                    break
+
+    Arguments are those of :class:`~shardsafe.manager.ManagerConfig`, which checks them.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        every_n_steps: int | None = None,
+        every_seconds: float | None = None,
+        keep_last: int | None = 3,
+        keep_best: int = 0,
+        monitor: str | None = None,
+        mode: Literal["min", "max"] = "min",
+        keep_every_n_steps: int | None = None,
+        name: str = "step-{step:08d}",
+        async_save: bool = False,
+        save_on_signals: tuple[int, ...] = (signal.SIGTERM,),
+        timeout: float | None = None,
+        leftover_age: float = 3600.0,
+    ) -> None:
+        self.config = ManagerConfig(
+            root=os.fspath(root),
+            every_n_steps=every_n_steps,
+            every_seconds=every_seconds,
+            keep_last=keep_last,
+            keep_best=keep_best,
+            monitor=monitor,
+            mode=mode,
+            keep_every_n_steps=keep_every_n_steps,
+            name=name,
+            async_save=async_save,
+            save_on_signals=save_on_signals,  # type: ignore[arg-type]  # normalised by ManagerConfig
+            timeout=timeout,
+            leftover_age=leftover_age,
+        )
+        if async_save and getattr(api, "async_save", None) is None:
+            raise ValueError(
+                "CheckpointManager(async_save=True): this build of shardsafe has no async_save; pass "
+                "async_save=False (saves then block until committed)"
+            )
+        self._fs = open_root(self.config.root)
+        store, self.rank, self.world_size, _, namespace, _ = resolve_group(None)
+        self._deadlines = Deadlines.resolve(self.config.timeout)
+        self._policy = RetentionPolicy(
+            keep_last=self.config.keep_last,
+            keep_best=self.config.keep_best,
+            monitor=self.config.monitor,
+            mode=self.config.mode,
+            keep_every_n_steps=self.config.keep_every_n_steps,
+        )
+        self._flag = SignalFlag(self.config.save_on_signals)
+        self._schedule = Schedule(
+            self.config,
+            rank=self.rank,
+            flag=self._flag,
+            stop=StopAgreement.for_manager(store, namespace),
+            deadlines=self._deadlines,
+        )
+        self._pending: _Pending | None = None
+        self._resumed_step: int | None = None
+        self._damaged: set[str] = set()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self.config.root!r}, rank={self.rank}/{self.world_size})"
+
+    # ---------------------------------------------------------------------------------- saving
+
+    def should_save(self, step: int) -> bool:
+        """(every rank, same steps) Whether ``step`` is to be saved: a preemption stop is due, or
+        ``step % every_n_steps == 0``, or ``every_seconds`` have passed on rank 0's clock. The answer
+        is the same on every rank; the time-based check waits for every rank to ask (deadline:
+        ``timeout``)."""
+        self._check_open()
+        return self._schedule.reason(_check_step(step)) is not None
+
+    def maybe_save(self, step: int, state: dict[str, Any], metrics: Mapping[str, Any] | None = None) -> bool:
+        """(every rank) :meth:`save` when :meth:`should_save`; returns whether it saved."""
+        self._check_open()
+        self._poll_pending()
+        if not self.should_save(step):
+            return False
+        self.save(step, state, metrics)
+        return True
+
+    def save(self, step: int, state: dict[str, Any], metrics: Mapping[str, Any] | None = None) -> None:
+        """(every rank) Save ``state`` as the checkpoint of ``step`` (replacing one of that step
+        atomically), with ``metadata={"step": step, "metrics": metrics}``.
+
+        Waits first for an async save still in flight. Synchronous: returns once committed on every
+        rank, after rank 0 applied retention. Async: returns once the state is staged; retention runs
+        after the commit. A preemption save is always flushed before returning, after which
+        :meth:`should_stop` is True."""
+        self._check_open()
+        step = _check_step(step)
+        clean = _check_metrics(metrics)
+        if self.config.monitor is not None and self.config.monitor not in clean and self.rank == 0:
+            logger.warning(
+                "shardsafe: step %d saved without metrics[%r]; it cannot count among keep_best",
+                step,
+                self.config.monitor,
+            )
+        reason = self._schedule.pending_reason(step)
+        self._finish_pending()
+        name = self.config.template.format(step)
+        path = self._fs.join(self.config.root, name)
+        metadata = {"step": step, "metrics": clean}
+        if self.rank == 0:
+            logger.debug("shardsafe: manager saves step %d to %s (trigger: %s)", step, path, reason or "save()")
+        self._schedule.started()
+        if self.config.async_save:
+            handle = api.async_save(path, state, overwrite=True, timeout=self.config.timeout, metadata=metadata)
+            self._pending = _Pending(handle, step, name)
+            if reason == PREEMPTION:
+                self._finish_pending()
+        else:
+            api.save(path, state, overwrite=True, timeout=self.config.timeout, metadata=metadata)
+            self._after_commit(name)
+        self._schedule.saved(step)
+
+    def wait(self) -> None:
+        """(every rank) Wait for the async save in flight, if any, and raise its error if it failed
+        (on every rank: the save protocol gives every rank the failure). Then rank 0 applies
+        retention. Bounded by the save's own deadlines."""
+        self._finish_pending()
+
+    def should_stop(self) -> bool:
+        """True once the checkpoint asked for by a preemption signal is committed (on every rank at
+        the same step): the loop should end now."""
+        return self._schedule.stopped
+
+    # ------------------------------------------------------------------------------- resuming
+
+    def resume(self, state: dict[str, Any]) -> int | None:
+        """(every rank) Load the newest checkpoint that is complete and intact into ``state`` and return
+        its step; ``None`` when there is none. Incomplete or damaged newer ones are skipped with a
+        WARNING naming them and why; that checkpoint is never deleted by retention until a newer one
+        is committed."""
+        self._check_open()
+        result = resume_newest(self._fs, self.config, state, rank=self.rank, deadlines=self._deadlines)
+        if result is None:
+            return None
+        self._resumed_step = result.step
+        self._damaged.update(result.damaged)
+        self._schedule.saved(result.step)
+        return result.step
+
+    def list(self) -> list[CheckpointRecord]:
+        """(any rank, local) The committed checkpoints of this manager (names made by ``name``), oldest
+        first, with step, commit time, size and metrics. Reads only manifests."""
+        return [r for r in scan(self._fs, self.config.root, self.config.template) if r.status == "committed"]
+
+    def latest(self) -> CheckpointRecord | None:
+        """(any rank, local) The newest committed checkpoint that passes :func:`shardsafe.verify`
+        (damaged ones are skipped with a WARNING); reads every byte of each one it checks."""
+        return newest_verified(self._fs, self.config)
+
+    # -------------------------------------------------------------------------------- closing
+
+    def close(self) -> None:
+        """(every rank) Flush the async save in flight (raising its error), then put back the signal
+        handlers that were there before. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._finish_pending()
+        finally:
+            self._flag.restore()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------- internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed; create a new CheckpointManager to save or resume again")
+
+    def _poll_pending(self) -> None:
+        """(rank 0) Apply retention as soon as an async save has committed, without waiting for it.
+        A failed one is left for :meth:`_finish_pending`, which raises it on every rank at the same
+        call."""
+        p = self._pending
+        if self.rank != 0 or p is None or p.housekept or not p.handle.done() or p.handle.exception() is not None:
+            return
+        p.housekept = True
+        self._after_commit(p.name)
+
+    def _finish_pending(self) -> None:
+        p, self._pending = self._pending, None
+        if p is None:
+            return
+        p.handle.wait()
+        if not p.housekept:
+            self._after_commit(p.name)
+
+    def _after_commit(self, name: str) -> None:
+        """(every rank; rank 0 acts) ``name`` has committed: apply retention and remove leftovers of
+        crashed saves. Failures are logged, never raised: the checkpoint itself is safe."""
+        self._damaged.discard(name)
+        if self.rank != 0:
+            return
+        try:
+            records = scan(self._fs, self.config.root, self.config.template)
+            protect: set[int] = set()
+            resumed = self._resumed_step
+            if resumed is not None and not any(
+                r.status == "committed" and r.step is not None and r.step > resumed and r.name not in self._damaged
+                for r in records
+            ):
+                protect.add(resumed)
+            apply_retention(self._fs, records, self._policy, protect=protect, exclude=self._damaged)
+            busy = {self._pending.name} if self._pending is not None else set()
+            remove_leftovers(self._fs, records, min_age=self.config.leftover_age, busy=busy)
+        except OSError as err:
+            logger.error(
+                "shardsafe: housekeeping of %s after committing %s failed: %s. The checkpoint is safe; old "
+                "ones were not deleted this time.",
+                self.config.root,
+                name,
+                err,
+            )
+
+
+def _check_step(step: int) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step={step!r} must be an integer >= 0 (the training step)")
+    return step
+
+
+def _check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
+    if metrics is None:
+        metrics = {}
+    if not isinstance(metrics, Mapping):
+        raise ValueError(f"metrics={metrics!r} must be a dict of name -> number, e.g. {{'loss': 0.3}}")
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str):
+            raise ValueError(f"metrics key {key!r} must be a str")
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ValueError(f"metrics[{key!r}] is a tensor of shape {tuple(value.shape)}; pass one number")
+            value = value.item()
+        if value is not None and not isinstance(value, (int, float, str)):
+            raise ValueError(f"metrics[{key!r}]={value!r} ({type(value).__name__}) must be a number, str, bool or None")
+        out[key] = value
+    return out

@@ -1,0 +1,148 @@
+"""Resuming from the newest checkpoint that is complete and intact, with every rank agreeing on it.
+
+Protocol (every rank calls :func:`resume_newest`):
+
+1. rendezvous ``manager.resume``; rank 0 lists the root and broadcasts the committed checkpoints,
+   newest first, and the entries it skips (incomplete, bad manifest) with the reason;
+2. for each candidate: every rank loads it with :func:`shardsafe.load` (which verifies every byte it
+   reads), then a rendezvous ``manager.resume.outcome`` collects each rank's outcome, so every rank
+   sees the same outcomes and takes the same branch:
+   - all ranks loaded it: done;
+   - any rank found it damaged (corrupt bytes, a missing or truncated file): WARNING naming it and
+     why, then the next older candidate, which overwrites whatever the failed attempt loaded;
+   - any other failure (keys that do not match the state, a dead rank...): raised on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from shardsafe.coord import Coordinator, Deadlines
+from shardsafe.engine import api
+from shardsafe.errors import CorruptCheckpointError, RemoteRankError
+from shardsafe.manager.config import ManagerConfig
+from shardsafe.manager.listing import CheckpointRecord, scan
+from shardsafe.manager.rootfs import RootFS
+
+logger = logging.getLogger(__name__)
+
+# A load failing with one of these means the checkpoint is damaged, not that the state or the job is
+# wrong: resuming falls back to the previous checkpoint.
+DAMAGED: tuple[type[BaseException], ...] = (CorruptCheckpointError, FileNotFoundError, EOFError)
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What :func:`resume_newest` loaded, and what it found damaged on the way."""
+
+    step: int
+    name: str
+    damaged: tuple[str, ...]
+
+
+def _plan(fs: RootFS, config: ManagerConfig) -> dict[str, Any]:
+    records = scan(fs, config.root, config.template)
+    committed = sorted(
+        (r for r in records if r.status == "committed" and r.step is not None), key=lambda r: r.step or 0, reverse=True
+    )
+    skipped = [r for r in records if r.status != "committed"]
+    return {
+        "candidates": [[r.name, r.path, r.step] for r in committed],
+        "skipped": [[r.name, r.path, r.step, r.reason] for r in skipped],
+    }
+
+
+def _outcome(err: Exception | None) -> dict[str, Any]:
+    if err is None:
+        return {"ok": True}
+    return {"ok": False, "damaged": isinstance(err, DAMAGED), "error": f"{type(err).__name__}: {err}"}
+
+
+def resume_newest(
+    fs: RootFS, config: ManagerConfig, state: dict[str, Any], *, rank: int, deadlines: Deadlines
+) -> Resumed | None:
+    """(every rank) Load the newest loadable checkpoint under ``config.root`` into ``state``.
+
+    Returns ``None`` when there is no committed checkpoint. Raises :class:`CorruptCheckpointError`
+    when there are some but every one is damaged (``state`` may then hold part of one of them), and
+    re-raises on every rank a failure that is not about the checkpoint's bytes."""
+    c = Coordinator.join("manager.resume", config.root, deadlines=deadlines)
+    plan_json = None
+    if rank == 0:
+        try:
+            plan_json = json.dumps(_plan(fs, config))
+        except Exception as err:
+            c.fail("list", err)
+            raise
+    plan = json.loads(c.broadcast("plan", plan_json, src=0, timeout=deadlines.arrive))
+    damaged: list[str] = []
+    failures: list[str] = []
+    io_wait = Deadlines(arrive=deadlines.io, io=deadlines.io)  # the slowest rank's load bounds the wait
+    for name, path, step in plan["candidates"]:
+        error: Exception | None = None
+        try:
+            api.load(path, state, timeout=config.timeout)
+        except Exception as err:  # classified and shared below; re-raised unless it means "damaged"
+            error = err
+        mine = _outcome(error)
+        c = Coordinator.join("manager.resume.outcome", path, deadlines=io_wait, extra={"outcome": mine})
+        outcomes: list[dict[str, Any]] = [info["outcome"] for info in c.infos]
+        if all(o["ok"] for o in outcomes):
+            _warn_skipped(rank, plan["skipped"], step)
+            if rank == 0:
+                logger.info("shardsafe: resumed from %s (step %d)", path, step)
+            return Resumed(step=step, name=name, damaged=tuple(damaged))
+        why = "; ".join(f"rank {r}: {o['error']}" for r, o in enumerate(outcomes) if not o["ok"])
+        if not any(o.get("damaged") for o in outcomes):
+            if error is not None:
+                raise error
+            r, o = next((r, o) for r, o in enumerate(outcomes) if not o["ok"])
+            raise RemoteRankError(
+                f"resume from {path!r} failed on rank {r}: {o['error']}. This is not damage to the checkpoint "
+                "(so no older one is tried); fix the cause on that rank and restart.",
+                rank=r,
+                phase="manager.resume",
+                cause=o["error"],
+            ) from None
+        if rank == 0:
+            logger.warning("shardsafe: resume skips %s (step %d): damaged: %s", path, step, why)
+        damaged.append(name)
+        failures.append(f"  {path}: {why}")
+    _warn_skipped(rank, plan["skipped"], None)
+    if failures:
+        raise CorruptCheckpointError(
+            f"no checkpoint under {config.root!r} could be loaded; every committed one is damaged:\n"
+            + "\n".join(failures)
+            + "\nThe state may hold part of one of them. Repair or move these away to start from scratch."
+        )
+    if rank == 0:
+        logger.info("shardsafe: no committed checkpoint under %s; starting from scratch", config.root)
+    return None
+
+
+def _warn_skipped(rank: int, skipped: list[list[Any]], chosen_step: int | None) -> None:
+    """(rank 0 logs) The incomplete or unreadable entries newer than the one resumed from."""
+    if rank != 0:
+        return
+    for _name, path, step, reason in skipped:
+        if chosen_step is None or step is None or step > chosen_step:
+            logger.warning("shardsafe: resume skips %s (step %s): %s", path, step, reason)
+
+
+def newest_verified(fs: RootFS, config: ManagerConfig) -> CheckpointRecord | None:
+    """(any rank, local) The newest committed checkpoint that passes :func:`shardsafe.verify`,
+    skipping damaged ones with a WARNING. Reads every byte of each candidate it checks."""
+    records = scan(fs, config.root, config.template)
+    for record in sorted((r for r in records if r.status == "committed"), key=lambda r: r.step or 0, reverse=True):
+        try:
+            api.verify(record.path)
+        except (CorruptCheckpointError, OSError, EOFError) as err:
+            logger.warning(
+                "shardsafe: %s is damaged (%s: %s); trying an older one", record.path, type(err).__name__, err
+            )
+            continue
+        return record
+    return None

@@ -1,0 +1,194 @@
+"""What ``Runtime.setup`` does to a model and its optimizers for each strategy, and how
+``Runtime.setup_dataloader`` shards a loader.
+
+- ``"single"``: the model moves to the device; nothing else.
+- ``"ddp"``: the model moves to the device and is wrapped in ``DistributedDataParallel`` (which broadcasts
+  rank 0's weights). Optimizers keep their parameters (DDP does not replace them).
+- ``"fsdp"``: rank 0's weights are broadcast (as DDP does), then FSDP2 ``fully_shard`` is applied to each
+  *block* and finally to the root. Blocks are, by default, the modules held in an ``nn.ModuleList`` (where
+  transformer blocks live); ``Runtime(block_types=[MyBlock])`` names the classes instead. ``fully_shard``
+  replaces every parameter by a sharded DTensor parameter, so each optimizer's param groups are rebuilt
+  to point at the new parameters, by parameter name, keeping every hyperparameter.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
+
+from shardsafe.runtime.config import Plan
+
+logger = logging.getLogger(__name__)
+
+
+def setup_module(
+    plan: Plan,
+    device: torch.device,
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    block_types: tuple[type[nn.Module], ...] | None,
+) -> nn.Module:
+    """(every rank, after the setup rendezvous) Wrap ``model`` for ``plan.strategy``; rebind ``optimizers``
+    in place. FSDP and DDP run collectives on the training process group here."""
+    if isinstance(model, (DistributedDataParallel, FSDPModule)):
+        raise ValueError(
+            f"setup() got a model that is already wrapped ({type(model).__name__}); pass the plain module and "
+            "let the Runtime wrap it"
+        )
+    names = {id(p): name for name, p in model.named_parameters()}
+    _check_optimizers(optimizers, names, plan.strategy)
+    wrapped: nn.Module
+    if plan.strategy == "single":
+        wrapped = _to(model, device)
+    elif plan.strategy == "ddp":
+        wrapped = DistributedDataParallel(
+            _to(model, device), device_ids=[device.index] if device.type == "cuda" else None
+        )
+    elif plan.strategy == "fsdp":
+        wrapped = _fully_shard(_to(model, device), device, block_types)
+    else:
+        raise AssertionError(f"unresolved strategy {plan.strategy!r}")
+    inner = wrapped.module if isinstance(wrapped, DistributedDataParallel) else wrapped
+    _rebind(optimizers, names, inner)
+    return wrapped
+
+
+def fsdp_blocks(model: nn.Module, block_types: tuple[type[nn.Module], ...] | None) -> list[nn.Module]:
+    """The modules ``fully_shard`` is applied to before the root, deepest first: instances of
+    ``block_types``, or by default every element of an ``nn.ModuleList`` (that has parameters)."""
+    if block_types:
+        found = [m for m in model.modules() if m is not model and isinstance(m, block_types)]
+        if not found:
+            raise ValueError(
+                f"block_types={[t.__name__ for t in block_types]} matches no submodule of "
+                f"{type(model).__name__}; name the class of its repeated blocks (e.g. the transformer layer)"
+            )
+    else:
+        found = [child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m]
+    seen: set[int] = set()
+    blocks = []
+    for m in reversed(found):  # modules() is pre-order, so reversed puts inner blocks first
+        if id(m) not in seen and any(True for _ in m.parameters()):
+            seen.add(id(m))
+            blocks.append(m)
+    return blocks
+
+
+def _fully_shard(model: nn.Module, device: torch.device, block_types: tuple[type[nn.Module], ...] | None) -> nn.Module:
+    _broadcast_from_rank0(model)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    blocks = fsdp_blocks(model, block_types)
+    kinds = sorted({type(b).__name__ for b in blocks})
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    logger.info(
+        "shardsafe runtime: fsdp sharded %d block(s) %s and the root over %d ranks", len(blocks), kinds, mesh.size()
+    )
+    return model
+
+
+def _broadcast_from_rank0(model: nn.Module) -> None:
+    """Make every rank start from rank 0's weights before sharding: FSDP shards each rank's own copy."""
+    with torch.no_grad():
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            if t.is_meta:
+                continue  # materialised after sharding by the user (to_empty + init)
+            buf = t.detach() if t.is_contiguous() else t.detach().contiguous()
+            dist.broadcast(buf, src=0)
+            if buf.data_ptr() != t.data_ptr():
+                t.detach().copy_(buf)
+
+
+def _to(model: nn.Module, device: torch.device) -> nn.Module:
+    if any(p.is_meta for p in itertools.chain(model.parameters(), model.buffers())):
+        return model  # a meta model has no data to move
+    return model.to(device)
+
+
+def _check_optimizers(optimizers: Sequence[torch.optim.Optimizer], names: dict[int, str], strategy: str) -> None:
+    for i, opt in enumerate(optimizers):
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"setup(): argument {i + 2} is a {type(opt).__name__}, not a torch.optim.Optimizer")
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if id(p) not in names:
+                    raise ValueError(
+                        f"setup(): optimizer {i} ({type(opt).__name__}) holds a parameter of shape {tuple(p.shape)} "
+                        "that is not a parameter of the model; build each optimizer from model.parameters()"
+                    )
+        if strategy == "fsdp" and len(opt.state) > 0:
+            raise ValueError(
+                f"setup(): optimizer {i} ({type(opt).__name__}) has already stepped; with strategy='fsdp' its "
+                "state would not match the sharded parameters. Call setup() before the first optimizer step"
+            )
+
+
+def _rebind(optimizers: Sequence[torch.optim.Optimizer], names: dict[int, str], module: nn.Module) -> None:
+    """Point each optimizer at ``module``'s current parameters, by name (a no-op when they are the same)."""
+    current = dict(module.named_parameters())
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["params"] = [current[names[id(p)]] for p in group["params"]]
+
+
+def shard_loader(loader: DataLoader, *, rank: int, world_size: int, seed: int) -> DataLoader:  # type: ignore[type-arg]
+    """(every rank) ``loader`` with a ``DistributedSampler``: each rank reads ``1/world_size`` of the data."""
+    if world_size == 1 or isinstance(loader.sampler, DistributedSampler):
+        return loader
+    if isinstance(loader.dataset, IterableDataset):
+        raise ValueError(
+            "setup_dataloader(): an IterableDataset cannot be given a sampler, and unsharded every rank would "
+            "read the same data. Shard it inside the dataset (by rt.rank and rt.world_size) and use the loader "
+            "as it is"
+        )
+    if not isinstance(loader.batch_sampler, BatchSampler) or type(loader.sampler) not in (
+        RandomSampler,
+        SequentialSampler,
+    ):
+        raise ValueError(
+            f"setup_dataloader(): the loader uses its own sampler ({type(loader.sampler).__name__}) or batch "
+            "sampler; make it shard by rank itself (e.g. wrap it in a DistributedSampler) and pass the loader "
+            "on unchanged"
+        )
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        loader.dataset,
+        num_replicas=world_size,
+        rank=rank,
+        shuffle=isinstance(loader.sampler, RandomSampler),
+        seed=seed,
+        drop_last=loader.drop_last,
+    )
+    return DataLoader(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
+        persistent_workers=loader.persistent_workers,
+        pin_memory_device=loader.pin_memory_device,
+    )

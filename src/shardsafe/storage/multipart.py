@@ -1,0 +1,253 @@
+"""Parallel multipart uploads to S3 (through ``s3fs``'s client) for large data files.
+
+The writer fills a part buffer from ``write`` calls (one copy, out of tensor memory) and hands each
+full part to a bounded thread pool that uploads it while the next part fills, so at most
+``upload_threads() + 1`` parts are in memory. Each part is retried on its own; the object appears
+only when ``close`` completes the upload (a small file is one PUT instead), and ``abort`` cancels
+it, so a partial object is never visible. A failure in an upload thread is raised by the next
+``write`` or by ``close``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+from shardsafe import knobs
+from shardsafe.storage import retry
+
+logger = logging.getLogger(__name__)
+
+MIN_PART = 5 * 1024 * 1024  # S3's smallest part (all but the last)
+MAX_PART = 5 * 1024 * 1024 * 1024  # and largest
+MAX_PARTS = 10_000
+_GROW_EVERY = 1_000  # parts; the part size doubles after each such run, so 10,000 parts hold any file
+
+
+def part_bytes() -> int:
+    """Bytes per uploaded part and per parallel ranged read (``SHARDSAFE_REMOTE_PART_BYTES``). S3
+    refuses parts under 5 MiB (``MIN_PART``) but the last; test servers may allow smaller."""
+    return int(knobs._float("REMOTE_PART_BYTES", 16 * 1024 * 1024))
+
+
+def upload_threads() -> int:
+    """Parts of one file uploaded at once (``SHARDSAFE_REMOTE_UPLOAD_THREADS``)."""
+    return max(1, int(knobs._float("REMOTE_UPLOAD_THREADS", 4)))
+
+
+def is_s3(fs: Any) -> bool:
+    """Whether ``fs`` is an ``s3fs`` filesystem (or a subclass), whose client we drive directly."""
+    return callable(getattr(fs, "_call_s3", None)) and callable(getattr(fs, "split_path", None))
+
+
+def s3_call(fs: Any, method: str, **kwargs: Any) -> Any:
+    """One S3 API call on ``fs``'s event loop, from any thread. Goes through the instance's
+    ``_call_s3`` (so a subclass that wraps it sees every request)."""
+    from fsspec.asyn import sync
+
+    return sync(fs.loop, fs._call_s3, method, **kwargs)
+
+
+def list_uploads(fs: Any, prefix: str, policy: retry.RetryPolicy) -> list[tuple[str, str]]:
+    """``(bucket/key, upload id)`` of the unfinished multipart uploads under ``prefix``."""
+    bucket, key_prefix, _ = fs.split_path(prefix)
+    found: list[tuple[str, str]] = []
+    markers: dict[str, str] = {}
+    for _ in range(10_000):  # pages of 1,000; a bound rather than trusting IsTruncated forever
+        page = functools.partial(s3_call, fs, "list_multipart_uploads", Bucket=bucket, Prefix=key_prefix, **markers)
+        out = retry.call("list multipart uploads", prefix, page, policy)
+        found += [(f"{bucket}/{u['Key']}", u["UploadId"]) for u in out.get("Uploads") or []]
+        if not out.get("IsTruncated"):
+            break
+        markers = {"KeyMarker": out.get("NextKeyMarker", ""), "UploadIdMarker": out.get("NextUploadIdMarker", "")}
+    return found
+
+
+class PartWriter:
+    """A new S3 object uploaded in parallel parts (see the module docstring). ``url`` names it in
+    errors. ``write`` blocks while ``upload_threads()`` parts are in flight (bounded memory)."""
+
+    def __init__(self, fs: Any, path: str, url: str, policy: retry.RetryPolicy) -> None:
+        self.fs = fs
+        self.url = url
+        self.policy = policy
+        self.bucket, self.key, _ = fs.split_path(path)
+        self.base_part = part_bytes()
+        self.fixed_size = bool(getattr(fs, "fixed_upload_size", False))
+        self.threads = upload_threads()
+        self.buf = bytearray(self._part_size(1))
+        self.fill = 0
+        self.total = 0
+        self.upload_id: str | None = None
+        self.parts: list[Future[dict[str, Any]]] = []
+        self.pool: ThreadPoolExecutor | None = None
+        self.finished = False
+
+    def _part_size(self, number: int) -> int:
+        if self.fixed_size:
+            return self.base_part
+        return min(MAX_PART, self.base_part << ((number - 1) // _GROW_EVERY))
+
+    def _op(self, what: str) -> str:
+        return f"{what} (upload {self.upload_id})" if self.upload_id else what
+
+    def write(self, data: memoryview) -> None:
+        if self.finished:
+            raise ValueError(f"{self.url}: write after close/abort")
+        view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        while len(view):
+            n = min(len(view), len(self.buf) - self.fill)
+            self.buf[self.fill : self.fill + n] = view[:n]
+            self.fill += n
+            self.total += n
+            view = view[n:]
+            if self.fill == len(self.buf):
+                self._send_part()
+
+    def _send_part(self) -> None:
+        if self.upload_id is None:
+            self.upload_id = retry.call(
+                "start multipart upload",
+                self.url,
+                lambda: s3_call(self.fs, "create_multipart_upload", Bucket=self.bucket, Key=self.key),
+                self.policy,
+            )["UploadId"]
+            self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shardsafe-upload")
+        self._wait_for_room(self.threads - 1)
+        number = len(self.parts) + 1
+        if number > MAX_PARTS:
+            raise OSError(f"{self.url}: more than {MAX_PARTS} parts; raise SHARDSAFE_REMOTE_PART_BYTES")
+        body, self.fill = self.buf, 0  # a bytearray: botocore takes no memoryview as a Body
+        assert self.pool is not None
+        self.parts.append(self.pool.submit(self._upload_part, number, body))
+        self.buf = bytearray(self._part_size(number + 1))
+
+    def _upload_part(self, number: int, body: bytearray) -> dict[str, Any]:
+        out = retry.call(
+            self._op(f"upload part {number}"),
+            self.url,
+            lambda: s3_call(
+                self.fs,
+                "upload_part",
+                Bucket=self.bucket,
+                Key=self.key,
+                UploadId=self.upload_id,
+                PartNumber=number,
+                Body=body,
+            ),
+            self.policy,
+        )
+        return {"PartNumber": number, "ETag": out["ETag"]}
+
+    def _wait_for_room(self, max_pending: int) -> None:
+        """Block until at most ``max_pending`` parts are in flight; raise the first part failure."""
+        deadline = knobs.io_timeout()
+        while True:
+            pending = [f for f in self.parts if not f.done()]
+            for f in self.parts:
+                if f.done() and f.exception() is not None:
+                    raise f.exception()  # type: ignore[misc]
+            if len(pending) <= max_pending:
+                return
+            done, _ = wait(pending, timeout=deadline, return_when=FIRST_COMPLETED)
+            if not done:
+                raise TimeoutError(
+                    f"{self.url}: {len(pending)} part uploads made no progress in {deadline:g}s "
+                    f"(SHARDSAFE_IO_TIMEOUT); the store is stalled"
+                )
+
+    def close(self) -> None:
+        """Finish the upload: the object exists, whole, when this returns."""
+        if self.finished:
+            raise ValueError(f"{self.url}: closed twice")
+        try:
+            if self.upload_id is None:
+                body = self.buf
+                del body[self.fill :]
+                retry.call(
+                    "upload",
+                    self.url,
+                    lambda: s3_call(self.fs, "put_object", Bucket=self.bucket, Key=self.key, Body=body),
+                    self.policy,
+                )
+            else:
+                if self.fill:
+                    del self.buf[self.fill :]
+                    self._send_part()
+                self._wait_for_room(0)
+                self._complete([f.result() for f in self.parts])
+            self.finished = True
+            self.fs.invalidate_cache(f"{self.bucket}/{self.key}")
+        except BaseException:
+            self._cancel()
+            raise
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(wait=False)
+
+    def _complete(self, parts: list[dict[str, Any]]) -> None:
+        attempts = 0
+
+        def complete() -> None:
+            nonlocal attempts
+            attempts += 1
+            try:
+                s3_call(
+                    self.fs,
+                    "complete_multipart_upload",
+                    Bucket=self.bucket,
+                    Key=self.key,
+                    UploadId=self.upload_id,
+                    MultipartUpload={"Parts": parts},
+                )
+            except FileNotFoundError:
+                # NoSuchUpload on a retry: an earlier attempt completed it and its reply was lost.
+                if attempts > 1 and self._stored_size() == self.total:
+                    return
+                raise
+
+        retry.call(self._op("complete multipart upload"), self.url, complete, self.policy)
+
+    def _stored_size(self) -> int | None:
+        try:
+            head = s3_call(self.fs, "head_object", Bucket=self.bucket, Key=self.key)
+        except FileNotFoundError:
+            return None
+        return int(head["ContentLength"])
+
+    def abort(self) -> None:
+        """Cancel the upload; nothing becomes visible. Parts in flight are waited for (each is
+        bounded by its retry deadline) so none lands after the abort."""
+        if self.finished:
+            return
+        try:
+            self._cancel()
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(wait=False)
+
+    def _cancel(self) -> None:
+        self.finished = True
+        for f in self.parts:
+            f.cancel()
+        running = [f for f in self.parts if not f.done()]
+        if running:
+            wait(running, timeout=self.policy.deadline + 60)
+        for f in self.parts:
+            if f.done() and not f.cancelled() and f.exception() is not None:
+                logger.debug("%s: part upload failed during abort: %s", self.url, f.exception())
+        if self.upload_id is not None:
+            upload_id = self.upload_id
+            try:
+                retry.call(
+                    self._op("abort multipart upload"),
+                    self.url,
+                    lambda: s3_call(
+                        self.fs, "abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id
+                    ),
+                    self.policy,
+                )
+            except FileNotFoundError:
+                pass  # already gone

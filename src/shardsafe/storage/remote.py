@@ -1,0 +1,419 @@
+"""Object stores and any other fsspec filesystem behind :class:`~shardsafe.storage.base.Storage`.
+
+Paths are URLs (``s3://bucket/run/step-1``, ``memory://...``, ``file://...``); fsspec is imported
+here only, and only when such a path is used. The commit rule holds without a directory rename:
+
+- data objects are written straight into the target prefix under names unique to the save
+  (``data-<rank>-<saveid>.safetensors``), so a save never replaces an object a manifest points to;
+- ``MANIFEST.json`` is uploaded last, whole, in one PUT: a prefix without it is not a checkpoint, and
+  an overwrite replaces it atomically while the old data objects stay until they are unreferenced;
+- a failed save's objects are found by its save id and deleted, its unfinished multipart uploads
+  aborted; objects a committed manifest references are never touched.
+
+Every request goes through :mod:`shardsafe.storage.retry` (backoff and a deadline for throttling,
+resets and 5xx). On S3 (``s3fs``) large data files upload as parallel multipart parts
+(:mod:`shardsafe.storage.multipart`); other filesystems stream through ``fs.open``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from shardsafe.storage import retry
+from shardsafe.storage.base import MANIFEST_NAME, Writer
+from shardsafe.storage.multipart import PartWriter, is_s3, list_uploads, part_bytes, s3_call
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Object stores have no directories: nothing to create before writing (and creating a "directory"
+# with s3fs at a bucket path would create a bucket).
+_OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "oci", "r2"})
+_READ_THREADS = 4
+
+# Save ids handed out by staging_dir per target, so that discard_staging (rank 0, same process) knows
+# which objects under the shared prefix belong to the failed save.
+_pending_saves: dict[str, str] = {}
+_pending_lock = threading.Lock()
+
+
+def _import_fsspec() -> Any:
+    try:
+        import fsspec
+    except ImportError as err:
+        raise ImportError(
+            "paths with a scheme (s3://, memory://, ...) need fsspec: pip install 'shardsafe[remote]', "
+            "or 'shardsafe[s3]' for S3"
+        ) from err
+    return fsspec
+
+
+class StreamWriter:
+    """A data file written through ``fs.open(path, "wb")`` (filesystems other than S3): the file
+    object's own buffering uploads it; ``close`` finishes it (fsync on a local disk). Not retried
+    mid-stream: a failure raises and the engine aborts the save."""
+
+    def __init__(self, fs: Any, path: str) -> None:
+        self.fs = fs
+        self.path = path
+        self.f = fs.open(path, "wb")
+
+    def write(self, data: memoryview) -> None:
+        self.f.write(data)
+
+    def close(self) -> None:
+        try:
+            self.f.flush()
+            raw = getattr(self.f, "f", None)  # fsspec's LocalFileOpener wraps a real file
+            if raw is not None and hasattr(raw, "fileno"):
+                import os
+
+                os.fsync(raw.fileno())
+            self.f.close()
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        from fsspec.spec import AbstractBufferedFile
+
+        if isinstance(self.f, AbstractBufferedFile):
+            self.f.discard()  # cancels an upload in progress where the filesystem supports it
+            self.f.closed = True  # closing would commit what was written so far
+        else:
+            self.f.close()
+        try:
+            self.fs.rm_file(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class FsspecStorage:
+    """:class:`~shardsafe.storage.base.Storage` over an fsspec filesystem (object stores, memory, ...).
+
+    ``FsspecStorage("s3", {"key": ..., "client_kwargs": {"endpoint_url": ...}})`` or
+    ``FsspecStorage(fs_instance)``; :meth:`for_path` picks the filesystem from a URL."""
+
+    def __init__(
+        self,
+        protocol_or_fs: Any,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        policy: retry.RetryPolicy | None = None,
+    ) -> None:
+        if isinstance(protocol_or_fs, str):
+            fsspec = _import_fsspec()
+            try:
+                self.fs = fsspec.filesystem(protocol_or_fs, **dict(storage_options or {}))
+            except ImportError as err:
+                extra = "s3" if protocol_or_fs in ("s3", "s3a") else "remote"
+                raise ImportError(
+                    f"{protocol_or_fs}:// needs a package fsspec lacks ({err}); pip install 'shardsafe[{extra}]'"
+                ) from err
+        else:
+            if storage_options:
+                raise ValueError("storage_options= applies when a protocol is given, not a filesystem instance")
+            self.fs = protocol_or_fs
+        self.policy = policy or retry.RetryPolicy.from_env()
+        self.s3 = is_s3(self.fs)
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        self.object_store = self.s3 or bool(_OBJECT_STORE_PROTOCOLS.intersection(protocols))
+
+    @classmethod
+    def for_path(cls, path: str, storage_options: Mapping[str, Any] | None = None) -> FsspecStorage:
+        """The storage for a URL such as ``s3://bucket/run/step-1``; ``storage_options`` are the
+        filesystem's usual options (credentials, ``client_kwargs={"endpoint_url": ...}``)."""
+        if "::" in path:
+            raise ValueError(f"{path!r}: chained fsspec URLs are not supported; give the URL of the store itself")
+        protocol, sep, _ = path.partition("://")
+        if not sep or not protocol:
+            raise ValueError(f"{path!r} has no scheme; plain paths use the local storage")
+        return cls(protocol, storage_options)
+
+    # -- paths -----------------------------------------------------------------------------------
+
+    def _p(self, path: str) -> str:
+        return str(self.fs._strip_protocol(path)).rstrip("/")
+
+    def _retry(self, op: str, path: str, fn: Callable[[], T]) -> T:
+        return retry.call(op, path, fn, self.policy)
+
+    def join(self, base: str, name: str) -> str:
+        _check_name(name, base)
+        return f"{base.rstrip('/')}/{name}"
+
+    # -- save ------------------------------------------------------------------------------------
+
+    def staging_dir(self, target: str, save_id: str) -> str:
+        """(rank 0 and writers) ``target`` itself: data object names carry the save id."""
+        with _pending_lock:
+            _pending_saves[self._p(target)] = save_id
+        return target
+
+    def prepare_staging(self, staging: str) -> None:
+        """(rank 0) Nothing on an object store; directories elsewhere (``file://``)."""
+        if not self.object_store:
+            self._retry("create directory", staging, lambda: self.fs.makedirs(self._p(staging), exist_ok=True))
+
+    def open_writer(self, path: str) -> Writer:
+        """(writing ranks) A new data object; ``FileExistsError`` if one is there already."""
+        p = self._p(path)
+        if self._exists(p, path):
+            raise FileExistsError(f"{path} already exists; data objects are never overwritten")
+        if self.s3:
+            return PartWriter(self.fs, p, path, self.policy)
+        return StreamWriter(self.fs, p)
+
+    def publish(self, staging: str, target: str, manifest: bytes, *, overwrite: bool) -> list[str]:
+        """(rank 0, after every data object is durable) Upload ``MANIFEST.json`` in one PUT, the
+        commit point. On overwrite, returns the data files the old manifest listed and the new one
+        does not (read before the old manifest is replaced)."""
+        url = self.join(target, MANIFEST_NAME)
+        p = self._p(url)
+        old = self._manifest_files(url) if self._exists(p, url) else None
+        if old is not None and not overwrite:
+            raise FileExistsError(f"{url} exists: {target} holds a committed checkpoint; pass overwrite=True")
+        self._retry("upload manifest", url, lambda: self.fs.pipe_file(p, manifest))
+        with _pending_lock:
+            _pending_saves.pop(self._p(target), None)
+        keep = set(_files_of(json.loads(manifest), url))
+        return [name for name in (old or []) if name not in keep]
+
+    def discard_staging(self, staging: str, target: str) -> None:
+        """(rank 0, on abort) Delete the objects of the save that :meth:`staging_dir` began for
+        ``target`` in this process (names holding its save id) and abort its unfinished multipart
+        uploads. Objects the committed manifest references are kept, as is everything when the
+        save turns out to have committed."""
+        with _pending_lock:
+            save_id = _pending_saves.pop(self._p(target), None)
+        if save_id is None:
+            logger.warning("%s: no save in progress here to discard; orphans are left to cleanup", target)
+            return
+        url = self.join(target, MANIFEST_NAME)
+        referenced: set[str] = set()
+        if self._exists(self._p(url), url):
+            doc = self._manifest_doc(url)
+            if doc.get("save_id") == save_id:
+                return  # the commit happened after all
+            referenced = set(_files_of(doc, url))
+        names = [n for n in self.list_dir(target) if save_id in n and n != MANIFEST_NAME and n not in referenced]
+        self.remove_files(target, names)
+        if self.s3:
+            prefix = self._p(target) + "/"
+            for key_path, upload_id in list_uploads(self.fs, prefix, self.policy):
+                if save_id in key_path.rsplit("/", 1)[-1]:
+                    _abort_upload(self.fs, key_path, upload_id, self.policy)
+
+    def remove_files(self, directory: str, names: list[str]) -> None:
+        """Delete ``names`` under ``directory``; missing ones are fine, any other failure raises."""
+        self._remove_paths(directory, [self._p(self.join(directory, n)) for n in names])
+
+    def _remove_paths(self, directory: str, paths: list[str]) -> None:
+        if not paths:
+            return
+        if self.s3:
+            bucket = self.fs.split_path(paths[0])[0]
+            for i in range(0, len(paths), 1000):
+                batch = paths[i : i + 1000]
+                keys = [{"Key": self.fs.split_path(p)[1]} for p in batch]
+                delete = functools.partial(s3_call, self.fs, "delete_objects", Bucket=bucket, Delete={"Objects": keys})
+                out = self._retry("delete objects", directory, delete)
+                errors = out.get("Errors") or []
+                if errors:
+                    detail = ", ".join(f"{e.get('Key')}: {e.get('Code')} {e.get('Message')}" for e in errors[:5])
+                    raise OSError(f"deleting under {directory} failed for {len(errors)} objects: {detail}")
+            self.fs.invalidate_cache(self._p(directory))
+            return
+        for p in paths:
+            try:
+                self._retry("delete", p, functools.partial(self.fs.rm_file, p))
+            except FileNotFoundError:
+                pass
+
+    # -- load ------------------------------------------------------------------------------------
+
+    def read_bytes(self, path: str) -> bytes:
+        p = self._p(path)
+        return bytes(self._retry("read", path, lambda: self.fs.cat_file(p)))
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        """Ranged reads of ``[offset, offset + len(out))`` only; large ranges are split into parts
+        read in parallel. ``EOFError`` if the object is shorter."""
+        out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+        p = self._p(path)
+        step = part_bytes()
+        spans = [(s, min(len(out), s + step)) for s in range(0, len(out), step)]
+        if len(spans) <= 1:
+            for s, e in spans:
+                self._read_span(p, path, offset, out, s, e)
+            return
+        with ThreadPoolExecutor(min(len(spans), _READ_THREADS), thread_name_prefix="shardsafe-read") as pool:
+            futures = [pool.submit(self._read_span, p, path, offset, out, s, e) for s, e in spans]
+            for f in futures:
+                f.result()  # re-raises a reader thread's error here
+
+    def _read_span(self, p: str, url: str, offset: int, out: memoryview, start: int, end: int) -> None:
+        lo, hi = offset + start, offset + end
+        try:
+            data = self._retry(f"read bytes {lo}-{hi}", url, lambda: self.fs.cat_file(p, start=lo, end=hi))
+        except (FileNotFoundError, retry.RemoteIOError):
+            raise
+        except OSError as err:  # S3 answers a range past the end with 416
+            if self.size(url) < hi:
+                raise EOFError(f"{url}: ends before byte {hi} (truncated)") from err
+            raise
+        if len(data) != hi - lo:
+            raise EOFError(f"{url}: ends before byte {hi} (got {len(data)} of {hi - lo} bytes at {lo}; truncated)")
+        out[start:end] = data
+
+    def size(self, path: str) -> int:
+        """Bytes of an object, or of the objects directly inside a prefix. ``FileNotFoundError``."""
+        info = self._info(path)
+        if info.get("type") != "directory":
+            return int(info["size"])
+        return sum(int(e.get("size") or 0) for e in self._entries(path) if e.get("type") != "directory")
+
+    def _info(self, path: str) -> dict[str, Any]:
+        p = self._p(path)
+        self.fs.invalidate_cache(p)
+        return dict(self._retry("stat", path, lambda: self.fs.info(p)))
+
+    def _entries(self, path: str) -> list[dict[str, Any]]:
+        p = self._p(path)
+        self.fs.invalidate_cache(p)
+        try:
+            entries = self._retry("list", path, lambda: self.fs.ls(p, detail=True))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return [dict(e) for e in entries if str(e["name"]).rstrip("/") != p]
+
+    def is_dir(self, path: str) -> bool:
+        """Whether ``path`` is a prefix (object stores) or directory holding something."""
+        try:
+            return self._info(path).get("type") == "directory"
+        except FileNotFoundError:
+            return False
+
+    def mtime(self, path: str) -> float:
+        """Last change (unix time) of an object, or of the newest object directly inside a prefix.
+        ``FileNotFoundError`` when there is nothing."""
+        info = self._info(path)
+        times = [_mtime_of(info)]
+        if info.get("type") == "directory":
+            times += [_mtime_of(e) for e in self._entries(path)]
+        known = [t for t in times if t is not None]
+        if not known:
+            raise FileNotFoundError(f"{path}: the store reports no modification time for it or its objects")
+        return max(known)
+
+    def remove_file(self, path: str) -> None:
+        """Delete one object; a missing one is fine."""
+        base, _, name = path.rstrip("/").rpartition("/")
+        self.remove_files(base, [name])
+
+    def remove_tree(self, path: str) -> None:
+        """Delete every object under the prefix ``path`` (the manifest first, if there is one)."""
+        p = self._p(path)
+        self.fs.invalidate_cache(p)
+        try:
+            found = self._retry("list", path, lambda: self.fs.find(p))
+        except FileNotFoundError:
+            return
+        rel = [str(f)[len(p) + 1 :] for f in found if str(f).startswith(p + "/")]
+        self.remove_files(path, [r for r in rel if r == MANIFEST_NAME])
+        self._remove_paths(path, [f"{p}/{r}" for r in rel if r != MANIFEST_NAME])
+        if not self.object_store:
+            try:
+                self._retry("delete", path, lambda: self.fs.rm(p, recursive=True))
+            except FileNotFoundError:
+                pass
+
+    def exists(self, path: str) -> bool:
+        return self._exists(self._p(path), path)
+
+    def _exists(self, p: str, url: str) -> bool:
+        self.fs.invalidate_cache(p)  # another rank or process may have written it since we listed
+        return bool(self._retry("stat", url, lambda: self.fs.exists(p)))
+
+    def list_dir(self, path: str) -> list[str]:
+        p = self._p(path)
+        self.fs.invalidate_cache(p)
+        try:
+            entries = self._retry("list", path, lambda: self.fs.ls(p, detail=False))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        names = {str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries if str(e).rstrip("/") != p}
+        return sorted(names)
+
+    # -- manifests -------------------------------------------------------------------------------
+
+    def _manifest_doc(self, url: str) -> dict[str, Any]:
+        try:
+            doc = json.loads(self.read_bytes(url))
+        except ValueError as err:
+            logger.warning("%s is not valid JSON (%s); treating it as listing no files", url, err)
+            return {}
+        return doc if isinstance(doc, dict) else {}
+
+    def _manifest_files(self, url: str) -> list[str]:
+        return _files_of(self._manifest_doc(url), url)
+
+
+def _files_of(doc: Any, url: str) -> list[str]:
+    """Data file names a manifest lists; names that are not plain are skipped (never deleted)."""
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(files, dict):
+        return []
+    names = []
+    for name in files:
+        if isinstance(name, str) and _plain(name):
+            names.append(name)
+        else:
+            logger.warning("%s lists a file name that is not plain (%r); ignoring it", url, name)
+    return names
+
+
+def _mtime_of(entry: Mapping[str, Any]) -> float | None:
+    """Modification time of an fsspec ``info``/``ls`` entry; filesystems name and type it differently."""
+    for key in ("LastModified", "mtime", "last_modified", "updated", "created"):
+        value = entry.get(key)
+        if isinstance(value, datetime.datetime):
+            return value.timestamp()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return None
+
+
+def _plain(name: str) -> bool:
+    return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..")
+
+
+def _check_name(name: str, base: str) -> None:
+    if not _plain(name):
+        raise ValueError(f"{name!r} is not a plain file name inside {base} (no '/', '..' or empty names)")
+
+
+def _abort_upload(fs: Any, key_path: str, upload_id: str, policy: retry.RetryPolicy) -> None:
+    bucket, key, _ = fs.split_path(key_path)
+    try:
+        retry.call(
+            "abort multipart upload",
+            key_path,
+            lambda: s3_call(fs, "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id),
+            policy,
+        )
+    except FileNotFoundError:
+        pass  # already completed or aborted

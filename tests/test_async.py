@@ -1,0 +1,150 @@
+"""Asynchronous save: the checkpoint holds the values at the call; failures surface on every rank."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+import torch
+from harness import check_ok, run_ranks
+from models import assert_same, build, full_state, train
+
+import shardsafe
+from shardsafe.engine import staging
+
+
+def _mutate(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+        for st in opt.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    v.mul_(-3.0)
+
+
+def _mutate_after_async(rank: int, world: int, path: str, strategy: str) -> dict[str, Any]:
+    model, opt = build(strategy)
+    train(model, opt, 2)
+    before = full_state(model, opt)
+    handle = shardsafe.async_save(path, {"model": model, "optimizer": opt}, timeout=60)
+    _mutate(model, opt)  # at once: must not leak into the checkpoint
+    handle.wait()
+    assert handle.done() and handle.exception() is None
+    fresh, fopt = build(strategy, seed=5)
+    shardsafe.load(path, {"model": fresh, "optimizer": fopt}, timeout=60)
+    assert_same(before, full_state(fresh, fopt))
+    share = sum(c.nbytes for c in _planned(model, opt, rank, world))
+    return {"staged": staging.staged_bytes(), "share": share}
+
+
+def _planned(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, world: int) -> list[Any]:
+    from shardsafe.engine.plan import plan_writes
+    from shardsafe.state.flatten import flatten
+
+    return plan_writes(flatten({"model": model, "optimizer": opt}).items, rank, world)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_mutation_after_async_save_does_not_leak(tmp_path: Any, strategy: str) -> None:
+    results = check_ok(run_ranks(_mutate_after_async, 2, str(tmp_path / "c"), strategy, timeout=120))
+    for r in results:  # staging holds exactly this rank's share, never the whole replicated state
+        assert r["staged"] == r["share"]
+    total = shardsafe.inspect(str(tmp_path / "c")).total_bytes
+    assert all(r["staged"] < total for r in results)
+
+
+def test_mutation_after_async_save_plain(tmp_path: Any) -> None:
+    _mutate_after_async(0, 1, str(tmp_path / "c"), "plain")
+
+
+def _background_failure(rank: int, world: int, path: str) -> tuple[str, str, str]:
+    model, opt = build("ddp")
+    handle = shardsafe.async_save(path, {"model": model}, timeout=30)
+    try:
+        handle.wait()
+    except Exception as err:
+        cause = type(err.__cause__).__name__ if err.__cause__ else ""
+        # the next save works (no poisoned state)
+        os.environ.pop("SHARDSAFE_FAULT", None)
+        shardsafe.save(path + "-next", {"model": model}, timeout=30)
+        return type(err).__name__, str(err), cause
+    return "none", "", ""
+
+
+def test_background_failure_surfaces_on_every_rank(tmp_path: Any) -> None:
+    path = str(tmp_path / "c")
+    out = run_ranks(
+        _background_failure, 2, path, timeout=120, rank_env={1: {"SHARDSAFE_FAULT": "save.write:rank=1:raise"}}
+    )
+    r0, r1 = check_ok(out)
+    assert r0[0] == "RemoteRankError" and "rank 1" in r0[1] and "'write'" in r0[1]
+    assert r1[0] == "CheckpointError" and r1[2] == "InjectedFault" and "phase 'write'" in r1[1]
+    with pytest.raises(shardsafe.CheckpointNotFoundError):
+        shardsafe.load(path)
+    shardsafe.verify(path + "-next")
+
+
+def _unwaited_failure_raises_from_next_save(rank: int, world: int, path: str) -> str:
+    model, _ = build("plain")
+    shardsafe.async_save(path, {"model": model}, timeout=30)  # fails in the background, never waited for
+    try:
+        shardsafe.save(path + "-2", {"model": model}, timeout=30)
+    except Exception as err:
+        return type(err).__name__
+    return "none"
+
+
+def test_unwaited_background_failure_raises_from_next_save(tmp_path: Any) -> None:
+    out = run_ranks(
+        _unwaited_failure_raises_from_next_save,
+        1,
+        str(tmp_path / "c"),
+        timeout=60,
+        env={"SHARDSAFE_FAULT": "save.write:rank=0:raise"},
+    )
+    assert check_ok(out) == ["CheckpointError"]
+
+
+def test_overlapping_saves_each_hold_their_own_values(tmp_path: Any) -> None:
+    model, opt = build("plain")
+    train(model, opt, 1)
+    first = full_state(model, opt)
+    h1 = shardsafe.async_save(tmp_path / "a", {"model": model, "optimizer": opt})
+    train(model, opt, 1, start=1)
+    second = full_state(model, opt)
+    h2 = shardsafe.async_save(tmp_path / "b", {"model": model, "optimizer": opt})  # waits for h1 first
+    assert h1.done()
+    h2.wait()
+    for path, expected in ((tmp_path / "a", first), (tmp_path / "b", second)):
+        m, o = build("plain", seed=9)
+        shardsafe.load(path, {"model": m, "optimizer": o})
+        assert_same(expected, full_state(m, o))
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, shardsafe
+    state = {"w": torch.arange(8 * 2**20, dtype=torch.float32)}
+    shardsafe.async_save(sys.argv[1], state)
+    state["w"].zero_()
+    # no wait(): interpreter exit must flush the pending save
+    """
+)
+
+
+def test_exit_with_pending_save_flushes_it(tmp_path: Any) -> None:
+    path = str(tmp_path / "c")
+    subprocess.run([sys.executable, "-c", SCRIPT, path], check=True, timeout=120)
+    assert torch.equal(shardsafe.load(path)["w"], torch.arange(8 * 2**20, dtype=torch.float32))
+
+
+def test_exit_with_failing_pending_save_says_so(tmp_path: Any) -> None:
+    path = str(tmp_path / "c")
+    env = {**os.environ, "SHARDSAFE_FAULT": "save.write:rank=0:raise"}
+    done = subprocess.run([sys.executable, "-c", SCRIPT, path], timeout=120, env=env, capture_output=True, text=True)
+    assert "did NOT complete" in done.stderr and "injected fault" in done.stderr
