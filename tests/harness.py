@@ -98,9 +98,7 @@ def run_ranks(
 ) -> list[Outcome]:
     """Run ``fn(rank, world, *args)`` on ``world`` fresh processes; return each rank's outcome."""
     ctx = mp.get_context("spawn")
-    store = dist.TCPStore(
-        "127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120)
-    )
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
     q = ctx.Queue()
     procs = []
     for r in range(world):
@@ -113,7 +111,7 @@ def run_ranks(
     pending = set(range(world))
     while pending and time.monotonic() < deadline:
         try:
-            rank, kind, result, etype, emsg, tb, mro, elapsed = q.get(timeout=0.2)
+            rank, _kind, result, etype, emsg, tb, mro, elapsed = q.get(timeout=0.2)
             o = outcomes[rank]
             if result is not None:
                 result = torch.load(io.BytesIO(result), weights_only=False)
@@ -149,7 +147,6 @@ def check_ok(outcomes: list[Outcome]) -> list[Any]:
     """Assert every rank succeeded; return their results."""
     bad = [o for o in outcomes if not o.ok]
     assert not bad, "\n".join(
-        f"rank {o.rank}: exit={o.exitcode} killed={o.killed} {o.error_type}: {o.error}\n{o.traceback}"
-        for o in bad
+        f"rank {o.rank}: exit={o.exitcode} killed={o.killed} {o.error_type}: {o.error}\n{o.traceback}" for o in bad
     )
     return [o.result for o in outcomes]

@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 import torch
-from harness import check_ok, run_ranks
-from models import assert_same, build, full_state, train
 
 import shardsafe
 from shardsafe.engine import staging
+
+from harness import check_ok, run_ranks
+from models import assert_same, build, full_state, train
 
 
 def _mutate(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -63,7 +64,7 @@ def test_mutation_after_async_save_plain(tmp_path: Any) -> None:
 
 
 def _background_failure(rank: int, world: int, path: str) -> tuple[str, str, str]:
-    model, opt = build("ddp")
+    model, _ = build("ddp")
     handle = shardsafe.async_save(path, {"model": model}, timeout=30)
     try:
         handle.wait()
@@ -148,3 +149,31 @@ def test_exit_with_failing_pending_save_says_so(tmp_path: Any) -> None:
     env = {**os.environ, "SHARDSAFE_FAULT": "save.write:rank=0:raise"}
     done = subprocess.run([sys.executable, "-c", SCRIPT, path], timeout=120, env=env, capture_output=True, text=True)
     assert "did NOT complete" in done.stderr and "injected fault" in done.stderr
+
+
+def _barriers_during_async_save(rank: int, world: int, path: str) -> bool:
+    from shardsafe.coord import Coordinator, Deadlines
+
+    model, opt = build("ddp")
+    train(model, opt, 1)
+    before = full_state(model, opt)
+    handle = shardsafe.async_save(path, {"model": model, "optimizer": opt}, timeout=60)
+    for i in range(5):  # runtime barriers while the background write and commit run
+        Coordinator.join("barrier", f"b{i}", deadlines=Deadlines(arrive=60, io=60))
+    handle.wait()
+    fresh, fopt = build("ddp", seed=3)
+    shardsafe.load(path, {"model": fresh, "optimizer": fopt}, timeout=60)
+    assert_same(before, full_state(fresh, fopt))
+    return True
+
+
+def test_rendezvous_of_other_operations_during_async_save(tmp_path: Any) -> None:
+    # the background save's store keys must survive rank 0's cleanup of finished operations
+    out = run_ranks(
+        _barriers_during_async_save,
+        2,
+        str(tmp_path / "c"),
+        timeout=120,
+        env={"SHARDSAFE_FAULT": "save.report:rank=1:sleep=2"},
+    )
+    assert check_ok(out) == [True, True]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import time
 
-from harness import check_ok, run_ranks
 from shardsafe.coord import Coordinator, Deadlines
 from shardsafe.errors import RankDesyncError, RankTimeoutError, RemoteRankError
+
+from harness import check_ok, run_ranks
 
 D = Deadlines(arrive=3.0, io=3.0)
 

@@ -7,10 +7,11 @@ from typing import Any
 
 import pytest
 import torch
-from harness import check_ok, run_ranks
-from models import build, full_state, train
 
 import shardsafe
+
+from harness import check_ok, run_ranks
+from models import build, full_state, train
 
 
 def _weights_only(rank: int, world: int, path: str, strategy: str) -> dict[str, Any]:

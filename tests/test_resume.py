@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from harness import check_ok, run_ranks
-from models import assert_same, build, full_state
 
 import shardsafe
+
+from harness import check_ok, run_ranks
+from models import assert_same, build, full_state
 
 
 def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, n: int) -> None:

@@ -6,10 +6,11 @@ from typing import Any
 
 import pytest
 import torch
-from harness import check_ok, run_ranks
-from models import assert_same, build, full_state, train
 
 import shardsafe
+
+from harness import check_ok, run_ranks
+from models import assert_same, build, full_state, train
 
 
 def _save(rank: int, world: int, path: str, strategy: str) -> dict[str, Any]:
@@ -57,7 +58,7 @@ def test_reshard(tmp_path: Any, s_strat: str, s_world: int, l_strat: str, l_worl
     whole = shardsafe.load(path)
     for k, v in saved.items():
         if k.startswith("model/"):
-            assert torch.equal(whole["model"][k[len("model/"):]], v), k
+            assert torch.equal(whole["model"][k[len("model/") :]], v), k
 
 
 def _ddp_writers(rank: int, world: int, path: str) -> list[str]:

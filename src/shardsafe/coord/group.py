@@ -3,12 +3,16 @@ through the rendezvous store (``torch.distributed.Store``), never through collec
 process group. With no process group (one process) every call is local and immediate.
 
 One :class:`Coordinator` serves one operation (a save, a load, a runtime barrier). Operations are
-matched across ranks by a per-process sequence number. Every decision is settled by the first writer
+matched across ranks by a per-process sequence number per channel: ``ckpt`` for saves and loads,
+``misc`` for everything else. Within a channel a process runs one operation at a time (a save or load
+first waits for the save in flight), which is what lets rank 0 delete the keys of earlier operations
+of the channel once every rank has reached a later one; an async save's background phases are never
+cleaned away by a runtime barrier or a manager decision taken meanwhile. Every decision is settled by the first writer
 of a ``compare_set`` on a decision key, so a late rank, a failing rank and a timing-out rank can never
 disagree on the outcome. An operation abandoned on timeout is skipped by ranks that arrive late, so a
 later operation called by every rank still meets (no poisoned state).
 
-Store layout under ``shardsafe/<group>/``::
+Store layout under ``shardsafe/<group>/<channel>/`` (``status`` directly under ``shardsafe/<group>/``)::
 
     <seq>/arrive/r/<rank>      arrival record: op, target, call site, host, pid
     <seq>/arrive/count         arrivals so far (store.add)
@@ -72,6 +76,12 @@ class Deadlines:
         return Deadlines(arrive=float(timeout), io=float(timeout))
 
 
+def channel_of(op: str) -> str:
+    """Saves and loads share the ``ckpt`` channel (so a save meeting a load is caught as out of step);
+    every other operation uses ``misc``."""
+    return "ckpt" if op in ("save", "load") else "misc"
+
+
 def call_site() -> str:
     """``file:line`` of the innermost frame outside shardsafe: the user's call."""
     frame = sys._getframe(1)
@@ -106,7 +116,8 @@ class Coordinator:
         self.rank = rank
         self.world_size = world_size
         self.global_rank = global_rank
-        self.namespace = namespace
+        self.namespace = namespace  # the group's: status keys live here
+        self.prefix = f"{namespace}/{channel_of(op)}"  # the operation's keys live here
         self.op = op
         self.target = target
         self.deadlines = deadlines
@@ -157,7 +168,7 @@ class Coordinator:
         return self
 
     def _arrive(self, info: dict[str, Any], match_site: bool) -> None:
-        key = (self.identity, self.namespace)
+        key = (self.identity, self.prefix)
         started = time.monotonic()
         while True:
             with _seq_lock:
@@ -259,7 +270,7 @@ class Coordinator:
     # ------------------------------------------------------------------------------- internals
 
     def _k(self, *parts: str) -> str:
-        return "/".join((self.namespace, str(self.seq), *parts))
+        return "/".join((self.prefix, str(self.seq), *parts))
 
     def _get_all(self, phase: str) -> list[str]:
         return [self._get(self._k(phase, "r", str(r))) for r in range(self.world_size)]
@@ -373,7 +384,7 @@ class Coordinator:
             start = _cleaned.get(key, 0) + 1
             _cleaned[key] = self.seq - 1
         for seq in range(start, self.seq):
-            prefix = f"{self.namespace}/{seq}"
+            prefix = f"{self.prefix}/{seq}"
             names = [f"{prefix}/abort"]
             for phase in _phases_used.pop((key, seq), {"arrive"}):
                 names += [f"{prefix}/{phase}/{leaf}" for leaf in ("count", "decision", "value")]
@@ -386,7 +397,7 @@ class Coordinator:
 
     def _use(self, phase: str) -> None:
         if self.rank == 0:
-            _phases_used.setdefault(((self.identity, self.namespace), self.seq), set()).add(phase)
+            _phases_used.setdefault(((self.identity, self.prefix), self.seq), set()).add(phase)
 
     # Store access: every call goes through _call, which turns a lost connection into RankDeadError.
 
