@@ -39,6 +39,16 @@ def poll_seconds() -> float:
     return _float("POLL_SECONDS", 0.5)
 
 
+def heartbeat_seconds() -> float:
+    """While in a save or load, each rank ticks a store counter this often."""
+    return _float("HEARTBEAT_SECONDS", 1.0)
+
+
+def dead_after() -> float:
+    """A rank that joined an operation and has not ticked for this long is declared dead."""
+    return _float("DEAD_AFTER", 20.0)
+
+
 def checksum_block_bytes() -> int:
     """Checksums are kept per block of a chunk, so a partial read can be verified on its own."""
     return int(_float("CHECKSUM_BLOCK_BYTES", 8 * 1024 * 1024))

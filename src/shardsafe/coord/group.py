@@ -20,6 +20,7 @@ Store layout under ``shardsafe/<group>/<channel>/`` (``status`` directly under `
     <seq>/<phase>/...          the same three keys for each barrier of the operation
     <seq>/<phase>/value        a broadcast value
     <seq>/abort                the first failure of the operation: rank, phase, error
+    <seq>/hb/<rank>            heartbeat counter of a rank inside the operation (save, load)
     status/<rank>              where the rank is now (for stall and timeout reports)
 """
 
@@ -123,6 +124,9 @@ class Coordinator:
         self.deadlines = deadlines
         self.seq = 0
         self.identity = 0
+        self._hb_stop: threading.Event | None = None
+        self._hb_seen: dict[int, tuple[int, float]] = {}
+        self._hb_checked = 0.0
         self.infos: list[dict[str, Any]] = []
 
     # ----------------------------------------------------------------------------------- joining
@@ -140,12 +144,16 @@ class Coordinator:
         world_size: int | None = None,
         match_site: bool = False,
         extra: dict[str, Any] | None = None,
+        heartbeat: bool = False,
     ) -> Coordinator:
         """(all ranks) Rendezvous for operation ``op`` on ``target``.
 
         Waits up to ``deadlines.arrive`` for every rank; raises :class:`RankTimeoutError` naming the
         ranks that never came, and :class:`RankDesyncError` on every rank when ranks arrived doing
         different things (another op or target; another call site when ``match_site``).
+        With ``heartbeat`` each rank ticks a store counter until :meth:`close`, and waits declare a
+        rank dead (:class:`RankDeadError`) once its counter stops for ``SHARDSAFE_DEAD_AFTER`` seconds,
+        instead of waiting for the deadline. Whoever passes ``heartbeat=True`` must call ``close()``.
         The group comes from ``store``/``rank``/``world_size`` when given, else from ``group`` or the
         default process group, else it is a single process.
         """
@@ -165,6 +173,8 @@ class Coordinator:
             self.infos = [info]
             return self
         self._arrive(info, match_site)
+        if heartbeat:
+            self._start_heartbeat()
         return self
 
     def _arrive(self, info: dict[str, Any], match_site: bool) -> None:
@@ -245,6 +255,7 @@ class Coordinator:
         delay = 0.002
         while not self._check(key):
             self._raise_if_aborted()
+            self._check_alive(phase, [src])
             elapsed = time.monotonic() - started
             if elapsed > timeout:
                 raise self._timeout_error(phase, [src], timeout)
@@ -269,6 +280,57 @@ class Coordinator:
 
     # ------------------------------------------------------------------------------- internals
 
+    def close(self) -> None:
+        """(every rank that joined with ``heartbeat``) Stop ticking; the operation is over here."""
+        if self._hb_stop is not None:
+            self._hb_stop.set()
+
+    def _start_heartbeat(self) -> None:
+        stop = self._hb_stop = threading.Event()
+        key = self._k("hb", str(self.rank))
+        store: Any = self._store()
+        try:
+            store = store.clone()  # its own connection: never interleaves with the caller's requests
+        except Exception as err:  # stores without clone() are shared; both users only make atomic calls
+            logger.debug("shardsafe: store.clone() unavailable (%s); heartbeat shares the store", err)
+        self._add(key, 1)
+
+        def tick() -> None:
+            while not stop.wait(knobs.heartbeat_seconds()):
+                try:
+                    store.add(key, 1)
+                except Exception as err:  # the store is gone: waits on this rank raise RankDeadError
+                    logger.debug("shardsafe: heartbeat of rank %d stopped: %s", self.rank, err)
+                    return
+
+        threading.Thread(target=tick, name=f"shardsafe-heartbeat-{self.op}", daemon=True).start()
+
+    def _check_alive(self, phase: str, ranks: list[int]) -> None:
+        """Raise :class:`RankDeadError` (and abort the operation for all) if one of ``ranks`` joined
+        this operation and its heartbeat has stopped for ``SHARDSAFE_DEAD_AFTER`` seconds."""
+        if self._hb_stop is None or not ranks:
+            return
+        now = time.monotonic()
+        if now - self._hb_checked < knobs.heartbeat_seconds():
+            return
+        self._hb_checked = now
+        for r in ranks:
+            count = self._add(self._k("hb", str(r)), 0)
+            if count == 0:
+                continue  # never joined this operation: that is the deadline's business
+            last = self._hb_seen.get(r)
+            if last is None or last[0] != count:
+                self._hb_seen[r] = (count, now)
+            elif now - last[1] > knobs.dead_after():
+                message = (
+                    f"{self.op} of {self.target!r}: rank {r} joined but stopped responding {now - last[1]:.0f}s ago "
+                    f"in phase {phase!r} (its heartbeat stopped: the process died or is frozen). Nothing was "
+                    "committed; restart the job, it resumes from the last committed checkpoint."
+                )
+                record = {"rank": r, "phase": phase, "error": f"RankDeadError: rank {r} stopped (heartbeat lost)"}
+                self._compare_set(self._k("abort"), json.dumps(record))
+                raise RankDeadError(message)
+
     def _k(self, *parts: str) -> str:
         return "/".join((self.prefix, str(self.seq), *parts))
 
@@ -283,6 +345,8 @@ class Coordinator:
         while not self._check(key):
             if watch_abort:
                 self._raise_if_aborted()
+                if self.rank == 0 and self._hb_stop is not None:  # one rank watches, the abort tells the rest
+                    self._check_alive(phase, [r for r in range(self.world_size) if r != self.rank])
             elapsed = time.monotonic() - started
             if elapsed > timeout:
                 arrived = [r for r in range(self.world_size) if self._check(self._k(phase, "r", str(r)))]
@@ -316,6 +380,11 @@ class Coordinator:
         record = json.loads(self._get(key))
         if record["rank"] == self.global_rank:
             return
+        if str(record["error"]).startswith("RankDeadError"):
+            raise RankDeadError(
+                f"{self.op} of {self.target!r}: rank {record['rank']} died in phase {record['phase']!r} (its heartbeat "
+                "stopped). Nothing was committed; restart the job, it resumes from the last committed checkpoint."
+            )
         raise RemoteRankError(
             f"{self.op} of {self.target!r} failed on rank {record['rank']} in phase {record['phase']!r}: "
             f"{record['error']}. Nothing was committed; fix the cause on rank {record['rank']} and retry.",
@@ -385,7 +454,7 @@ class Coordinator:
             _cleaned[key] = self.seq - 1
         for seq in range(start, self.seq):
             prefix = f"{self.prefix}/{seq}"
-            names = [f"{prefix}/abort"]
+            names = [f"{prefix}/abort"] + [f"{prefix}/hb/{r}" for r in range(self.world_size)]
             for phase in _phases_used.pop((key, seq), {"arrive"}):
                 names += [f"{prefix}/{phase}/{leaf}" for leaf in ("count", "decision", "value")]
                 names += [f"{prefix}/{phase}/r/{r}" for r in range(self.world_size)]

@@ -49,7 +49,7 @@ def load(
     path = str(path)
     storage = get_storage(path, storage_options)
     single = state is None
-    coord = None if single else Coordinator.join("load", path, deadlines=deadlines, group=group)
+    coord = None if single else Coordinator.join("load", path, deadlines=deadlines, group=group, heartbeat=True)
     started = time.monotonic()
     phase = "manifest"
     try:
@@ -84,6 +84,9 @@ def load(
         if coord is not None and not isinstance(err, CoordinationError):
             coord.fail(phase, err)
         raise
+    finally:
+        if coord is not None:
+            coord.close()
     took = time.monotonic() - started
     if coord is None or coord.rank == 0:
         logger.info(

@@ -26,7 +26,7 @@ from shardsafe import knobs
 from shardsafe.coord import Coordinator, Deadlines, fault_point
 from shardsafe.engine.plan import plan_writes
 from shardsafe.engine.staging import stage_chunks
-from shardsafe.errors import CheckpointError, CheckpointExistsError, CoordinationError
+from shardsafe.errors import CheckpointError, CheckpointExistsError, CoordinationError, UnsafeValueError
 from shardsafe.format.datafile import PendingChunk, write_file
 from shardsafe.format.manifest import Chunk, FileEntry, Manifest, TensorEntry
 from shardsafe.format.values import encode
@@ -64,6 +64,7 @@ class SaveJob:
         self.save_id = ""
         self.staging = ""
         self.flat: FlatState | None = None
+        self.metadata_json: Any = None
         self.chunks: list[PendingChunk] = []
         self.started = time.monotonic()
         self.blocking_seconds = 0.0
@@ -73,7 +74,9 @@ class SaveJob:
     def begin(self, *, copy: bool) -> None:
         """(all ranks, caller's thread) Rendezvous, plan and stage. With ``copy`` the chunks are copied
         into staging buffers, so the caller may change its tensors as soon as this returns."""
-        self.coord = coord = Coordinator.join("save", self.path, deadlines=self.deadlines, group=self.group)
+        self.coord = coord = Coordinator.join(
+            "save", self.path, deadlines=self.deadlines, group=self.group, heartbeat=True
+        )
         try:
             fault_point("save.rendezvous", coord.global_rank)
             self.phase = "plan"
@@ -85,6 +88,7 @@ class SaveJob:
                 raise CheckpointExistsError(record["exists"])
             self.save_id, self.staging = record["save_id"], record["staging"]
             self.flat = flatten(self.state, allow_pickle=self.allow_pickle)
+            self.metadata_json = encode(self.metadata, "metadata", _no_tensors)
             self.chunks = plan_writes(self.flat.items, coord.rank, coord.world_size)
             fault_point("save.plan", coord.global_rank)
             self.phase = "stage"
@@ -93,6 +97,7 @@ class SaveJob:
                 fault_point("save.stage", coord.global_rank)
         except BaseException as err:
             self._failed(err)
+            coord.close()
             raise self._wrap(err) from err
         self.blocking_seconds = time.monotonic() - self.started
 
@@ -152,6 +157,8 @@ class SaveJob:
                 writer.abort()
             self._failed(err)
             raise self._wrap(err) from err
+        finally:
+            coord.close()
 
     def _commit(self, coord: Coordinator, flat: FlatState, reports: list[dict[str, Any]]) -> None:
         """(rank 0) Build the manifest from every report, write it last, make it visible, tell the ranks."""
@@ -223,7 +230,7 @@ class SaveJob:
             strategy=flat.strategy,
             library={"shardsafe": shardsafe.__version__, "torch": torch.__version__.split("+")[0]},
             block_bytes=knobs.checksum_block_bytes(),
-            metadata=encode(self.metadata, "metadata", _no_tensors),
+            metadata=self.metadata_json,
             objects=flat.objects,
             tensors=tensors,
             files=files,
@@ -266,7 +273,7 @@ def _fingerprint(flat: FlatState) -> str:
 
 
 def _no_tensors(path: str, _t: torch.Tensor) -> str:
-    raise TypeError(f"{path!r}: metadata= holds plain values only (no tensors)")
+    raise UnsafeValueError(f"{path!r}: metadata= holds plain values only (no tensors); put tensors in the state")
 
 
 class SaveHandle:
