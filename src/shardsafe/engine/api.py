@@ -212,7 +212,13 @@ def verify(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | No
     for fname, fentry in manifest.files.items():
         fpath = storage.join(path, fname)
         try:
-            verify_header(storage, fpath, fentry, [c for _, c in by_file[fname]])
+            verify_header(
+                storage,
+                fpath,
+                fentry,
+                [c for _, c in by_file[fname]],
+                [manifest.tensors[t].dtype for t, _ in by_file[fname]],
+            )
         except (FileNotFoundError, EOFError, ValueError) as err:
             from shardsafe.errors import CorruptCheckpointError
 

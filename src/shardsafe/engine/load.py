@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from shardsafe.coord import Coordinator, Deadlines, fault_point
-from shardsafe.engine.read import Task, plan_reads, read_manifest, run_tasks
+from shardsafe.engine.read import Task, check_sizes, plan_reads, read_manifest, run_tasks
 from shardsafe.errors import CheckpointError, CoordinationError, MissingKeysError
 from shardsafe.format.manifest import Manifest
-from shardsafe.format.values import decode, tensor_refs
+from shardsafe.format.values import decode, tensor_refs, validate
 from shardsafe.state.flatten import kind_of, local_box, optimizer_names, param_names, unwrap
 from shardsafe.storage import get_storage
 
@@ -59,14 +59,25 @@ def load(
         phase = "read"
         first = (lambda: fault_point("load.read", coord.global_rank)) if coord else (lambda: None)
         if state is None:
+            for key, obj in manifest.objects.items():
+                validate(obj["value"], f"{path}: {key}", allow_pickle=allow_pickle)
+            check_sizes(storage, path, manifest, list(manifest.tensors))
             resolved: dict[str, torch.Tensor] = {}
             tasks = []
             for name, entry in manifest.tensors.items():
                 resolved[name] = torch.empty(entry.shape, dtype=entry.dtype)
                 tasks += plan_reads(name, entry, resolved[name], (0,) * len(entry.shape))
             nbytes = run_tasks(storage, path, manifest, tasks, first)
-            out = {k: _decode(manifest, k, resolved, allow_pickle) for k in manifest.objects}
+            out = {k: _decode(manifest, k, resolved, allow_pickle, path) for k in manifest.objects}
         else:
+            # tensors that may be allocated from manifest shapes: everything but a module's own parameters
+            sized = [
+                ref
+                for key, obj in manifest.objects.items()
+                if obj["kind"] != "module" or key not in state
+                for ref in tensor_refs(obj["value"])
+            ]
+            check_sizes(storage, path, manifest, sized)
             plan = _plan(manifest, state, strict, allow_pickle, path)
             nbytes = run_tasks(storage, path, manifest, plan.tasks, first)
             phase = "restore"
@@ -99,13 +110,15 @@ def load(
     return out
 
 
-def _decode(manifest: Manifest, key: str, resolved: dict[str, torch.Tensor], allow_pickle: bool) -> Any:
-    return decode(manifest.objects[key]["value"], key, resolved.__getitem__, allow_pickle=allow_pickle)
+def _decode(manifest: Manifest, key: str, resolved: dict[str, torch.Tensor], allow_pickle: bool, path: str) -> Any:
+    return decode(manifest.objects[key]["value"], f"{path}: {key}", resolved.__getitem__, allow_pickle=allow_pickle)
 
 
 def _plan(manifest: Manifest, state: MutableMapping[str, Any], strict: bool, allow_pickle: bool, path: str) -> _Plan:
     """Check every requested key against the checkpoint and build the reads, modifying nothing."""
     plan = _Plan()
+    for key, obj in manifest.objects.items():  # every value is checked before anything is modified
+        validate(obj["value"], f"{path}: {key}", allow_pickle=allow_pickle)
     names = param_names(state)
     missing: list[str] = []
     for key, obj in state.items():
@@ -133,7 +146,7 @@ def _plan(manifest: Manifest, state: MutableMapping[str, Any], strict: bool, all
     plan.missing = missing
     for key in manifest.objects:
         if key not in state:
-            plan.apply.append(_read_whole(plan, manifest, key, allow_pickle, plan.extra.__setitem__))
+            plan.apply.append(_read_whole(plan, manifest, key, allow_pickle, plan.extra.__setitem__, path))
     return plan
 
 
@@ -245,11 +258,11 @@ def _plan_value(
         else:
             state[k] = value
 
-    plan.apply.append(_read_whole(plan, manifest, key, allow_pickle, put))
+    plan.apply.append(_read_whole(plan, manifest, key, allow_pickle, put, path))
 
 
 def _read_whole(
-    plan: _Plan, manifest: Manifest, key: str, allow_pickle: bool, put: Callable[[str, Any], None]
+    plan: _Plan, manifest: Manifest, key: str, allow_pickle: bool, put: Callable[[str, Any], None], path: str
 ) -> Callable[[], None]:
     """Plan reading entry ``key`` whole into new CPU tensors; the returned callable decodes it and
     hands the value to ``put`` once the reads are done."""
@@ -258,4 +271,4 @@ def _read_whole(
         entry = manifest.tensors[ref]
         fresh[ref] = torch.empty(entry.shape, dtype=entry.dtype)
         plan.tasks += plan_reads(ref, entry, fresh[ref], (0,) * len(entry.shape))
-    return lambda: put(key, _decode(manifest, key, fresh, allow_pickle))
+    return lambda: put(key, _decode(manifest, key, fresh, allow_pickle, path))

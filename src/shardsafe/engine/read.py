@@ -30,7 +30,25 @@ def read_manifest(storage: Storage, path: str) -> Manifest:
         raise _not_found(storage, path) from None
     except IsADirectoryError:
         raise CorruptCheckpointError(f"{where} is a directory, not a manifest") from None
+    except NotADirectoryError:
+        raise CheckpointNotFoundError(f"{path} is a file, not a checkpoint directory; check the path") from None
     return parse_manifest(raw, where)
+
+
+def check_sizes(storage: Storage, path: str, manifest: Manifest, tensors: Sequence[str]) -> None:
+    """Before allocating ``tensors`` from manifest shapes: their data files must really be as large as
+    the manifest says, so a forged shape cannot make a reader allocate memory the files do not back."""
+    files = sorted({c.file for t in tensors for c in manifest.tensors[t].chunks})
+    for name in files:
+        file = storage.join(path, name)
+        try:
+            size = storage.size(file)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{file}: data file missing") from None
+        if size != manifest.files[name].size:
+            raise CorruptCheckpointError(
+                f"{file}: {size} bytes, the manifest says {manifest.files[name].size} (truncated or altered)"
+            )
 
 
 def _not_found(storage: Storage, path: str) -> CheckpointNotFoundError:

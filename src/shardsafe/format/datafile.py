@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -29,6 +30,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError("tensor_bytes needs a contiguous CPU tensor")
+    if sys.byteorder != "little":
+        raise NotImplementedError("format v1 stores little-endian bytes; big-endian hosts are not supported")
     flat = tensor.detach().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
@@ -134,7 +137,9 @@ def _check(path: str, chunk: Chunk, k: int, block: int, data: memoryview | bytea
         )
 
 
-def verify_header(storage: Storage, path: str, entry: FileEntry, chunks: Sequence[Chunk]) -> None:
+def verify_header(
+    storage: Storage, path: str, entry: FileEntry, chunks: Sequence[Chunk], dtypes: Sequence[torch.dtype]
+) -> None:
     """Check a data file's size, header checksum, and that its safetensors header matches the manifest."""
     size = storage.size(path)
     if size != entry.size:
@@ -147,8 +152,13 @@ def verify_header(storage: Storage, path: str, entry: FileEntry, chunks: Sequenc
     if 8 + n != entry.header_bytes:
         raise CorruptCheckpointError(f"{path}: header length field {n} disagrees with the manifest")
     header = json.loads(bytes(raw[8:]))
-    for c in chunks:
+    for c, dtype in zip(chunks, dtypes, strict=True):
         info = header.get(c.key)
         want = [c.begin - entry.header_bytes, c.end - entry.header_bytes]
-        if not isinstance(info, dict) or info.get("data_offsets") != want or info.get("shape") != list(c.sizes):
+        if (
+            not isinstance(info, dict)
+            or info.get("data_offsets") != want
+            or info.get("shape") != list(c.sizes)
+            or info.get("dtype") != SAFETENSORS_DTYPES[dtype]
+        ):
             raise CorruptCheckpointError(f"{path}: header entry {c.key!r} disagrees with the manifest")

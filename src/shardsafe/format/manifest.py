@@ -14,12 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import xxhash
 
 from shardsafe.errors import CorruptCheckpointError
-from shardsafe.format.values import dtype_from_name, dtype_name, tensor_refs
+from shardsafe.format.values import dtype_from_name, dtype_name, tensor_refs, validate
 
 FORMAT_VERSION = 1
 CHECKSUM_ALGORITHM = "xxh3-64"
+SELF_CHECKSUM = "manifest_checksum"
+"""Key of the manifest's own checksum: xxh3-64 of the canonical JSON of the document without it."""
 OBJECT_KINDS = ("module", "optimizer", "stateful", "value")
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
 
@@ -129,7 +132,19 @@ class Manifest:
                 for name, f in self.files.items()
             },
         }
-        return json.dumps(doc, indent=1, allow_nan=False).encode()
+        return json.dumps(seal_manifest(doc), separators=(",", ":"), allow_nan=False).encode()
+
+
+def seal_manifest(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` with its ``manifest_checksum`` (re)computed; the field is always last."""
+    body = {k: v for k, v in doc.items() if k != SELF_CHECKSUM}
+    return {**body, SELF_CHECKSUM: _self_checksum(body)}
+
+
+def _self_checksum(doc: dict[str, Any]) -> str:
+    body = {k: v for k, v in doc.items() if k != SELF_CHECKSUM}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return xxhash.xxh3_64_hexdigest(canonical.encode())
 
 
 def check_file_name(name: Any, where: str) -> str:
@@ -156,9 +171,22 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
             "upgrade shardsafe to read it"
         )
     try:
+        intact = doc.get(SELF_CHECKSUM) == _self_checksum(doc)
+    except (TypeError, ValueError):
+        intact = False
+    if not intact:
+        raise CorruptCheckpointError(
+            f"{where}: MANIFEST.json fails its own checksum: it was altered or damaged. Load an older checkpoint."
+        )
+    try:
         return _build(doc, where)
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise CorruptCheckpointError(f"{where}: malformed MANIFEST.json ({type(err).__name__}: {err})") from err
+
+
+def _checked(node: Any, where: str) -> Any:
+    validate(node, where, allow_pickle=False)
+    return node
 
 
 def _int(value: Any, what: str, where: str, minimum: int = 0) -> int:
@@ -185,6 +213,7 @@ def _build(doc: dict[str, Any], where: str) -> Manifest:
     for key, obj in doc["objects"].items():
         if obj.get("kind") not in OBJECT_KINDS:
             raise CorruptCheckpointError(f"{where}: entry {key!r} has unknown kind {obj.get('kind')!r}")
+        validate(obj["value"], f"{where}: {key}", allow_pickle=True)
         for ref in tensor_refs(obj["value"]):
             if ref not in tensors:
                 raise CorruptCheckpointError(f"{where}: entry {key!r} refers to missing tensor {ref!r}")
@@ -196,7 +225,7 @@ def _build(doc: dict[str, Any], where: str) -> Manifest:
         strategy=str(doc["strategy"]),
         library={str(k): str(v) for k, v in doc.get("library", {}).items()},
         block_bytes=block,
-        metadata=doc.get("metadata"),
+        metadata=_checked(doc.get("metadata"), f"{where}: metadata"),
         objects=objects,
         tensors=tensors,
         files=files,
@@ -239,4 +268,25 @@ def _tensor(name: str, t: dict[str, Any], files: dict[str, FileEntry], block: in
         chunks.append(Chunk(offsets, sizes, file, str(c["key"]), begin, end, checksums))
     if covered != math.prod(shape):
         raise CorruptCheckpointError(f"{here}: chunks hold {covered} elements, shape {list(shape)} needs more/less")
+    _check_disjoint(chunks, here)
     return TensorEntry(dtype=dtype, shape=shape, chunks=tuple(chunks))
+
+
+def _check_disjoint(chunks: list[Chunk], here: str) -> None:
+    """Chunks must not overlap (with the element count equal to the shape's, they then tile it
+    exactly). A sweep along dim 0 keeps this near-linear for the usual row-sharded chunks."""
+    if len(chunks) < 2 or not chunks[0].offsets:
+        if len(chunks) > 1:
+            raise CorruptCheckpointError(f"{here}: a 0-d tensor has {len(chunks)} chunks")
+        return
+    boxes = sorted((c for c in chunks if math.prod(c.sizes) > 0), key=lambda c: c.offsets[0])
+    for i, a in enumerate(boxes):
+        end0 = a.offsets[0] + a.sizes[0]
+        for b in boxes[i + 1 :]:
+            if b.offsets[0] >= end0:
+                break
+            if all(
+                bo < ao + asz and ao < bo + bsz
+                for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
+            ):
+                raise CorruptCheckpointError(f"{here}: chunks at {list(a.offsets)} and {list(b.offsets)} overlap")

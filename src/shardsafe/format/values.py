@@ -60,6 +60,10 @@ def encode(value: Any, path: str, on_tensor: TensorSink, *, allow_pickle: bool =
     """Typed JSON for ``value``; ``path`` names it in errors (``model/layers.0.weight``)."""
     if value is None or isinstance(value, (bool, str)):
         return value
+    if type(value).__module__.startswith("numpy"):  # np.float64 is a float subclass: keep its type
+        numpy = _numpy_value(value, path, on_tensor)
+        if numpy is not None:
+            return numpy
     if isinstance(value, int):
         return int(value)
     if isinstance(value, float):
@@ -91,9 +95,6 @@ def encode(value: Any, path: str, on_tensor: TensorSink, *, allow_pickle: bool =
     if type(value) is tuple:
         items = [encode(v, f"{path}/{i}", on_tensor, allow_pickle=allow_pickle) for i, v in enumerate(value)]
         return {"$": "tuple", "items": items}
-    numpy = _numpy_value(value, path, on_tensor)
-    if numpy is not None:
-        return numpy
     if allow_pickle:
         return {"$": "pickle", "b64": base64.b64encode(pickle.dumps(value)).decode()}
     raise UnsafeValueError(
@@ -132,7 +133,7 @@ def decode(node: Json, where: str, resolve: TensorSource, *, allow_pickle: bool 
         raise CorruptCheckpointError(f"{where}: unknown value kind {tag!r}; this checkpoint needs a newer shardsafe")
     try:
         return _decode_tagged(tag, node, where, resolve, allow_pickle)
-    except (KeyError, TypeError, ValueError) as err:
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
         raise CorruptCheckpointError(f"{where}: malformed {tag!r} node: {err}") from err
 
 
@@ -169,11 +170,50 @@ def _decode_tagged(tag: str, node: dict[str, Any], where: str, resolve: TensorSo
         return np.dtype(str(node["dtype"])).type(decode(node["v"], where, resolve))
     # tag == "pickle"
     if not allow_pickle:
-        raise CorruptCheckpointError(
+        raise UnsafeValueError(
             f"{where}: the checkpoint holds a pickled value, and loading it would run code from whoever wrote the "
             "file. Refused; pass allow_pickle=True to load only if you trust its author."
         )
     return pickle.loads(base64.b64decode(node["b64"], validate=True))
+
+
+def validate(node: Json, where: str, *, allow_pickle: bool) -> None:
+    """Check a typed JSON tree without building it: every tag known, every leaf well formed, and no
+    pickle unless allowed (nothing is unpickled here)."""
+    if node is None or isinstance(node, (bool, int, float, str)):
+        return
+    if isinstance(node, list):
+        for i, v in enumerate(node):
+            validate(v, f"{where}/{i}", allow_pickle=allow_pickle)
+        return
+    if not isinstance(node, dict) or not isinstance(node.get("$"), str):
+        raise CorruptCheckpointError(f"{where}: malformed value node {str(node)[:80]!r}")
+    tag = node["$"]
+    try:
+        if tag == "dict":
+            for key, value in node["items"]:
+                if isinstance(key, bool) or not isinstance(key, (str, int)):
+                    raise ValueError(f"bad dict key {key!r}")
+                validate(value, f"{where}/{key}", allow_pickle=allow_pickle)
+        elif tag == "tuple":
+            for i, v in enumerate(node["items"]):
+                validate(v, f"{where}/{i}", allow_pickle=allow_pickle)
+        elif tag in ("tensor", "ndarray"):
+            if not isinstance(node["ref"], str):
+                raise ValueError(f"bad tensor reference {node['ref']!r}")
+        elif tag == "pickle":
+            if not isinstance(node["b64"], str):
+                raise ValueError("pickle payload is not text")
+            if not allow_pickle:
+                decode(node, where, _no_source)  # raises the refusal
+        else:
+            decode(node, where, _no_source)
+    except (KeyError, TypeError, ValueError) as err:
+        raise CorruptCheckpointError(f"{where}: malformed {tag!r} node: {err}") from err
+
+
+def _no_source(ref: str) -> Any:
+    raise CorruptCheckpointError(f"unexpected tensor reference {ref!r}")
 
 
 def tensor_refs(node: Json) -> list[str]:

@@ -1,0 +1,191 @@
+"""The ``shardsafe`` command (also ``python -m shardsafe``). Runs in one process and talks to no other
+rank: it only reads checkpoints.
+
+- ``shardsafe inspect PATH [--json]``: what a checkpoint holds, from its manifest alone.
+- ``shardsafe verify PATH``: every byte of every data file checked against its checksum.
+- ``shardsafe ls ROOT [--verify] [--json]``: the checkpoints under a directory, with their status.
+
+Exit status: 0 when all is well, 1 when a checkpoint is corrupt, incomplete (uncommitted) or not
+there, 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any, TextIO
+
+import shardsafe
+from shardsafe.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+
+EXIT_OK = 0
+EXIT_BAD = 1
+EXIT_USAGE = 2
+
+# What a command may raise for a bad, missing or unreachable checkpoint (reported, exit 1). Anything
+# else is a bug and keeps its traceback.
+_REPORTED = (OSError, ImportError)
+
+
+def _path(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("the path is empty")
+    return text
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardsafe",
+        description="Inspect and verify shardsafe checkpoints.",
+        epilog="Exit status: 0 fine, 1 corrupt, incomplete or missing checkpoint, 2 usage error.",
+    )
+    parser.add_argument("--version", action="version", version=f"shardsafe {shardsafe.__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    inspect = commands.add_parser(
+        "inspect", help="show what a checkpoint holds (reads only MANIFEST.json)", description=_doc("inspect")
+    )
+    inspect.add_argument("path", type=_path, metavar="PATH", help="checkpoint directory or URL (s3://...)")
+    inspect.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+    verify = commands.add_parser(
+        "verify", help="check every byte of a checkpoint against its checksums", description=_doc("verify")
+    )
+    verify.add_argument("path", type=_path, metavar="PATH", help="checkpoint directory or URL (s3://...)")
+
+    ls = commands.add_parser("ls", help="list the checkpoints under a directory", description=_doc("ls"))
+    ls.add_argument("root", type=_path, metavar="ROOT", help="directory (or URL) that holds checkpoints")
+    ls.add_argument("--verify", action="store_true", help="also verify every committed checkpoint byte for byte")
+    ls.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return parser
+
+
+def _doc(command: str) -> str:
+    return {
+        "inspect": "Print a checkpoint's format version, save time, world size, strategy and size, and a table "
+        "of its entries (name, kind, dtype, global shape, chunks, bytes). Reads only MANIFEST.json.",
+        "verify": "Read every data file of a checkpoint and check it against the checksums in its manifest. "
+        "Prints one line: a summary, or the error naming the file and tensor. Exit 0 intact, 1 corrupt, "
+        "uncommitted or missing.",
+        "ls": "List the checkpoints under ROOT with status (committed, incomplete, corrupt), step, time, size "
+        "and metrics. With --verify, exit 1 if any is not intact.",
+    }[command]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``shardsafe`` command with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as stop:  # argparse exits on --help, --version and usage errors
+        return stop.code if isinstance(stop.code, int) else EXIT_USAGE
+    if args.command == "inspect":
+        return _inspect(args.path, as_json=args.json, out=sys.stdout)
+    if args.command == "verify":
+        return _verify(args.path, out=sys.stdout)
+    from shardsafe.manager.listing import ls_main  # the manager is not needed by inspect/verify
+
+    return ls_main(args.root, verify=args.verify, as_json=args.json, out=sys.stdout)
+
+
+def _fail(command: str, err: BaseException) -> int:
+    if isinstance(err, CorruptCheckpointError):
+        what = "CORRUPT"
+    elif isinstance(err, (CheckpointNotFoundError, FileNotFoundError, NotADirectoryError)):
+        what = "NOT A CHECKPOINT"
+    else:
+        what = f"ERROR ({type(err).__name__})"
+    print(f"shardsafe {command}: {what}: {err}", file=sys.stderr)
+    return EXIT_BAD
+
+
+def _verify(path: str, *, out: TextIO) -> int:
+    """Verify ``path`` byte for byte; one line on ``out`` when intact, else one on stderr."""
+    try:
+        summary = shardsafe.verify(path)
+    except (CheckpointError, *_REPORTED) as err:
+        return _fail("verify", err)
+    out.write(
+        f"OK {path}: {summary.files} data file(s), {summary.tensors} tensor(s), {_size(summary.bytes)} verified\n"
+    )
+    return EXIT_OK
+
+
+def _inspect(path: str, *, as_json: bool, out: TextIO) -> int:
+    """Describe ``path`` from its manifest: a JSON object, or header lines and a table of entries."""
+    try:
+        info = shardsafe.inspect(path)
+    except (CheckpointError, *_REPORTED) as err:
+        return _fail("inspect", err)
+    if as_json:
+        doc = asdict(info)
+        doc["metadata"] = _jsonable(info.metadata)
+        json.dump(doc, out, indent=2, allow_nan=False)
+        out.write("\n")
+        return EXIT_OK
+    created = datetime.datetime.fromtimestamp(info.created).astimezone().isoformat(timespec="seconds")
+    library = ", ".join(f"{k} {v}" for k, v in sorted(info.library.items())) or "-"
+    header = [
+        ("checkpoint", info.path),
+        ("format version", str(info.format_version)),
+        ("save id", info.save_id),
+        ("created", created),
+        ("world size", str(info.world_size)),
+        ("strategy", info.strategy),
+        ("total size", f"{_size(info.total_bytes)} in {len(info.files)} data file(s)"),
+        ("written by", library),
+        ("metadata", _short(info.metadata)),
+    ]
+    for label, value in header:
+        out.write(f"{label + ':':<16}{value}\n")
+    out.write("\n")
+    rows = [("NAME", "KIND", "DTYPE", "SHAPE", "CHUNKS", "BYTES")]
+    for e in info.entries:
+        if e.kind == "tensor":
+            shape = "[" + ", ".join(map(str, e.shape or ())) + "]"
+            rows.append((e.name, e.kind, e.dtype or "-", shape, str(e.chunks), str(e.nbytes)))
+        else:
+            rows.append((e.name, e.kind, "-", "-", "-", "-"))
+    out.write(_table(rows))
+    return EXIT_OK
+
+
+def _table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [c.rjust(w) if i >= 4 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def _size(n: int) -> str:
+    """``n`` bytes, exactly, plus a binary-unit rounding when that reads easier (``3145728 bytes (3.0 MiB)``)."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+    size, i = float(n), 0
+    while size >= 1024 and i < len(units) - 1:
+        size, i = size / 1024, i + 1
+    return f"{n} bytes" if i == 0 else f"{n} bytes ({size:.1f} {units[i]})"
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    text = "-" if value is None else json.dumps(_jsonable(value), allow_nan=False)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as plain JSON for display: tuples become lists, dict keys strings, non-finite floats
+    the strings ``"nan"``/``"inf"``/``"-inf"``, anything else JSON cannot hold its ``repr``."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return repr(value)
