@@ -18,6 +18,7 @@ from shardsafe.errors import (
     RemoteRankError,
     UnsafeValueError,
 )
+from shardsafe.manager import CheckpointManager, CheckpointRecord
 
 __version__ = "0.1.0"
 
@@ -25,7 +26,9 @@ __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointInfo",
+    "CheckpointManager",
     "CheckpointNotFoundError",
+    "CheckpointRecord",
     "CoordinationError",
     "CorruptCheckpointError",
     "MissingKeysError",

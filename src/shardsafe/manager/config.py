@@ -94,8 +94,9 @@ class ManagerConfig:
     async_save: bool = False
     """Save in the background with :func:`shardsafe.async_save`; training continues once the state
     is staged."""
-    save_on_signals: tuple[signal.Signals, ...] = (signal.SIGTERM,)
-    """Signals that ask for a checkpoint and a clean stop (preemption); ``()`` installs no handler."""
+    save_on_signals: tuple[int, ...] = (signal.SIGTERM,)
+    """Signals that ask for a checkpoint and a clean stop (preemption); ``()`` installs no handler.
+    Stored as :class:`signal.Signals`."""
     timeout: float | None = None
     """Deadline in seconds for each save, load and agreement; ``None`` uses the library defaults."""
     leftover_age: float = 3600.0

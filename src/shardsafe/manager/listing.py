@@ -9,6 +9,7 @@ Listing is local to the calling process and talks to no other rank.
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 import time
@@ -60,10 +61,20 @@ class CheckpointRecord:
         return self.name != self.target
 
     def to_json(self) -> dict[str, Any]:
+        """Strict JSON: non-finite metric values become the strings ``"nan"``, ``"inf"``, ``"-inf"``, and
+        values JSON cannot hold (in checkpoints not written by the manager) their ``repr``."""
         out = asdict(self)
-        out["metrics"] = dict(self.metrics)
+        out["metrics"] = {str(k): _finite_or_str(v) for k, v in self.metrics.items()}
         del out["files"], out["target"]
         return out
+
+
+def _finite_or_str(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    return repr(value)
 
 
 def _step_from_name(name: str, template: NameTemplate | None) -> int | None:
@@ -198,7 +209,7 @@ def ls_main(root: str, *, verify: bool, as_json: bool, out: TextIO) -> int:
     or corrupt, 2 when ``root`` is not a directory (message on stderr)."""
     try:
         fs = open_root(root)
-    except ValueError as err:
+    except (ValueError, ImportError) as err:
         print(f"shardsafe ls: {err}", file=sys.stderr)
         return 2
     if not fs.is_dir(root):
@@ -209,10 +220,12 @@ def ls_main(root: str, *, verify: bool, as_json: bool, out: TextIO) -> int:
     if verify:
         records = [verify_record(r) for r in records]
     if as_json:
-        json.dump({"root": root, "checkpoints": [r.to_json() for r in records]}, out, indent=2)
+        json.dump({"root": root, "checkpoints": [r.to_json() for r in records]}, out, indent=2, allow_nan=False)
         out.write("\n")
     elif records:
         out.write("\n".join(_table(records)) + "\n")
+    elif fs.exists(fs.join(root, MANIFEST_NAME)):
+        out.write(f"{root} is itself a checkpoint, not a root of checkpoints; list its parent directory\n")
     else:
         out.write(f"no checkpoints under {root}\n")
     bad = [r for r in records if r.status != "committed"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
@@ -16,6 +16,7 @@ import torch
 from shardsafe.coord import Deadlines
 from shardsafe.coord.group import resolve_group
 from shardsafe.engine import api
+from shardsafe.manager.agreement import StepBroadcast, StoreKeys
 from shardsafe.manager.cleanup import apply_retention, remove_leftovers
 from shardsafe.manager.config import ManagerConfig
 from shardsafe.manager.listing import CheckpointRecord, scan
@@ -88,15 +89,10 @@ class CheckpointManager:
             keep_every_n_steps=keep_every_n_steps,
             name=name,
             async_save=async_save,
-            save_on_signals=save_on_signals,  # type: ignore[arg-type]  # normalised by ManagerConfig
+            save_on_signals=save_on_signals,
             timeout=timeout,
             leftover_age=leftover_age,
         )
-        if async_save and getattr(api, "async_save", None) is None:
-            raise ValueError(
-                "CheckpointManager(async_save=True): this build of shardsafe has no async_save; pass "
-                "async_save=False (saves then block until committed)"
-            )
         self._fs = open_root(self.config.root)
         store, self.rank, self.world_size, _, namespace, _ = resolve_group(None)
         self._deadlines = Deadlines.resolve(self.config.timeout)
@@ -107,13 +103,16 @@ class CheckpointManager:
             mode=self.config.mode,
             keep_every_n_steps=self.config.keep_every_n_steps,
         )
+        keys = StoreKeys.for_manager(store, namespace)
         self._flag = SignalFlag(self.config.save_on_signals)
         self._schedule = Schedule(
             self.config,
             rank=self.rank,
             flag=self._flag,
-            stop=StopAgreement.for_manager(store, namespace),
-            deadlines=self._deadlines,
+            stop=StopAgreement(keys),
+            tick=StepBroadcast(
+                keys, "every_seconds", rank=self.rank, world_size=self.world_size, timeout=self._deadlines.arrive
+            ),
         )
         self._pending: _Pending | None = None
         self._resumed_step: int | None = None
@@ -128,12 +127,12 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """(every rank, same steps) Whether ``step`` is to be saved: a preemption stop is due, or
         ``step % every_n_steps == 0``, or ``every_seconds`` have passed on rank 0's clock. The answer
-        is the same on every rank; the time-based check waits for every rank to ask (deadline:
-        ``timeout``)."""
+        is the same on every rank; for the time-based check the other ranks wait for rank 0's decision
+        (deadline: ``timeout``)."""
         self._check_open()
         return self._schedule.reason(_check_step(step)) is not None
 
-    def maybe_save(self, step: int, state: dict[str, Any], metrics: Mapping[str, Any] | None = None) -> bool:
+    def maybe_save(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None = None) -> bool:
         """(every rank) :meth:`save` when :meth:`should_save`; returns whether it saved."""
         self._check_open()
         self._poll_pending()
@@ -142,7 +141,7 @@ class CheckpointManager:
         self.save(step, state, metrics)
         return True
 
-    def save(self, step: int, state: dict[str, Any], metrics: Mapping[str, Any] | None = None) -> None:
+    def save(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None = None) -> None:
         """(every rank) Save ``state`` as the checkpoint of ``step`` (replacing one of that step
         atomically), with ``metadata={"step": step, "metrics": metrics}``.
 
@@ -190,12 +189,13 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------- resuming
 
-    def resume(self, state: dict[str, Any]) -> int | None:
+    def resume(self, state: MutableMapping[str, Any]) -> int | None:
         """(every rank) Load the newest checkpoint that is complete and intact into ``state`` and return
         its step; ``None`` when there is none. Incomplete or damaged newer ones are skipped with a
         WARNING naming them and why; that checkpoint is never deleted by retention until a newer one
         is committed."""
         self._check_open()
+        self._finish_pending()  # a save in flight ends (or raises) before loading into the state
         result = resume_newest(self._fs, self.config, state, rank=self.rank, deadlines=self._deadlines)
         if result is None:
             return None

@@ -17,18 +17,14 @@ before seeing it; the save's rendezvous then fails with a :class:`~shardsafe.Ran
 
 from __future__ import annotations
 
-import itertools
 import logging
 import signal
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
-
-from shardsafe.errors import RankDeadError
+from shardsafe.manager.agreement import StoreKeys
 
 logger = logging.getLogger(__name__)
 
@@ -38,18 +34,18 @@ _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 class SignalFlag:
     """(each rank, main thread) Handlers for ``signals`` that record the first signal received."""
 
-    def __init__(self, signals: tuple[signal.Signals, ...]) -> None:
+    def __init__(self, signals: tuple[int, ...]) -> None:
         self.received: signal.Signals | None = None
         self._previous: dict[signal.Signals, _Handler] = {}
         if signals and threading.current_thread() is not threading.main_thread():
-            names = ", ".join(s.name for s in signals)
+            names = ", ".join(signal.Signals(s).name for s in signals)
             raise ValueError(
                 f"CheckpointManager(save_on_signals=({names})) must be created in the main thread (Python "
                 "delivers signals only there); create it there, or pass save_on_signals=() and call "
                 "save() yourself on preemption"
             )
         try:
-            for sig in signals:
+            for sig in map(signal.Signals, signals):
                 self._previous[sig] = signal.getsignal(sig)
                 signal.signal(sig, self._handle)
         except BaseException:
@@ -71,49 +67,26 @@ class SignalFlag:
         self._previous.clear()
 
 
-_instances = itertools.count()
-
-
 class StopAgreement:
     """(every rank) The step at which all ranks take the preemption checkpoint, agreed through the
-    store under ``key``. With no store (one process) the agreement is local."""
+    store under ``<manager keys>/stop_at``. With no store (one process) the agreement is local."""
 
-    def __init__(self, store: Store | None, key: str) -> None:
-        self.store = store
-        self.key = key
+    def __init__(self, keys: StoreKeys | None) -> None:
+        self.keys = keys
         self._local: int | None = None
-
-    @classmethod
-    def for_manager(cls, store: Store | None, namespace: str) -> StopAgreement:
-        """One key per manager: managers are created in the same order on every rank, so the n-th
-        manager of each rank shares the n-th key."""
-        return cls(store, f"{namespace}/manager/{next(_instances)}/stop_at")
 
     def propose(self, step: int) -> int:
         """Ask to stop at ``step`` unless a step is already agreed; return the agreed step."""
-        if self.store is None:
+        if self.keys is None:
             if self._local is None:
                 self._local = step
             return self._local
-        store = self.store
-        raw = self._call("compare_set", lambda: store.compare_set(self.key, "", str(step)))
-        return int(raw.decode())
-
-    def agreed(self) -> int | None:
-        """The agreed step, or ``None`` when no rank has asked to stop (one ``check`` on the store)."""
-        store = self.store
-        if store is None:
-            return self._local
-        if self._local is None and self._call("check", lambda: store.check([self.key])):
-            self._local = int(self._call("get", lambda: store.get(self.key)).decode())
+        self._local = int(self.keys.compare_set(self.keys.key("stop_at"), str(step)))
         return self._local
 
-    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
-        try:
-            return fn()
-        except (RuntimeError, OSError) as err:
-            raise RankDeadError(
-                f"preemption agreement: lost the rendezvous store during {what} of {self.key!r} ({err}). The "
-                "process hosting it (rank 0 or the launcher) has most likely died; restart the job, it resumes "
-                "from the last committed checkpoint."
-            ) from err
+    def agreed(self) -> int | None:
+        """The agreed step, or ``None`` when no rank has asked to stop (one ``check`` on the store
+        until a step is known, none after)."""
+        if self._local is None and self.keys is not None and self.keys.check(self.keys.key("stop_at")):
+            self._local = int(self.keys.get(self.keys.key("stop_at")))
+        return self._local

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +63,7 @@ def _outcome(err: Exception | None) -> dict[str, Any]:
 
 
 def resume_newest(
-    fs: RootFS, config: ManagerConfig, state: dict[str, Any], *, rank: int, deadlines: Deadlines
+    fs: RootFS, config: ManagerConfig, state: MutableMapping[str, Any], *, rank: int, deadlines: Deadlines
 ) -> Resumed | None:
     """(every rank) Load the newest loadable checkpoint under ``config.root`` into ``state``.
 

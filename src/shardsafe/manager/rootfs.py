@@ -1,6 +1,6 @@
 """The few filesystem operations the manager needs on its root (list, age, size, delete), behind one
-small interface, so listing and deletion switch to another backend in one place (:func:`open_root`)
-instead of ``os`` calls scattered through the manager."""
+small interface chosen in one place (:func:`open_root`), instead of ``os`` calls scattered through
+the manager. Remote roots use the fsspec storage backend, which implements the same operations."""
 
 from __future__ import annotations
 
@@ -100,11 +100,10 @@ class LocalRootFS:
 
 
 def open_root(root: str) -> RootFS:
-    """The :class:`RootFS` for ``root``. Only local directories are handled for now; a remote root
-    (``s3://...``) is refused here, before anything is saved, rather than half-working."""
+    """The :class:`RootFS` for ``root``: the local filesystem for a plain path, the fsspec storage
+    backend (which provides these operations too) for a URL such as ``s3://bucket/run``."""
     if is_remote(root):
-        raise ValueError(
-            f"CheckpointManager(root={root!r}): remote roots are not supported by the manager yet; use a "
-            "local (or mounted network) directory, or call shardsafe.save/load on remote paths directly"
-        )
+        from shardsafe.storage.remote import FsspecStorage  # fsspec is imported only for remote roots
+
+        return FsspecStorage.for_path(root)
     return LocalRootFS()

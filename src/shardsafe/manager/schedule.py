@@ -5,8 +5,9 @@ same branch and make the same store calls):
 
 1. preemption: a step at or after the stop step agreed through :class:`StopAgreement`;
 2. ``step % every_n_steps == 0``: pure arithmetic, no talk needed;
-3. ``every_seconds``: only rank 0's clock counts; it decides and broadcasts through a
-   :class:`~shardsafe.coord.Coordinator` (one small rendezvous per step where this is reached).
+3. ``every_seconds``: only rank 0's clock counts; it decides and the others read its decision from
+   the store (:class:`~shardsafe.manager.agreement.StepBroadcast`, a few store calls per step where
+   this is reached).
 
 A step already saved by this manager (or resumed from) is never scheduled again, and asking twice for
 the same step gives the cached answer without talking to the store again.
@@ -18,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from shardsafe.coord import Coordinator, Deadlines
+from shardsafe.manager.agreement import StepBroadcast
 from shardsafe.manager.config import ManagerConfig
 from shardsafe.manager.preemption import SignalFlag, StopAgreement
 
@@ -39,14 +40,14 @@ class Schedule:
         rank: int,
         flag: SignalFlag,
         stop: StopAgreement,
-        deadlines: Deadlines,
+        tick: StepBroadcast,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.rank = rank
         self.flag = flag
         self.stop = stop
-        self.deadlines = deadlines
+        self.tick = tick
         self.clock = clock
         self.last_saved_step: int | None = None
         self.stopped = False
@@ -57,7 +58,8 @@ class Schedule:
 
     def reason(self, step: int) -> str | None:
         """(every rank, same steps in the same order) Why ``step`` should be saved, or ``None``.
-        May wait up to the arrive deadline for the other ranks (time-based saving only)."""
+        Non-zero ranks may wait for rank 0's decision (time-based saving only; bounded by the
+        deadline of ``tick``)."""
         if self._cached is not None and self._cached[0] == step:
             return self._cached[1]
         why = self._decide(step)
@@ -93,8 +95,7 @@ class Schedule:
         if self.rank == 0:
             assert self.config.every_seconds is not None
             mine = "1" if self.clock() - self._last_save_time >= self.config.every_seconds else "0"
-        c = Coordinator.join("manager.should_save", f"{self.config.root}@{step}", deadlines=self.deadlines)
-        return c.broadcast("every_seconds", mine, src=0, timeout=self.deadlines.arrive) == "1"
+        return self.tick.share(step, mine) == "1"
 
     @property
     def stop_step(self) -> int | None:
