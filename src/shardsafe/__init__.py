@@ -19,6 +19,7 @@ from shardsafe.errors import (
     UnsafeValueError,
 )
 from shardsafe.manager import CheckpointManager, CheckpointRecord
+from shardsafe.runtime import LaunchError, Runtime, WorkerError
 
 __version__ = "0.1.0"
 
@@ -31,14 +32,17 @@ __all__ = [
     "CheckpointRecord",
     "CoordinationError",
     "CorruptCheckpointError",
+    "LaunchError",
     "MissingKeysError",
     "RankDeadError",
     "RankDesyncError",
     "RankTimeoutError",
     "RemoteRankError",
+    "Runtime",
     "SaveHandle",
     "UnsafeValueError",
     "VerifySummary",
+    "WorkerError",
     "__version__",
     "async_save",
     "inspect",

@@ -129,10 +129,12 @@ def run_workers(
     *,
     launched_at: str,
     start_timeout: float,
+    finish_timeout: float,
 ) -> Any:
     """(parent) Run ``fn`` on ``plan.world_size`` spawned workers; return rank 0's result, or raise the
     first failure after stopping the others. Waits up to ``start_timeout`` for each worker to start
-    running (importing the main module included); after that, as long as ``fn`` runs."""
+    running (importing the main module included), then as long as ``fn`` runs, and once a rank has
+    returned, up to ``finish_timeout`` for the others to return too."""
     world = plan.world_size
     ctx = mp.get_context("spawn")
     store = TCPStore(HOST, 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=start_timeout))
@@ -144,11 +146,18 @@ def run_workers(
             spec = WorkerSpec(config, plan, rank, store.port, fn, args, kwargs, launched_at)
             recv, send = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=worker_main, args=(spec, send), name=f"shardsafe-rank{rank}")
-            proc.start()
+            try:
+                proc.start()
+            except (pickle.PicklingError, AttributeError, TypeError) as err:
+                raise LaunchError(
+                    f"launch(): the function {getattr(fn, '__qualname__', fn)!r} or its arguments cannot be "
+                    f"sent to the worker processes ({err}). Define the function at module top level (no "
+                    "lambda or nested function) and pass picklable arguments"
+                ) from err
             send.close()  # the worker holds the write end now; EOF on recv means it is gone
             procs.append(proc)
             conns.append(recv)
-        result = _supervise(procs, conns, start_timeout)
+        result = _supervise(procs, conns, start_timeout, finish_timeout)
         ok = True
         return result
     finally:
@@ -158,7 +167,7 @@ def run_workers(
         del store  # the port is released only now, after every worker is gone
 
 
-def _supervise(procs: list[Any], conns: list[Connection], start_timeout: float) -> Any:
+def _supervise(procs: list[Any], conns: list[Connection], start_timeout: float, finish_timeout: float) -> Any:
     world = len(procs)
     started: set[int] = set()
     finished: set[int] = set()
@@ -166,6 +175,7 @@ def _supervise(procs: list[Any], conns: list[Connection], start_timeout: float) 
     result: Any = None
     start_deadline = time.monotonic() + start_timeout
     first_failure_at: float | None = None
+    first_return_at: float | None = None
     open_conns = dict(enumerate(conns))
     while len(finished) < world:
         now = time.monotonic()
@@ -178,6 +188,13 @@ def _supervise(procs: list[Any], conns: list[Connection], start_timeout: float) 
                 "importing the main module). Is the machine overloaded, or does importing the script block? "
                 "Raise timeout= (or SHARDSAFE_TIMEOUT) if starting is merely slow."
             )
+        if first_return_at is not None and now - first_return_at > finish_timeout:
+            late = sorted(set(range(world)) - finished)
+            raise LaunchError(
+                f"worker rank(s) {late} were still running {finish_timeout:.0f}s after another rank had returned "
+                "from the launched function; they were stopped. Every rank must make the same collective calls "
+                "(look for a rank-dependent loop or branch), or raise timeout= if they are merely slower."
+            )
         waitables: list[Any] = list(open_conns.values())
         waitables += [p.sentinel for r, p in enumerate(procs) if r not in finished]
         ready = wait(waitables, timeout=0.5)
@@ -185,7 +202,7 @@ def _supervise(procs: list[Any], conns: list[Connection], start_timeout: float) 
             if conn not in ready:
                 continue
             try:
-                msg = conn.recv()
+                msg = pickle.loads(conn.recv_bytes())
             except EOFError:
                 del open_conns[rank]  # closed: the worker exited; its sentinel tells how
                 continue
@@ -194,6 +211,7 @@ def _supervise(procs: list[Any], conns: list[Connection], start_timeout: float) 
                 started.add(rank)
             elif kind == "ok":
                 finished.add(rank)
+                first_return_at = first_return_at or time.monotonic()
                 if rank == 0:
                     result = msg[1]
             else:
@@ -238,7 +256,11 @@ def _remote_failure(rank: int, world: int, msg: tuple[Any, ...]) -> _Failure:
 
 def _death(rank: int, exitcode: int | None, *, started: bool) -> _Failure:
     if exitcode is not None and exitcode < 0:
-        how = f"was killed by signal {signal.Signals(-exitcode).name}"
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = str(-exitcode)
+        how = f"was killed by signal {name}"
     else:
         how = f"exited with code {exitcode}"
     if started:
@@ -290,7 +312,7 @@ def _stop(procs: list[Any], *, grace: float, polite: bool) -> None:
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """(each worker) Join the world through the parent's store, run ``fn``, report to the parent."""
-    conn.send(("started", os.getpid()))
+    _send(conn, ("started", os.getpid()))
     _exit_with_parent()
     os.environ.update(
         RANK=str(spec.rank),
@@ -314,7 +336,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         rt._join_world(store=store, rank=spec.rank, world_size=spec.plan.world_size, local_rank=spec.rank)
         result = spec.fn(rt, *spec.args, **spec.kwargs)
         try:
-            conn.send(("ok", result if spec.rank == 0 else None))
+            _send(conn, ("ok", result if spec.rank == 0 else None))
         except Exception as err:
             raise TypeError(
                 f"launch(): rank 0's return value ({type(result).__name__}) cannot be sent to the launching "
@@ -331,7 +353,13 @@ def _report(conn: Connection, err: BaseException) -> None:
     except Exception:  # e.g. an exception holding a lock or a tensor hook: send its text alone
         blob = None
     text = traceback.format_exc()
-    conn.send(("err", blob, type(err).__name__, str(err), text, time.time(), os.getpid()))
+    _send(conn, ("err", blob, type(err).__name__, str(err), text, time.time(), os.getpid()))
+
+
+def _send(conn: Connection, msg: tuple[Any, ...]) -> None:
+    # Plain pickle, by value: Connection.send would share tensors through file descriptors that
+    # vanish when this worker exits before the parent reads them.
+    conn.send_bytes(pickle.dumps(msg))
 
 
 def _exit_with_parent() -> None:

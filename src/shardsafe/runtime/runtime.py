@@ -187,6 +187,7 @@ class Runtime:
             kwargs,
             launched_at=site,
             start_timeout=max(self.deadlines.arrive, 60.0),
+            finish_timeout=self.deadlines.io,
         )
 
     def _run_here(self, fn: Callable[..., Any] | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -242,9 +243,10 @@ class Runtime:
         if self._joined:
             return True
         if self.plan.world_size > 1:
+            when = "before launch()" if self._launched_at is None else "after the launched function returned"
             raise LaunchError(
-                f"{what}() called before launch(): this Runtime plans {self.plan.world_size} processes. Put the "
-                f"training code in a function and run it with rt.launch(fn); call {what}() inside it"
+                f"{what}() called {when}: this Runtime plans {self.plan.world_size} processes. Put the training "
+                f"code in a function and run it with rt.launch(fn); call {what}() inside it"
             )
         if what == "setup" and self.plan.strategy != "single":
             self._join_world(store=None, rank=0, world_size=1, local_rank=0)

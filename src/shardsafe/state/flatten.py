@@ -52,14 +52,18 @@ class FlatState:
 
 
 def unwrap(module: nn.Module) -> nn.Module:
-    """The module whose state dict keys are the model's names (no DDP ``module.`` or compile prefix)."""
+    """The module whose state dict keys are the model's names: no DDP ``module.``, ``torch.compile``
+    ``_orig_mod.`` or Lightning Fabric ``_forward_module.`` prefix."""
     while True:
         if isinstance(module, nn.parallel.DistributedDataParallel):
             module = module.module
-        elif hasattr(module, "_orig_mod") and isinstance(module._orig_mod, nn.Module):
-            module = module._orig_mod
-        else:
+            continue
+        inner = getattr(module, "_orig_mod", None)  # torch.compile
+        if not isinstance(inner, nn.Module):
+            inner = getattr(module, "_original_module", None)  # lightning.fabric's _FabricModule
+        if not isinstance(inner, nn.Module) or inner is module:
             return module
+        module = inner
 
 
 def is_sharded(t: torch.Tensor) -> bool:
