@@ -67,3 +67,18 @@ def split_replicated_bytes() -> int:
 def io_threads() -> int:
     """Threads per rank for reading on load."""
     return int(_float("IO_THREADS", 4))
+
+
+def remote_part_bytes() -> int:
+    """Object stores: bytes per multipart-upload part (doubled every 1,000 parts)."""
+    return int(_float("REMOTE_PART_BYTES", 16 * 1024 * 1024))
+
+
+def remote_upload_threads() -> int:
+    """Object stores: parts uploaded concurrently per data file."""
+    return max(1, int(_float("REMOTE_UPLOAD_THREADS", 4)))
+
+
+def remote_retry_seconds() -> float:
+    """Object stores: how long a request keeps being retried on transient errors."""
+    return _float("REMOTE_RETRY_SECONDS", 120.0)

@@ -12,7 +12,7 @@ here only, and only when such a path is used. The commit rule holds without a di
 
 Every request goes through :mod:`shardsafe.storage.retry` (backoff and a deadline for throttling,
 resets and 5xx). On S3 (``s3fs``) large data files upload as parallel multipart parts
-(:mod:`shardsafe.storage.multipart`); other filesystems stream through ``fs.open``.
+(:mod:`shardsafe.storage.uploads`); other filesystems stream through ``fs.open``.
 """
 
 from __future__ import annotations
@@ -22,13 +22,15 @@ import functools
 import json
 import logging
 import threading
+import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from shardsafe.storage import retry
 from shardsafe.storage.base import MANIFEST_NAME, Writer
-from shardsafe.storage.multipart import PartWriter, is_s3, list_uploads, part_bytes, s3_call
+from shardsafe.storage.local import fsync_dir
+from shardsafe.storage.uploads import PartWriter, StreamWriter, abort_upload, is_s3, list_uploads, part_bytes, s3_call
 
 logger = logging.getLogger(__name__)
 
@@ -54,46 +56,6 @@ def _import_fsspec() -> Any:
             "or 'shardsafe[s3]' for S3"
         ) from err
     return fsspec
-
-
-class StreamWriter:
-    """A data file written through ``fs.open(path, "wb")`` (filesystems other than S3): the file
-    object's own buffering uploads it; ``close`` finishes it (fsync on a local disk). Not retried
-    mid-stream: a failure raises and the engine aborts the save."""
-
-    def __init__(self, fs: Any, path: str) -> None:
-        self.fs = fs
-        self.path = path
-        self.f = fs.open(path, "wb")
-
-    def write(self, data: memoryview) -> None:
-        self.f.write(data)
-
-    def close(self) -> None:
-        try:
-            self.f.flush()
-            raw = getattr(self.f, "f", None)  # fsspec's LocalFileOpener wraps a real file
-            if raw is not None and hasattr(raw, "fileno"):
-                import os
-
-                os.fsync(raw.fileno())
-            self.f.close()
-        except BaseException:
-            self.abort()
-            raise
-
-    def abort(self) -> None:
-        from fsspec.spec import AbstractBufferedFile
-
-        if isinstance(self.f, AbstractBufferedFile):
-            self.f.discard()  # cancels an upload in progress where the filesystem supports it
-            self.f.closed = True  # closing would commit what was written so far
-        else:
-            self.f.close()
-        try:
-            self.fs.rm_file(self.path)
-        except FileNotFoundError:
-            pass
 
 
 class FsspecStorage:
@@ -143,6 +105,9 @@ class FsspecStorage:
     def _p(self, path: str) -> str:
         return str(self.fs._strip_protocol(path)).rstrip("/")
 
+    def _key(self, target: str) -> str:
+        return f"{type(self.fs).__name__}:{self._p(target)}"
+
     def _retry(self, op: str, path: str, fn: Callable[[], T]) -> T:
         return retry.call(op, path, fn, self.policy)
 
@@ -155,7 +120,7 @@ class FsspecStorage:
     def staging_dir(self, target: str, save_id: str) -> str:
         """(rank 0 and writers) ``target`` itself: data object names carry the save id."""
         with _pending_lock:
-            _pending_saves[self._p(target)] = save_id
+            _pending_saves[self._key(target)] = save_id
         return target
 
     def prepare_staging(self, staging: str) -> None:
@@ -181,11 +146,36 @@ class FsspecStorage:
         old = self._manifest_files(url) if self._exists(p, url) else None
         if old is not None and not overwrite:
             raise FileExistsError(f"{url} exists: {target} holds a committed checkpoint; pass overwrite=True")
-        self._retry("upload manifest", url, lambda: self.fs.pipe_file(p, manifest))
+        if self.object_store:
+            self._retry("upload manifest", url, lambda: self.fs.pipe_file(p, manifest))
+        else:
+            self._replace_file(target, url, manifest)
         with _pending_lock:
-            _pending_saves.pop(self._p(target), None)
+            _pending_saves.pop(self._key(target), None)
         keep = set(_files_of(json.loads(manifest), url))
         return [name for name in (old or []) if name not in keep]
+
+    def _replace_file(self, target: str, url: str, data: bytes) -> None:
+        """Where a write is not one atomic PUT (``file://``, ``sftp://``...): write a temporary file,
+        make it durable, rename it over ``url``; on a local disk the directory is fsynced around it."""
+        self.prepare_staging(target)
+        local = _local_dir(self.fs, self._p(target))
+        if local:
+            fsync_dir(local)  # the data files' entries are durable before the manifest names them
+        tmp = self._p(self.join(target, f".{MANIFEST_NAME}.tmp-{uuid.uuid4().hex[:12]}"))
+        writer = StreamWriter(self.fs, tmp)
+        writer.write(memoryview(data))
+        writer.close()
+        try:
+            self._retry("rename manifest", url, lambda: self.fs.mv(tmp, self._p(url)))
+        except BaseException:
+            try:
+                self.fs.rm_file(tmp)
+            except OSError as err:
+                logger.warning("%s: could not remove the temporary manifest %s: %s", target, tmp, err)
+            raise
+        if local:
+            fsync_dir(local)
 
     def discard_staging(self, staging: str, target: str) -> None:
         """(rank 0, on abort) Delete the objects of the save that :meth:`staging_dir` began for
@@ -193,7 +183,7 @@ class FsspecStorage:
         uploads. Objects the committed manifest references are kept, as is everything when the
         save turns out to have committed."""
         with _pending_lock:
-            save_id = _pending_saves.pop(self._p(target), None)
+            save_id = _pending_saves.pop(self._key(target), None)
         if save_id is None:
             logger.warning("%s: no save in progress here to discard; orphans are left to cleanup", target)
             return
@@ -210,7 +200,7 @@ class FsspecStorage:
             prefix = self._p(target) + "/"
             for key_path, upload_id in list_uploads(self.fs, prefix, self.policy):
                 if save_id in key_path.rsplit("/", 1)[-1]:
-                    _abort_upload(self.fs, key_path, upload_id, self.policy)
+                    abort_upload(self.fs, key_path, upload_id, self.policy)
 
     def remove_files(self, directory: str, names: list[str]) -> None:
         """Delete ``names`` under ``directory``; missing ones are fine, any other failure raises."""
@@ -344,14 +334,8 @@ class FsspecStorage:
         return bool(self._retry("stat", url, lambda: self.fs.exists(p)))
 
     def list_dir(self, path: str) -> list[str]:
-        p = self._p(path)
-        self.fs.invalidate_cache(p)
-        try:
-            entries = self._retry("list", path, lambda: self.fs.ls(p, detail=False))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        names = {str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries if str(e).rstrip("/") != p}
-        return sorted(names)
+        """Names of the objects and sub-prefixes directly under ``path``; empty when there are none."""
+        return sorted({str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in self._entries(path)})
 
     # -- manifests -------------------------------------------------------------------------------
 
@@ -381,6 +365,13 @@ def _files_of(doc: Any, url: str) -> list[str]:
     return names
 
 
+def _local_dir(fs: Any, path: str) -> str | None:
+    """``path`` when ``fs`` is fsspec's local filesystem (so ``os`` calls apply), else None."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    return path if isinstance(fs, LocalFileSystem) else None
+
+
 def _mtime_of(entry: Mapping[str, Any]) -> float | None:
     """Modification time of an fsspec ``info``/``ls`` entry; filesystems name and type it differently."""
     for key in ("LastModified", "mtime", "last_modified", "updated", "created"):
@@ -404,16 +395,3 @@ def _plain(name: str) -> bool:
 def _check_name(name: str, base: str) -> None:
     if not _plain(name):
         raise ValueError(f"{name!r} is not a plain file name inside {base} (no '/', '..' or empty names)")
-
-
-def _abort_upload(fs: Any, key_path: str, upload_id: str, policy: retry.RetryPolicy) -> None:
-    bucket, key, _ = fs.split_path(key_path)
-    try:
-        retry.call(
-            "abort multipart upload",
-            key_path,
-            lambda: s3_call(fs, "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id),
-            policy,
-        )
-    except FileNotFoundError:
-        pass  # already completed or aborted

@@ -54,7 +54,6 @@ _TRANSIENT_CODES = frozenset(
         "TooManyRequests",
         "RequestLimitExceeded",
         "RequestTimeout",
-        "RequestTimeTooSkewed",
         "InternalError",
         "ServiceUnavailable",
         "OperationAborted",
@@ -79,7 +78,7 @@ _PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryE
 
 def retry_seconds() -> float:
     """Overall seconds one storage request may spend on retries (``SHARDSAFE_REMOTE_RETRY_SECONDS``)."""
-    return knobs._float("REMOTE_RETRY_SECONDS", 120.0)
+    return knobs.remote_retry_seconds()
 
 
 class RemoteIOError(CheckpointError, OSError):

@@ -1,7 +1,8 @@
-"""Parallel multipart uploads to S3 (through ``s3fs``'s client) for large data files.
+"""Writing one data object: parallel multipart uploads to S3 (through ``s3fs``'s client), and a
+plain stream through ``fs.open`` for other fsspec filesystems.
 
-The writer fills a part buffer from ``write`` calls (one copy, out of tensor memory) and hands each
-full part to a bounded thread pool that uploads it while the next part fills, so at most
+On S3 the writer fills a part buffer from ``write`` calls (one copy, out of tensor memory) and
+hands each full part to a bounded thread pool that uploads it while the next part fills, so at most
 ``upload_threads() + 1`` parts are in memory. Each part is retried on its own; the object appears
 only when ``close`` completes the upload (a small file is one PUT instead), and ``abort`` cancels
 it, so a partial object is never visible. A failure in an upload thread is raised by the next
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -29,12 +32,12 @@ _GROW_EVERY = 1_000  # parts; the part size doubles after each such run, so 10,0
 def part_bytes() -> int:
     """Bytes per uploaded part and per parallel ranged read (``SHARDSAFE_REMOTE_PART_BYTES``). S3
     refuses parts under 5 MiB (``MIN_PART``) but the last; test servers may allow smaller."""
-    return int(knobs._float("REMOTE_PART_BYTES", 16 * 1024 * 1024))
+    return knobs.remote_part_bytes()
 
 
 def upload_threads() -> int:
     """Parts of one file uploaded at once (``SHARDSAFE_REMOTE_UPLOAD_THREADS``)."""
-    return max(1, int(knobs._float("REMOTE_UPLOAD_THREADS", 4)))
+    return knobs.remote_upload_threads()
 
 
 def is_s3(fs: Any) -> bool:
@@ -65,6 +68,16 @@ def list_uploads(fs: Any, prefix: str, policy: retry.RetryPolicy) -> list[tuple[
     return found
 
 
+def abort_upload(fs: Any, key_path: str, upload_id: str, policy: retry.RetryPolicy) -> None:
+    """Abort one unfinished multipart upload of ``bucket/key``; one already gone is fine."""
+    bucket, key, _ = fs.split_path(key_path)
+    abort = functools.partial(s3_call, fs, "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+    try:
+        retry.call(f"abort multipart upload {upload_id}", key_path, abort, policy)
+    except FileNotFoundError:
+        pass
+
+
 class PartWriter:
     """A new S3 object uploaded in parallel parts (see the module docstring). ``url`` names it in
     errors. ``write`` blocks while ``upload_threads()`` parts are in flight (bounded memory)."""
@@ -84,6 +97,7 @@ class PartWriter:
         self.parts: list[Future[dict[str, Any]]] = []
         self.pool: ThreadPoolExecutor | None = None
         self.finished = False
+        self.starts = 0  # attempts at starting the upload: a retried start may have left a stray one
 
     def _part_size(self, number: int) -> int:
         if self.fixed_size:
@@ -108,12 +122,12 @@ class PartWriter:
 
     def _send_part(self) -> None:
         if self.upload_id is None:
-            self.upload_id = retry.call(
-                "start multipart upload",
-                self.url,
-                lambda: s3_call(self.fs, "create_multipart_upload", Bucket=self.bucket, Key=self.key),
-                self.policy,
-            )["UploadId"]
+
+            def start() -> Any:
+                self.starts += 1
+                return s3_call(self.fs, "create_multipart_upload", Bucket=self.bucket, Key=self.key)
+
+            self.upload_id = retry.call("start multipart upload", self.url, start, self.policy)["UploadId"]
             self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shardsafe-upload")
         self._wait_for_room(self.threads - 1)
         number = len(self.parts) + 1
@@ -178,10 +192,11 @@ class PartWriter:
                     self._send_part()
                 self._wait_for_room(0)
                 self._complete([f.result() for f in self.parts])
+                self._abort_strays()
             self.finished = True
             self.fs.invalidate_cache(f"{self.bucket}/{self.key}")
         except BaseException:
-            self._cancel()
+            _cleanup(self._cancel, self.url)
             raise
         finally:
             if self.pool is not None:
@@ -209,6 +224,14 @@ class PartWriter:
                 raise
 
         retry.call(self._op("complete multipart upload"), self.url, complete, self.policy)
+
+    def _abort_strays(self) -> None:
+        """Abort uploads of this key that a start whose reply was lost created (never ours)."""
+        if self.starts <= 1:
+            return
+        for key_path, upload_id in list_uploads(self.fs, f"{self.bucket}/{self.key}", self.policy):
+            if key_path == f"{self.bucket}/{self.key}" and upload_id != self.upload_id:
+                abort_upload(self.fs, key_path, upload_id, self.policy)
 
     def _stored_size(self) -> int | None:
         try:
@@ -239,15 +262,51 @@ class PartWriter:
             if f.done() and not f.cancelled() and f.exception() is not None:
                 logger.debug("%s: part upload failed during abort: %s", self.url, f.exception())
         if self.upload_id is not None:
-            upload_id = self.upload_id
-            try:
-                retry.call(
-                    self._op("abort multipart upload"),
-                    self.url,
-                    lambda: s3_call(
-                        self.fs, "abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id
-                    ),
-                    self.policy,
-                )
-            except FileNotFoundError:
-                pass  # already gone
+            abort_upload(self.fs, f"{self.bucket}/{self.key}", self.upload_id, self.policy)
+        self._abort_strays()
+
+
+class StreamWriter:
+    """A data file written through ``fs.open(path, "wb")`` (filesystems other than S3): the file
+    object's own buffering uploads it; ``close`` finishes it (fsync on a local disk). Not retried
+    mid-stream: a failure raises and the engine aborts the save."""
+
+    def __init__(self, fs: Any, path: str) -> None:
+        self.fs = fs
+        self.path = path
+        self.f = fs.open(path, "wb")
+
+    def write(self, data: memoryview) -> None:
+        self.f.write(data)
+
+    def close(self) -> None:
+        try:
+            self.f.flush()
+            raw = getattr(self.f, "f", None)  # fsspec's LocalFileOpener wraps a real file
+            if raw is not None and hasattr(raw, "fileno"):
+                os.fsync(raw.fileno())
+            self.f.close()
+        except BaseException:
+            _cleanup(self.abort, self.path)
+            raise
+
+    def abort(self) -> None:
+        from fsspec.spec import AbstractBufferedFile
+
+        if isinstance(self.f, AbstractBufferedFile):
+            self.f.discard()  # cancels an upload in progress where the filesystem supports it
+            self.f.closed = True  # closing would commit what was written so far
+        else:
+            self.f.close()
+        try:
+            self.fs.rm_file(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _cleanup(undo: Callable[[], None], url: str) -> None:
+    """Undo a failed write without hiding why it failed: the caller re-raises the original error."""
+    try:
+        undo()
+    except Exception as err:
+        logger.warning("%s: could not clean up after a failed write: %s: %s", url, type(err).__name__, err)
