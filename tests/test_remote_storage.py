@@ -134,7 +134,7 @@ def test_discard_removes_only_the_failed_save(root: tuple[FsspecStorage, str]) -
     _put(st, st.join(staging, f"data-00000-{SID_NEW}.safetensors"), b"failed")
     unfinished = st.open_writer(st.join(staging, f"data-00001-{SID_NEW}.safetensors"))
     unfinished.write(memoryview(os.urandom(3 * PART)))  # on S3: a multipart upload in progress
-    st.discard_staging(staging, target)
+    st.discard_staging(staging, target, SID_NEW)
     assert st.list_dir(target) == sorted([MANIFEST_NAME, *kept, other.rsplit("/", 1)[1]])
     if st.s3:
         assert list_uploads(st.fs, st._p(target) + "/", FAST) == []
@@ -146,8 +146,8 @@ def test_discard_after_the_commit_happened_keeps_everything(root: tuple[FsspecSt
     target = st.join(base, "ckpt")
     files = {f"data-00000-{SID_NEW}.safetensors": b"x"}
     _save(st, target, SID_NEW, files)
-    st.staging_dir(target, SID_NEW)  # the engine failed after publish (e.g. broadcasting the commit)
-    st.discard_staging(target, target)
+    # the engine failed after publish (e.g. broadcasting the commit)
+    st.discard_staging(target, target, SID_NEW)
     assert st.list_dir(target) == sorted([MANIFEST_NAME, *files])
 
 
@@ -292,7 +292,7 @@ def test_outage_fails_naming_path_and_leaves_nothing_visible(
     assert url in msg and "upload part" in msg and "SHARDSAFE_REMOTE_RETRY_SECONDS" in msg
     assert isinstance(info.value, OSError) and fs.calls["upload_part"] > 2
     w.abort()
-    st.discard_staging(target, target)
+    st.discard_staging(target, target, SID_NEW)
     assert not st.exists(url) and st.list_dir(target) == []
     assert list_uploads(fs, f"{s3_bucket}/ckpt/", FAST) == []
 

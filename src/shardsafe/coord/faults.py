@@ -49,10 +49,10 @@ def _maybe_fire(item: str, point: str, rank: int) -> None:
     if len(parts) != 3 or not parts[1].startswith("rank="):
         raise ValueError(f"SHARDSAFE_FAULT item {item!r} is not POINT:rank=R:ACTION")
     name, rank_part, action = parts
+    if name != "*" and name not in POINTS:  # before matching: a misspelt point must not pass silently
+        raise ValueError(f"SHARDSAFE_FAULT names unknown point {name!r}; known: {', '.join(POINTS)}")
     if name not in ("*", point):
         return
-    if name != "*" and name not in POINTS:
-        raise ValueError(f"SHARDSAFE_FAULT names unknown point {name!r}; known: {', '.join(POINTS)}")
     want = rank_part[len("rank=") :]
     if want != "*" and int(want) != rank:
         return

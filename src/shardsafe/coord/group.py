@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
 from shardsafe import knobs
-from shardsafe.errors import RankDeadError, RankDesyncError, RankTimeoutError, RemoteRankError
+from shardsafe.errors import CoordinationError, RankDeadError, RankDesyncError, RankTimeoutError, RemoteRankError
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ class Coordinator:
         decision = self._await_decision(phase, timeout, watch_abort=True)
         if decision != _GO:
             record = json.loads(decision)
-            raise self._timeout_error(phase, record["missing"], timeout)
+            raise self._timeout_error(phase, record["missing"], timeout, by=record["by"])
         return self._get_all(phase) if collect else []
 
     def broadcast(self, phase: str, value: str | None, *, src: int = 0, timeout: float) -> str:
@@ -254,7 +254,11 @@ class Coordinator:
         warned = False
         delay = 0.002
         while not self._check(key):
-            self._raise_if_aborted()
+            failure = self.remote_failure()
+            if failure is not None:
+                if self._check(key):  # the value came first (e.g. a commit record, then a later failure)
+                    break
+                raise failure
             self._check_alive(phase, [src])
             elapsed = time.monotonic() - started
             if elapsed > timeout:
@@ -345,8 +349,10 @@ class Coordinator:
         while not self._check(key):
             if watch_abort:
                 self._raise_if_aborted()
-                if self.rank == 0 and self._hb_stop is not None:  # one rank watches, the abort tells the rest
-                    self._check_alive(phase, [r for r in range(self.world_size) if r != self.rank])
+                if self._hb_stop is not None:
+                    # rank 0 watches every rank and its abort tells the rest; the others watch rank 0
+                    watched = [r for r in range(self.world_size) if r != self.rank] if self.rank == 0 else [0]
+                    self._check_alive(phase, watched)
             elapsed = time.monotonic() - started
             if elapsed > timeout:
                 arrived = [r for r in range(self.world_size) if self._check(self._k(phase, "r", str(r)))]
@@ -373,35 +379,58 @@ class Coordinator:
             delay = min(delay * 2, knobs.poll_seconds())
         return self._get(key)
 
-    def _raise_if_aborted(self) -> None:
+    def remote_failure(self) -> CoordinationError | None:
+        """The error another rank recorded for this operation, if one did (as this rank would raise
+        it); ``None`` when no rank failed, or this rank was the first."""
+        if self.store is None or self.world_size == 1 or self.seq == 0:
+            return None
         key = self._k("abort")
         if not self._check(key):
-            return
+            return None
         record = json.loads(self._get(key))
         if record["rank"] == self.global_rank:
-            return
+            return None
         if str(record["error"]).startswith("RankDeadError"):
-            raise RankDeadError(
+            return RankDeadError(
                 f"{self.op} of {self.target!r}: rank {record['rank']} died in phase {record['phase']!r} (its heartbeat "
                 "stopped). Nothing was committed; restart the job, it resumes from the last committed checkpoint."
             )
-        raise RemoteRankError(
+        cause = str(record["error"]).rstrip(".")
+        return RemoteRankError(
             f"{self.op} of {self.target!r} failed on rank {record['rank']} in phase {record['phase']!r}: "
-            f"{record['error']}. Nothing was committed; fix the cause on rank {record['rank']} and retry.",
+            f"{cause}. Nothing was committed by this {self.op}; fix the cause on rank {record['rank']} and retry.",
             rank=record["rank"],
             phase=record["phase"],
             cause=record["error"],
         )
 
-    def _timeout_error(self, phase: str, missing: list[int], timeout: float) -> RankTimeoutError:
+    def _raise_if_aborted(self) -> None:
+        failure = self.remote_failure()
+        if failure is not None:
+            raise failure
+
+    def _timeout_error(self, phase: str, missing: list[int], timeout: float, by: int | None = None) -> RankTimeoutError:
         picture = "\n".join(self._status_lines())
-        return RankTimeoutError(
-            f"{self.op} of {self.target!r}: rank {self.rank} waited {timeout:.0f}s in phase {phase!r} but "
-            f"ranks {missing} never arrived. Call {self.op}() on every rank of the process group, with the "
-            f"same path; the library decides who writes. (If those ranks are merely slow, raise timeout= "
-            f"or SHARDSAFE_TIMEOUT.) Where each rank was:\n{picture}",
-            missing_ranks=missing,
-        )
+        if by is not None and by != self.rank and self.rank in missing:
+            head = (
+                f"{self.op} of {self.target!r}: rank {by} gave up waiting for this rank (rank {self.rank}) in phase "
+                f"{phase!r} after {timeout:.0f}s; this rank came too late. Raise timeout= (or SHARDSAFE_TIMEOUT / "
+                "SHARDSAFE_IO_TIMEOUT) if it is merely slow."
+            )
+        elif phase == "arrive":
+            head = (
+                f"{self.op} of {self.target!r}: rank {self.rank} waited {timeout:.0f}s for every rank to arrive, but "
+                f"ranks {missing} never arrived. Call {self.op}() on every rank of the process group, with the same "
+                f"path; the library decides who reads and writes what. (If those ranks are merely slow, raise "
+                "timeout= or SHARDSAFE_TIMEOUT.)"
+            )
+        else:
+            head = (
+                f"{self.op} of {self.target!r}: rank {self.rank} waited {timeout:.0f}s in phase {phase!r}, but ranks "
+                f"{missing} did not get there (slow storage, or a hang or crash on those ranks). If they are merely "
+                "slow, raise timeout= or SHARDSAFE_IO_TIMEOUT."
+            )
+        return RankTimeoutError(f"{head} Where each rank was:\n{picture}", missing_ranks=missing)
 
     def _warn_stall(self, phase: str, what: str, missing: list[int], elapsed: float, timeout: float) -> None:
         stack = "".join(traceback.format_stack(limit=12)[:-2])

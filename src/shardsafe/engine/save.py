@@ -96,9 +96,11 @@ class SaveJob:
             if copy:
                 fault_point("save.stage", coord.global_rank)
         except BaseException as err:
-            self._failed(err)
+            wrapped = self._failed(err)
             coord.close()
-            raise self._wrap(err) from err
+            if wrapped is err:
+                raise
+            raise wrapped from err
         self.blocking_seconds = time.monotonic() - self.started
 
     def _choose_save_id(self) -> str:
@@ -155,8 +157,10 @@ class SaveJob:
         except BaseException as err:
             if writer is not None:
                 writer.abort()
-            self._failed(err)
-            raise self._wrap(err) from err
+            wrapped = self._failed(err)
+            if wrapped is err:
+                raise
+            raise wrapped from err
         finally:
             coord.close()
 
@@ -238,20 +242,27 @@ class SaveJob:
 
     # ---------------------------------------------------------------------------------- failure
 
-    def _failed(self, err: BaseException) -> None:
-        """Tell the other ranks (unless they told us), and on rank 0 remove what this save wrote."""
+    def _failed(self, err: BaseException) -> BaseException:
+        """(the rank that caught ``err``) Tell the other ranks, remove what this save wrote (every rank:
+        the removal is idempotent and spares a committed save), and return the error to raise. When
+        another rank failed first, a local error that follows from it (e.g. the staging directory
+        vanished under this rank's writer) is reported as that rank's failure."""
         coord = self.coord
         if coord is None:
-            return
+            return err
         from shardsafe.errors import RemoteRankError
 
-        if not isinstance(err, (RemoteRankError, CheckpointExistsError)):
+        remote = coord.remote_failure() if not isinstance(err, CoordinationError) else None
+        if remote is None and not isinstance(err, (RemoteRankError, CheckpointExistsError)):
             coord.fail(self.phase, err)
-        if coord.rank == 0 and self.staging:
+        if self.staging:
             try:
-                self.storage.discard_staging(self.staging, self.path)
+                self.storage.discard_staging(self.staging, self.path, self.save_id)
             except OSError as cleanup:
                 logger.error("shardsafe: could not remove staging %s after a failed save: %s", self.staging, cleanup)
+        if remote is not None:
+            return remote
+        return self._wrap(err)
 
     def _wrap(self, err: BaseException) -> BaseException:
         if isinstance(err, (CheckpointError, CoordinationError)) or not isinstance(err, Exception):

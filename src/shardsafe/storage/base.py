@@ -52,8 +52,9 @@ class Storage(Protocol):
         the new manifest no longer references (for :meth:`remove_files`)."""
         ...
 
-    def discard_staging(self, staging: str, target: str) -> None:
-        """(rank 0, on abort) Remove what a failed save wrote; never touches committed files."""
+    def discard_staging(self, staging: str, target: str, save_id: str) -> None:
+        """(every rank, on abort; idempotent) Remove what save ``save_id`` wrote; never touches the
+        files of a committed manifest, nor anything if that save turns out to have committed."""
         ...
 
     def remove_files(self, directory: str, names: list[str]) -> None:

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+import time
 import uuid
 
 from shardsafe.storage.base import MANIFEST_NAME
@@ -107,12 +108,15 @@ class LocalStorage:
         keep = set(new)
         return [n for n in old if n not in keep]
 
-    def discard_staging(self, staging: str, target: str) -> None:
-        save_id = staging.rsplit(".staging-", 1)[-1]
+    def discard_staging(self, staging: str, target: str, save_id: str) -> None:
         committed = os.path.join(target, MANIFEST_NAME)
         if os.path.exists(committed) and _manifest_save_id(committed) == save_id:
             return  # the commit happened after all; its files are referenced
-        shutil.rmtree(staging, ignore_errors=True)
+        for _ in range(3):  # a rank may still be creating its file while the tree is removed
+            shutil.rmtree(staging, ignore_errors=True)
+            if not os.path.lexists(staging):
+                break
+            time.sleep(0.1)
         if os.path.isdir(target):  # files an interrupted overwrite had already moved in
             self.remove_files(target, [n for n in os.listdir(target) if save_id in n and n != MANIFEST_NAME])
 

@@ -21,7 +21,6 @@ import datetime
 import functools
 import json
 import logging
-import threading
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -43,8 +42,6 @@ _READ_THREADS = 4
 
 # Save ids handed out by staging_dir per target, so that discard_staging (rank 0, same process) knows
 # which objects under the shared prefix belong to the failed save.
-_pending_saves: dict[str, str] = {}
-_pending_lock = threading.Lock()
 
 
 def _import_fsspec() -> Any:
@@ -119,8 +116,6 @@ class FsspecStorage:
 
     def staging_dir(self, target: str, save_id: str) -> str:
         """(rank 0 and writers) ``target`` itself: data object names carry the save id."""
-        with _pending_lock:
-            _pending_saves[self._key(target)] = save_id
         return target
 
     def prepare_staging(self, staging: str) -> None:
@@ -150,8 +145,6 @@ class FsspecStorage:
             self._retry("upload manifest", url, lambda: self.fs.pipe_file(p, manifest))
         else:
             self._replace_file(target, url, manifest)
-        with _pending_lock:
-            _pending_saves.pop(self._key(target), None)
         keep = set(_files_of(json.loads(manifest), url))
         return [name for name in (old or []) if name not in keep]
 
@@ -177,16 +170,10 @@ class FsspecStorage:
         if local:
             fsync_dir(local)
 
-    def discard_staging(self, staging: str, target: str) -> None:
-        """(rank 0, on abort) Delete the objects of the save that :meth:`staging_dir` began for
-        ``target`` in this process (names holding its save id) and abort its unfinished multipart
-        uploads. Objects the committed manifest references are kept, as is everything when the
-        save turns out to have committed."""
-        with _pending_lock:
-            save_id = _pending_saves.pop(self._key(target), None)
-        if save_id is None:
-            logger.warning("%s: no save in progress here to discard; orphans are left to cleanup", target)
-            return
+    def discard_staging(self, staging: str, target: str, save_id: str) -> None:
+        """(every rank, on abort) Delete the objects of save ``save_id`` (names holding it) and abort
+        its unfinished multipart uploads. Objects the committed manifest references are kept, as is
+        everything when the save turns out to have committed."""
         url = self.join(target, MANIFEST_NAME)
         referenced: set[str] = set()
         if self._exists(self._p(url), url):
