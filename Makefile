@@ -6,9 +6,9 @@ STAMP := $(VENV)/.setup-stamp
 
 .PHONY: setup run test lint typecheck bench clean
 
-$(STAMP): requirements-dev.txt pyproject.toml
+$(STAMP): requirements-dev.txt constraints-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements-dev.txt -c constraints-dev.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $(STAMP)
 
@@ -28,6 +28,7 @@ test: setup lint typecheck
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 bench: setup
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements-bench.txt -c constraints-dev.txt
 	$(PY) bench/run.py
 
 clean:
