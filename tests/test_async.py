@@ -25,7 +25,7 @@ def _mutate(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
         for st in opt.state.values():
             for v in st.values():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    v.mul_(-3.0)
+                    v.mul_(3.0)  # keeps exp_avg_sq positive, so training can go on
 
 
 def _mutate_after_async(rank: int, world: int, path: str, strategy: str) -> dict[str, Any]:
@@ -177,3 +177,33 @@ def test_rendezvous_of_other_operations_during_async_save(tmp_path: Any) -> None
         env={"SHARDSAFE_FAULT": "save.report:rank=1:sleep=2"},
     )
     assert check_ok(out) == [True, True]
+
+
+def _two_in_flight(rank: int, world: int, root: str) -> dict[str, Any]:
+    model, opt = build("ddp")
+    expected, handles = [], []
+    for i in range(3):
+        train(model, opt, 1, start=i)
+        expected.append(full_state(model, opt))
+        handles.append(shardsafe.async_save(f"{root}/c{i}", {"model": model, "optimizer": opt}, timeout=60))
+        if i == 1:
+            # the second save started while the first was still writing (its report sleeps 3 s)
+            overlapped = not handles[0].done()
+        _mutate(model, opt)
+    assert handles[0].done()  # the third save waited for the oldest: at most 2 in flight
+    for h in handles:
+        h.wait()
+    for i, want in enumerate(expected):
+        fresh, fopt = build("ddp", seed=11)
+        shardsafe.load(f"{root}/c{i}", {"model": fresh, "optimizer": fopt}, timeout=60)
+        assert_same(want, full_state(fresh, fopt))
+    share = sum(c.nbytes for c in _planned(model, opt, rank, world))
+    return {"overlapped": overlapped, "staged": staging.staged_bytes(), "share": share}
+
+
+def test_saves_in_flight_are_configurable_and_bounded(tmp_path: Any) -> None:
+    env = {"SHARDSAFE_MAX_INFLIGHT_SAVES": "2", "SHARDSAFE_FAULT": "save.report:rank=*:sleep=3"}
+    results = check_ok(run_ranks(_two_in_flight, 2, str(tmp_path), timeout=180, env=env))
+    for r in results:
+        assert r["overlapped"]
+        assert r["share"] < r["staged"] <= 2 * r["share"]  # two buffer sets at most

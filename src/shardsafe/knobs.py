@@ -39,6 +39,12 @@ def poll_seconds() -> float:
     return _float("POLL_SECONDS", 0.5)
 
 
+def max_inflight_saves() -> int:
+    """Asynchronous saves that may be in flight at once per process; a new save first waits until
+    fewer are. Staging memory is at most this many times this rank's share."""
+    return max(1, int(_float("MAX_INFLIGHT_SAVES", 1)))
+
+
 def heartbeat_seconds() -> float:
     """While in a save or load, each rank ticks a store counter this often."""
     return _float("HEARTBEAT_SECONDS", 1.0)

@@ -285,18 +285,24 @@ class Coordinator:
     # ------------------------------------------------------------------------------- internals
 
     def close(self) -> None:
-        """(every rank that joined with ``heartbeat``) Stop ticking; the operation is over here."""
-        if self._hb_stop is not None:
-            self._hb_stop.set()
+        """(every rank that joined with ``heartbeat``) Stop ticking and record that the operation is
+        over on this rank (rank 0 then may delete its keys). Idempotent."""
+        if self._hb_stop is None or self._hb_stop.is_set():
+            return
+        self._hb_stop.set()
+        try:
+            self._add(self._k("done"), 1)
+        except RankDeadError as err:  # the store is gone: nothing left to clean up there
+            logger.debug("shardsafe: could not record the end of %s on rank %d: %s", self.op, self.rank, err)
 
     def _start_heartbeat(self) -> None:
+        self._use("hb")  # tells rank 0's cleanup to wait for every rank's close()
         stop = self._hb_stop = threading.Event()
         key = self._k("hb", str(self.rank))
-        store: Any = self._store()
-        try:
-            store = store.clone()  # its own connection: never interleaves with the caller's requests
-        except Exception as err:  # stores without clone() are shared; both users only make atomic calls
-            logger.debug("shardsafe: store.clone() unavailable (%s); heartbeat shares the store", err)
+        # The heartbeat shares the caller's store client: TCPStore serialises requests from several
+        # threads itself, and every shardsafe call is short (nothing blocks on a missing key), so
+        # ticks are never held up. A clone() would need a new connection, which can take seconds.
+        store = self._store()
         self._add(key, 1)
 
         def tick() -> None:
@@ -475,16 +481,22 @@ class Coordinator:
         return lines
 
     def _cleanup_previous(self, key: tuple[int, str]) -> None:
-        """Rank 0 deletes the keys of operations every rank has now left behind (all seq < this one)."""
+        """Rank 0 deletes the keys of earlier operations of this channel that every rank has left:
+        those every rank reported done (:meth:`close`), or, for operations without a heartbeat, all
+        before this one (every rank reached this one). It stops at the first one still running (an
+        async save in flight), so cleanup never removes keys a background phase still waits on."""
         if self.rank != 0:
             return
         with _seq_lock:
             start = _cleaned.get(key, 0) + 1
-            _cleaned[key] = self.seq - 1
+        done_upto = start - 1
         for seq in range(start, self.seq):
             prefix = f"{self.prefix}/{seq}"
-            names = [f"{prefix}/abort"] + [f"{prefix}/hb/{r}" for r in range(self.world_size)]
-            for phase in _phases_used.pop((key, seq), {"arrive"}):
+            phases = _phases_used.get((key, seq), {"arrive"})
+            if "hb" in phases and self._add(f"{prefix}/done", 0) < self.world_size:
+                break
+            names = [f"{prefix}/abort", f"{prefix}/done"] + [f"{prefix}/hb/{r}" for r in range(self.world_size)]
+            for phase in phases - {"hb"}:
                 names += [f"{prefix}/{phase}/{leaf}" for leaf in ("count", "decision", "value")]
                 names += [f"{prefix}/{phase}/r/{r}" for r in range(self.world_size)]
             for name in names:
@@ -492,6 +504,10 @@ class Coordinator:
                     self._store().delete_key(name)
                 except Exception as err:  # housekeeping only: a key of a finished operation is inert
                     logger.debug("shardsafe: could not delete store key %s: %s", name, err)
+            _phases_used.pop((key, seq), None)
+            done_upto = seq
+        with _seq_lock:
+            _cleaned[key] = done_upto
 
     def _use(self, phase: str) -> None:
         if self.rank == 0:

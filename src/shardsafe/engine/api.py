@@ -13,6 +13,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from shardsafe import knobs
 from shardsafe.coord import Deadlines
 from shardsafe.engine import load as _load
 from shardsafe.engine.read import read_manifest
@@ -23,7 +24,7 @@ from shardsafe.storage import get_storage
 
 logger = logging.getLogger("shardsafe")
 
-_inflight: SaveHandle | None = None
+_inflight: list[SaveHandle] = []  # asynchronous saves not yet known to be finished, oldest first
 _inflight_lock = threading.Lock()
 
 __all__ = [
@@ -39,19 +40,28 @@ __all__ = [
 ]
 
 
-def _previous_done(deadlines: Deadlines) -> None:
-    """Wait for the save in flight (at most one by default); raise its error if nobody has seen it."""
-    global _inflight
-    with _inflight_lock:
-        handle, _inflight = _inflight, None
-    if handle is None:
-        return
+def _drain(deadlines: Deadlines, allowed: int) -> None:
+    """Wait until at most ``allowed`` asynchronous saves are in flight, oldest first; raise the error
+    of a finished one that nobody has seen yet (its wait() was never called)."""
+    while True:
+        with _inflight_lock:
+            finished = [h for h in _inflight if h.done()]
+            _inflight[:] = [h for h in _inflight if not h.done()]
+            oldest = _inflight[0] if len(_inflight) > allowed else None
+        for handle in finished:
+            _raise_unseen(handle, deadlines)
+        if oldest is None:
+            return
+        _raise_unseen(oldest, deadlines)
+
+
+def _raise_unseen(handle: SaveHandle, deadlines: Deadlines) -> None:
     try:
         handle.wait(deadlines.io + deadlines.arrive)
     except BaseException:
         if not handle._reported:
             raise
-        logger.debug("shardsafe: previous save of %s had failed (already reported)", handle.path)
+        logger.debug("shardsafe: earlier save of %s had failed (already reported)", handle.path)
 
 
 def _start(
@@ -67,7 +77,7 @@ def _start(
     storage_options: dict[str, Any] | None,
 ) -> SaveHandle:
     deadlines = Deadlines.resolve(timeout)
-    _previous_done(deadlines)
+    _drain(deadlines, knobs.max_inflight_saves() - 1)
     job = SaveJob(
         os.fspath(path),
         state,
@@ -85,9 +95,8 @@ def _start(
     handle = SaveHandle(job, None)
     thread = threading.Thread(target=handle._run, name=f"shardsafe-save-{job.save_id}", daemon=True)
     handle._thread = thread
-    global _inflight
     with _inflight_lock:
-        _inflight = handle
+        _inflight.append(handle)
     thread.start()
     return handle
 
@@ -178,7 +187,7 @@ def load(
 
     With ``state=None`` (one process, no rendezvous): the whole checkpoint as CPU tensors and values.
     """
-    _previous_done(Deadlines.resolve(timeout))
+    _drain(Deadlines.resolve(timeout), 0)  # a load may read what a save in flight is writing
     return _load.load(
         os.fspath(path),
         state,
@@ -293,14 +302,15 @@ def inspect(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | N
 
 @atexit.register
 def _flush_at_exit() -> None:
-    """Interpreter exit: finish the save in flight, or say loudly that it could not."""
+    """Interpreter exit: finish the saves in flight, or say loudly which could not."""
     with _inflight_lock:
-        handle = _inflight
-    if handle is None or (handle.done() and handle._reported):
-        return
-    try:
-        handle.wait()
-    except BaseException as err:
-        msg = f"shardsafe: the asynchronous save of {handle.path} did NOT complete at exit: {err}"
-        logger.error(msg)
-        print(msg, file=sys.stderr, flush=True)
+        pending = list(_inflight)
+    for handle in pending:
+        if handle.done() and handle._reported:
+            continue
+        try:
+            handle.wait()
+        except BaseException as err:
+            msg = f"shardsafe: the asynchronous save of {handle.path} did NOT complete at exit: {err}"
+            logger.error(msg)
+            print(msg, file=sys.stderr, flush=True)

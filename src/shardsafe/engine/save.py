@@ -24,6 +24,7 @@ import torch
 
 from shardsafe import knobs
 from shardsafe.coord import Coordinator, Deadlines, fault_point
+from shardsafe.engine import staging
 from shardsafe.engine.plan import plan_writes
 from shardsafe.engine.staging import stage_chunks
 from shardsafe.errors import CheckpointError, CheckpointExistsError, CoordinationError, UnsafeValueError
@@ -66,6 +67,7 @@ class SaveJob:
         self.flat: FlatState | None = None
         self.metadata_json: Any = None
         self.chunks: list[PendingChunk] = []
+        self.staged: staging.BufferSet | None = None
         self.started = time.monotonic()
         self.blocking_seconds = 0.0
 
@@ -92,12 +94,13 @@ class SaveJob:
             self.chunks = plan_writes(self.flat.items, coord.rank, coord.world_size)
             fault_point("save.plan", coord.global_rank)
             self.phase = "stage"
-            self.chunks = stage_chunks(self.chunks, copy=copy)
+            self.chunks, self.staged = stage_chunks(self.chunks, copy=copy)
             if copy:
                 fault_point("save.stage", coord.global_rank)
         except BaseException as err:
             wrapped = self._failed(err)
             coord.close()
+            self._release()
             if wrapped is err:
                 raise
             raise wrapped from err
@@ -142,7 +145,6 @@ class SaveJob:
                 w.close()
                 report["files"][name] = [entry.size, entry.header_bytes, entry.header_checksum]
                 report["chunks"] = [[c.name, r.to_json()] for c, r in zip(self.chunks, records, strict=True)]
-            self.chunks = []  # drop staging references early
             fault_point("save.report", coord.global_rank)
             self.phase = "report"
             reports = coord.barrier("written", json.dumps(report), timeout=self.deadlines.io, collect=coord.rank == 0)
@@ -163,6 +165,13 @@ class SaveJob:
             raise wrapped from err
         finally:
             coord.close()
+            self._release()
+
+    def _release(self) -> None:
+        self.chunks = []
+        if self.staged is not None:
+            staging.release(self.staged)
+            self.staged = None
 
     def _commit(self, coord: Coordinator, flat: FlatState, reports: list[dict[str, Any]]) -> None:
         """(rank 0) Build the manifest from every report, write it last, make it visible, tell the ranks."""
