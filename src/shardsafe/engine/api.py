@@ -152,8 +152,9 @@ def async_save(
 ) -> SaveHandle:
     """Like :func:`save`, but returns once this rank's share is copied into staging memory; writing
     and commit run in the background. Change the model freely after it returns: the checkpoint holds
-    the values at the call. A new save first waits for the previous one. Errors raise from
-    ``handle.wait()`` (and from the next save if never waited for) on every rank."""
+    the values at the call. At most ``SHARDSAFE_MAX_INFLIGHT_SAVES`` (default 1) saves are in flight:
+    a new save first waits for the oldest. Errors raise from ``handle.wait()`` (and from the next save
+    or load if never waited for) on every rank. See docs/async.md."""
     return _start(
         path,
         state,
