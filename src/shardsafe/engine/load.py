@@ -67,7 +67,7 @@ def load(
             for name, entry in manifest.tensors.items():
                 resolved[name] = torch.empty(entry.shape, dtype=entry.dtype)
                 tasks += plan_reads(name, entry, resolved[name], (0,) * len(entry.shape))
-            nbytes = run_tasks(storage, path, manifest, tasks, first)
+            nbytes = run_tasks(storage, path, manifest, tasks, first, deadlines.io)
             out = {k: _decode(manifest, k, resolved, allow_pickle, path) for k in manifest.objects}
         else:
             # tensors that may be allocated from manifest shapes: everything but a module's own parameters
@@ -79,7 +79,7 @@ def load(
             ]
             check_sizes(storage, path, manifest, sized)
             plan = _plan(manifest, state, strict, allow_pickle, path)
-            nbytes = run_tasks(storage, path, manifest, plan.tasks, first)
+            nbytes = run_tasks(storage, path, manifest, plan.tasks, first, deadlines.io)
             phase = "restore"
             for fn in plan.apply:
                 fn()

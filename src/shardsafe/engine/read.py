@@ -8,14 +8,16 @@ saved chunks in any way (resharding between any world sizes).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
 
 import torch
 
 from shardsafe import knobs
-from shardsafe.errors import CheckpointNotFoundError, CorruptCheckpointError
+from shardsafe.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from shardsafe.format.datafile import read_verified, tensor_bytes
 from shardsafe.format.manifest import Chunk, Manifest, TensorEntry, parse_manifest
 from shardsafe.storage import MANIFEST_NAME, Storage
@@ -93,25 +95,36 @@ def plan_reads(name: str, entry: TensorEntry, dest: torch.Tensor, offsets: Seque
 
 
 def run_tasks(
-    storage: Storage, path: str, manifest: Manifest, tasks: Sequence[Task], on_first: Callable[[], None]
+    storage: Storage,
+    path: str,
+    manifest: Manifest,
+    tasks: Sequence[Task],
+    on_first: Callable[[], None],
+    timeout: float,
 ) -> int:
-    """Execute the reads (a few threads; each raises through its future). Returns the bytes read."""
+    """Execute the reads on a few threads (each raises through its future) within ``timeout``
+    seconds; returns the bytes read. A read still running at the deadline (a hung network
+    filesystem) raises instead of blocking: the pool is abandoned, its threads end with their reads."""
     if not tasks:
         return 0
+    deadline = time.monotonic() + timeout
     threads = max(1, min(knobs.io_threads(), len(tasks)))
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="shardsafe-read")
     total = 0
-    if threads == 1:
-        for i, t in enumerate(tasks):
-            total += _run(storage, path, manifest, t)
-            if i == 0:
-                on_first()
-        return total
-    with ThreadPoolExecutor(threads, thread_name_prefix="shardsafe-read") as pool:
+    try:
         futures = [pool.submit(_run, storage, path, manifest, t) for t in tasks]
         for i, f in enumerate(futures):
-            total += f.result()
+            try:
+                total += f.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FuturesTimeout:
+                raise CheckpointError(
+                    f"load of {path!r}: reads did not finish within {timeout:.0f}s (storage hung or far too slow); "
+                    "raise timeout= or SHARDSAFE_IO_TIMEOUT if it is merely slow"
+                ) from None
             if i == 0:
                 on_first()
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     return total
 
 
