@@ -9,7 +9,6 @@ placements) and the world size, so every rank computes the same assignment witho
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from shardsafe import knobs
@@ -34,8 +33,8 @@ def plan_writes(items: Sequence[TensorItem], rank: int, world_size: int) -> list
             continue
         rows = item.shape[0] if item.shape else 1
         parts = min(world_size, rows, max(1, item.nbytes // split)) if item.shape else 1
+        row_bytes = item.nbytes // rows if rows else 0
         for lo, hi in _row_ranges(rows, parts) if parts > 1 else [(0, rows)]:
-            row_bytes = item.nbytes // rows if rows else 0
             pieces.append(((hi - lo) * row_bytes, item.name, item, lo, hi))
     load = [0] * world_size
     for nbytes, _, item, lo, hi in sorted(pieces, key=lambda p: (-p[0], p[1], p[3])):
@@ -51,9 +50,6 @@ def plan_writes(items: Sequence[TensorItem], rank: int, world_size: int) -> list
             box = (hi - lo, *item.shape[1:])
             offsets = (lo,) + (0,) * (len(item.shape) - 1)
             mine.append(PendingChunk(item.name, offsets, box, item.local[lo:hi]))
-    return [c for c in mine if math.prod(c.sizes) > 0 or not _has_other(items, c)]
-
-
-def _has_other(items: Sequence[TensorItem], chunk: PendingChunk) -> bool:
-    """An empty chunk is kept only for an empty tensor (so the manifest still records it)."""
-    return any(i.name == chunk.name and math.prod(i.shape) > 0 for i in items)
+    # An empty chunk arises only from an empty replicated tensor (sharded boxes without elements are
+    # skipped above, row ranges of a non-empty tensor are never empty): kept, so the manifest records it.
+    return mine
