@@ -18,8 +18,10 @@ from shardsafe.errors import (
     RemoteRankError,
     UnsafeValueError,
 )
+from shardsafe.format.values import PerRank
 from shardsafe.manager import CheckpointManager, CheckpointRecord
 from shardsafe.runtime import LaunchError, Runtime, WorkerError
+from shardsafe.state.per_rank import per_rank
 
 __version__ = "0.1.0"
 
@@ -34,6 +36,7 @@ __all__ = [
     "CorruptCheckpointError",
     "LaunchError",
     "MissingKeysError",
+    "PerRank",
     "RankDeadError",
     "RankDesyncError",
     "RankTimeoutError",
@@ -47,6 +50,7 @@ __all__ = [
     "async_save",
     "inspect",
     "load",
+    "per_rank",
     "save",
     "verify",
 ]

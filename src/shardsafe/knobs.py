@@ -88,3 +88,10 @@ def remote_upload_threads() -> int:
 def remote_retry_seconds() -> float:
     """Object stores: how long a request keeps being retried on transient errors."""
     return _float("REMOTE_RETRY_SECONDS", 120.0)
+
+
+def per_rank_digest_bytes() -> int:
+    """At save, plain tensors of values and stateful objects up to this size are compared between
+    ranks by their bytes (larger ones by dtype and shape only: assumed equal unless wrapped in
+    ``shardsafe.per_rank``); those that differ are kept per rank."""
+    return int(_float("PER_RANK_DIGEST_BYTES", 1024 * 1024))

@@ -13,6 +13,8 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from shardsafe import knobs
 from shardsafe.coord import Deadlines
 from shardsafe.engine import load as _load
@@ -177,16 +179,26 @@ def load(
     group: Any = None,
     allow_pickle: bool = False,
     storage_options: dict[str, Any] | None = None,
+    cast: bool = False,
+    device: str | torch.device | None = None,
 ) -> dict[str, Any]:
     """Load the checkpoint at ``path``.
 
-    With ``state`` (every rank calls): modules, optimizers and stateful objects are restored in place,
-    tensors are filled in place, other values in ``state`` are replaced; returns the checkpoint's
-    entries that ``state`` did not ask for. Any saved world size loads into any current one.
-    ``strict=True`` raises :class:`MissingKeysError` before modifying anything if a requested key is
-    missing; ``strict=False`` loads what exists and leaves the rest untouched.
+    With ``state`` (every rank calls): loads in place, as torch.distributed.checkpoint does. Tensors
+    found in ``state`` (in dicts, lists, tuples, state dicts; a DTensor's local shard) are filled in
+    place, keeping their object, storage, device and dtype, so ``{"model": model.state_dict()}``
+    loads the model; modules, optimizers and objects with ``state_dict()``/``load_state_dict()`` are
+    restored through their own ``load_state_dict``; other values are replaced in their containers.
+    Returns the checkpoint's entries that ``state`` did not ask for. Any saved world size loads into
+    any current one; values saved per rank come back to the same rank (docs/loading.md).
 
-    With ``state=None`` (one process, no rendezvous): the whole checkpoint as CPU tensors and values.
+    All or nothing before any data is read: a key missing under ``strict=True``
+    (:class:`MissingKeysError`), a shape mismatch, a dtype mismatch (unless ``cast=True``, which
+    converts to the destination's dtype) or a damaged manifest raises on every rank, and no rank's
+    state has changed. ``strict=False`` loads what exists and leaves the rest untouched.
+
+    With ``state=None`` (one process, no rendezvous): the whole checkpoint, tensors on CPU (or on
+    ``device``), per-rank values as ``{rank: value}``.
     """
     _drain(Deadlines.resolve(timeout), 0)  # a load may read what a save in flight is writing
     return _load.load(
@@ -197,6 +209,8 @@ def load(
         group=group,
         allow_pickle=allow_pickle,
         storage_options=storage_options,
+        cast=cast,
+        device=None if device is None else torch.device(device),
     )
 
 

@@ -31,6 +31,7 @@ from shardsafe.errors import CheckpointError, CheckpointExistsError, Coordinatio
 from shardsafe.format.datafile import PendingChunk, write_file
 from shardsafe.format.manifest import Chunk, FileEntry, Manifest, TensorEntry
 from shardsafe.format.values import encode
+from shardsafe.state import per_rank
 from shardsafe.state.flatten import FlatState, flatten
 from shardsafe.storage import MANIFEST_NAME, Storage, Writer, get_storage
 
@@ -90,8 +91,9 @@ class SaveJob:
                 raise CheckpointExistsError(record["exists"])
             self.save_id, self.staging = record["save_id"], record["staging"]
             self.flat = flatten(self.state, allow_pickle=self.allow_pickle)
+            per_rank.find_per_rank(self.flat, coord, self.deadlines)
             self.metadata_json = encode(self.metadata, "metadata", _no_tensors)
-            self.chunks = plan_writes(self.flat.items, coord.rank, coord.world_size)
+            self.chunks = plan_writes(self.flat.items, coord.rank, coord.world_size) + per_rank.own_chunks(self.flat)
             fault_point("save.plan", coord.global_rank)
             self.phase = "stage"
             self.chunks, self.staged = stage_chunks(self.chunks, copy=copy)
@@ -131,6 +133,7 @@ class SaveJob:
         try:
             self.phase = "write"
             report: dict[str, Any] = {"rank": coord.rank, "chunks": [], "files": {}, "fingerprint": _fingerprint(flat)}
+            report["per_rank"] = per_rank.report(flat)
             if self.chunks:
                 name = f"data-{coord.rank:05d}-{self.save_id}.safetensors"
                 writer = self.storage.open_writer(self.storage.join(self.staging, name))
@@ -224,6 +227,7 @@ class SaveJob:
                         tuple(c["checksums"]),
                     )
                 )
+        own = per_rank.merge_reports(flat, reports, chunks)
         tensors = {}
         for item in flat.items:
             mine = sorted(chunks.get(item.name, []), key=lambda c: c.offsets)
@@ -234,6 +238,7 @@ class SaveJob:
                     "between ranks); every rank must pass the same state structure"
                 )
             tensors[item.name] = TensorEntry(item.local.dtype, item.shape, tuple(mine))
+        tensors.update(own)
         import shardsafe
 
         return Manifest(

@@ -17,6 +17,7 @@ tag            fields                                       Python value
 ``ndarray``    ``ref``: tensor name in the manifest         numpy.ndarray (stored as a tensor)
 ``npscalar``   ``dtype``: numpy dtype name, ``v``: value    numpy scalar
 ``pickle``     ``b64``: pickled bytes                       anything (opt-in on both sides only)
+``per_rank``   ``ranks``: ``[value, ...]``, one per rank    the value of each saving rank
 =============  ===========================================  =====================================
 
 Any other tag is rejected on load, never skipped.
@@ -41,8 +42,34 @@ TensorSource = Callable[[str], Any]
 """Called with a manifest tensor name while decoding; returns the tensor to put there."""
 
 _TAGS = frozenset(
-    {"float", "dict", "tuple", "bytes", "size", "dtype", "device", "tensor", "ndarray", "npscalar", "pickle"}
+    {
+        "float",
+        "dict",
+        "tuple",
+        "bytes",
+        "size",
+        "dtype",
+        "device",
+        "tensor",
+        "ndarray",
+        "npscalar",
+        "pickle",
+        "per_rank",
+    }
 )
+
+
+class PerRank:
+    """A value that each rank keeps for itself (see :func:`shardsafe.per_rank`): saved once per rank
+    as a ``per_rank`` node, and restored to the same rank."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"per_rank({self.value!r})"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -60,6 +87,12 @@ def encode(value: Any, path: str, on_tensor: TensorSink, *, allow_pickle: bool =
     """Typed JSON for ``value``; ``path`` names it in errors (``model/layers.0.weight``)."""
     if value is None or isinstance(value, (bool, str)):
         return value
+    if isinstance(value, PerRank):
+        # This rank's value only; the save collects every rank's into "ranks" (state/per_rank.py).
+        inner = encode(value.value, path, on_tensor, allow_pickle=allow_pickle)
+        if has_per_rank(inner):
+            raise UnsafeValueError(f"{path!r}: per_rank() inside per_rank(); mark the outer value only")
+        return {"$": "per_rank", "ranks": [inner]}
     if type(value).__module__.startswith("numpy"):  # np.float64 is a float subclass: keep its type
         numpy = _numpy_value(value, path, on_tensor)
         if numpy is not None:
@@ -168,6 +201,11 @@ def _decode_tagged(tag: str, node: dict[str, Any], where: str, resolve: TensorSo
         import numpy as np
 
         return np.dtype(str(node["dtype"])).type(decode(node["v"], where, resolve))
+    if tag == "per_rank":  # every rank's value, by rank (a loader picks its own rank's beforehand)
+        return {
+            r: decode(v, f"{where}@rank{r}", resolve, allow_pickle=allow_pickle)
+            for r, v in enumerate(_rank_nodes(node))
+        }
     # tag == "pickle"
     if not allow_pickle:
         raise UnsafeValueError(
@@ -201,6 +239,11 @@ def validate(node: Json, where: str, *, allow_pickle: bool) -> None:
         elif tag in ("tensor", "ndarray"):
             if not isinstance(node["ref"], str):
                 raise ValueError(f"bad tensor reference {node['ref']!r}")
+        elif tag == "per_rank":
+            for r, v in enumerate(_rank_nodes(node)):
+                validate(v, f"{where}@rank{r}", allow_pickle=allow_pickle)
+                if has_per_rank(v):
+                    raise ValueError("a per_rank node inside a per_rank node")
         elif tag == "pickle":
             if not isinstance(node["b64"], str):
                 raise ValueError("pickle payload is not text")
@@ -210,6 +253,31 @@ def validate(node: Json, where: str, *, allow_pickle: bool) -> None:
             decode(node, where, _no_source)
     except (KeyError, TypeError, ValueError) as err:
         raise CorruptCheckpointError(f"{where}: malformed {tag!r} node: {err}") from err
+
+
+def _rank_nodes(node: dict[str, Any]) -> list[Json]:
+    ranks = node["ranks"]
+    if not isinstance(ranks, list) or not ranks:
+        raise ValueError("'ranks' must be a non-empty list, one value per saving rank")
+    return ranks
+
+
+def has_per_rank(node: Json) -> bool:
+    """Whether a typed JSON tree holds a ``per_rank`` node anywhere."""
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            tag = item.get("$")
+            if tag == "per_rank":
+                return True
+            if tag in ("dict", "tuple") and isinstance(item.get("items"), list):
+                stack.extend(
+                    v[1] if tag == "dict" and isinstance(v, list) and len(v) == 2 else v for v in item["items"]
+                )
+    return False
 
 
 def _no_source(ref: str) -> Any:
@@ -231,4 +299,6 @@ def tensor_refs(node: Json) -> list[str]:
                 stack.extend(reversed([v for _, v in item.get("items", [])]))
             elif item.get("$") == "tuple":
                 stack.extend(reversed(item.get("items", [])))
+            elif item.get("$") == "per_rank":
+                stack.extend(reversed(item.get("ranks", [])))
     return out

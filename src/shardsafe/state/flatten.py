@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from torch import nn
 
 from shardsafe.errors import UnsafeValueError
 from shardsafe.format.manifest import SAFETENSORS_DTYPES
-from shardsafe.format.values import encode
+from shardsafe.format.values import PerRank, encode
 
 try:
     from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -38,6 +38,7 @@ class TensorItem:
     offsets: tuple[int, ...]  # global offsets of ``local``
     replicated: bool  # every rank holds the same whole tensor
     owner: bool  # for sharded tensors: this rank writes its box (replicas on other mesh dims do not)
+    dtensor: bool = False  # a DTensor (its placements say who holds what), not a plain tensor
 
     @property
     def nbytes(self) -> int:
@@ -49,6 +50,11 @@ class FlatState:
     objects: dict[str, dict[str, Any]]  # key -> {"kind", "value" (typed JSON)}
     items: list[TensorItem]
     strategy: str
+    per_rank: list[TensorItem] = field(default_factory=list)
+    """Tensors of this rank's per-rank values (state/per_rank.py): written whole by this rank only."""
+    per_rank_paths: list[list[Any]] = field(default_factory=list)
+    """Where the ``per_rank`` nodes are: ``[key, step, ...]`` (dict keys, list/tuple indices), in the
+    same order on every rank."""
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -64,6 +70,31 @@ def unwrap(module: nn.Module) -> nn.Module:
         if not isinstance(inner, nn.Module) or inner is module:
             return module
         module = inner
+
+
+def module_state(module: nn.Module) -> dict[str, Any]:
+    """(every rank, locally) The state dict a module is saved from and loaded into: its own names, and
+    tensors that share storage with its parameters and buffers (DTensor shards under FSDP2), so that
+    filling them in place loads the module."""
+    return unwrap(module).state_dict()
+
+
+def load_module_state(module: nn.Module, sd: dict[str, Any]) -> None:
+    """(every rank, after the reads) Hand a state dict filled from :func:`module_state` back to the
+    module through its own load path (hooks, extra state)."""
+    unwrap(module).load_state_dict(sd, strict=False)
+
+
+def optimizer_current(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """(every rank, locally) The optimizer's state dict as torch keys it (parameter indices); its
+    tensors are the optimizer's own, so they can be filled in place."""
+    return opt.state_dict()
+
+
+def load_optimizer_state(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+    """(every rank, after the reads) Restore an optimizer from a state dict keyed as
+    :func:`optimizer_current` keys it."""
+    opt.load_state_dict(sd)
 
 
 def is_sharded(t: torch.Tensor) -> bool:
@@ -108,7 +139,7 @@ def optimizer_names(opt: torch.optim.Optimizer, names: dict[int, str]) -> list[l
 
 def optimizer_state(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
     """The optimizer's state dict with parameter indices replaced by parameter names."""
-    sd = opt.state_dict()
+    sd = optimizer_current(opt)
     group_names = optimizer_names(opt, names)
     flat = [n for group in group_names for n in group]
     state = {flat[int(i)]: s for i, s in sd["state"].items()}
@@ -119,6 +150,11 @@ def optimizer_state(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict[s
 
 
 def kind_of(obj: Any) -> str:
+    """How an entry of the state is saved and loaded: ``module``, ``optimizer``, ``stateful`` (DCP's
+    Stateful protocol: ``state_dict()`` and ``load_state_dict()``) or ``value``. A top-level
+    ``per_rank(x)`` has the kind of ``x``."""
+    if isinstance(obj, PerRank):
+        obj = obj.value
     if isinstance(obj, nn.Module):
         return "module"
     if isinstance(obj, torch.optim.Optimizer):
@@ -149,7 +185,7 @@ def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False) -> FlatStat
         local, shape, offsets, replicated, owner = local_box(t)
         if not replicated:
             strategies.add("fsdp")
-        items.append(TensorItem(name, local, shape, offsets, replicated, owner))
+        items.append(TensorItem(name, local, shape, offsets, replicated, owner, dtensor=is_sharded(t)))
         return name
 
     objects: dict[str, dict[str, Any]] = {}
@@ -157,10 +193,17 @@ def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False) -> FlatStat
         if not isinstance(key, str) or not key or "/" in key:
             raise UnsafeValueError(f"state key {key!r}: top-level keys must be non-empty str without '/'")
         kind = kind_of(obj)
-        if kind == "module":
+        if isinstance(obj, PerRank) and kind != "value":
+            if kind != "stateful":
+                raise UnsafeValueError(
+                    f"{key!r}: per_rank() of a {kind}: its tensors are already placed by the strategy (sharded or "
+                    "replicated); save it without per_rank()"
+                )
+            value: Any = PerRank(obj.value.state_dict())
+        elif kind == "module":
             if isinstance(obj, nn.parallel.DistributedDataParallel):
                 strategies.add("ddp")
-            value: Any = unwrap(obj).state_dict()
+            value = module_state(obj)
         elif kind == "optimizer":
             value = optimizer_state(obj, names)
         elif kind == "stateful":

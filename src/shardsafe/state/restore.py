@@ -1,0 +1,447 @@
+"""Loading into the caller's state in place, as torch.distributed.checkpoint does (DESIGN.md
+principle 11). (every rank, locally) A :class:`Restorer` walks the caller's state beside the
+checkpoint's typed JSON and plans; it modifies nothing until :meth:`Restorer.apply`:
+
+- a tensor (a DTensor: its local shard) that meets a ``tensor`` node is filled in place: same object,
+  storage, device and dtype. A shape mismatch, or a dtype mismatch without ``cast=True``, raises;
+- a dict, list or tuple that meets a node of the same kind is matched entry by entry (a tuple is
+  rebuilt, being immutable); a key of the state that the checkpoint lacks is *missing*, a key only
+  the checkpoint has is added;
+- anything else (plain values, a container of another kind or length without tensors) is replaced
+  by the saved value, decoded into new objects (tensors on CPU, or on ``device``);
+- a module, and an object with ``state_dict()``/``load_state_dict()`` (DCP's Stateful protocol), gives
+  its state dict, which is filled as above and handed back through ``load_state_dict`` after the reads;
+  optimizers: state/restore_optim.py;
+- a ``per_rank`` node gives this rank's value when the checkpoint was saved by as many ranks; on
+  another world size the value is missing (docs/format.md, "Per-rank values").
+
+Call order: ``plan_entry``/``extra`` for each entry; then (after the size checks of :meth:`names`)
+:meth:`prepare`, which allocates the new tensors and returns the reads; then, after the reads,
+:meth:`apply`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardsafe.engine.read import Task, plan_reads
+from shardsafe.errors import CheckpointError, CorruptCheckpointError
+from shardsafe.format.manifest import Manifest
+from shardsafe.format.values import PerRank, decode, dtype_name, has_per_rank
+from shardsafe.state.flatten import kind_of, load_module_state, local_box, module_state
+
+Op = Callable[[], Any]
+"""Run after the reads: applies a subtree's changes and returns the value its parent holds."""
+
+_WRAPPERS = ("module.", "_orig_mod.", "_forward_module.")  # DDP, torch.compile, Lightning Fabric
+
+
+class _Absent:
+    pass
+
+
+_ABSENT = _Absent()
+
+
+@dataclass
+class _Decode:
+    node: Any
+    where: str
+    value: Any = None
+
+
+class Restorer:
+    """Plans a load into ``state`` of one rank (``rank`` of ``world_size``); see the module docstring."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        path: str,
+        *,
+        rank: int | None,
+        world_size: int,
+        cast: bool,
+        device: torch.device | None,
+        allow_pickle: bool,
+    ) -> None:
+        self.manifest = manifest
+        self.path = path
+        self.rank = rank  # None: no rank of its own (load(path) without a state)
+        self.world_size = world_size
+        self.cast = cast
+        self.device = device
+        self.allow_pickle = allow_pickle
+        self.missing: list[str] = []
+        self.steps: list[Callable[[], None]] = []
+        self._fills: list[tuple[str, torch.Tensor]] = []  # (manifest name, destination) in the caller's state
+        self._fresh: dict[str, Callable[[], torch.Tensor]] = {}  # manifest name -> allocator (after size checks)
+        self._decodes: list[_Decode] = []
+        self.tensors: dict[str, torch.Tensor] = {}  # allocated by prepare()
+
+    # ------------------------------------------------------------------------------- entries
+
+    def plan_entry(self, key: str, obj: Any, state: MutableMapping[str, Any]) -> None:
+        """Plan loading entry ``key`` of the checkpoint into ``state[key]`` (``obj``)."""
+        saved = self.manifest.objects[key]
+        node, kind, skind = saved["value"], kind_of(obj), saved["kind"]
+        if kind == "module":
+            self._expect(key, skind, ("module", "value"), "module")
+            module = obj.value if isinstance(obj, PerRank) else obj
+            sd = module_state(module)
+            op = self._merge_dict(
+                sd, self._dict_node(node, key, skind, "a module's state dict"), key, lenient=False, module=True
+            )
+            self.steps.append(lambda: load_module_state(module, op()))
+        elif kind == "optimizer":
+            from shardsafe.state.restore_optim import plan_optimizer
+
+            self._expect(key, skind, ("optimizer",), "optimizer")
+            plan_optimizer(self, key, obj.value if isinstance(obj, PerRank) else obj, node, state)
+        elif kind == "stateful":
+            self._expect(key, skind, ("stateful", "value"), "object with state_dict()/load_state_dict()")
+            target = obj.value if isinstance(obj, PerRank) else obj
+            node = self._select(node, key)
+            if node is _ABSENT:
+                return
+            sd = target.state_dict()
+            if isinstance(sd, dict):  # a saved value of another kind would fail in load_state_dict, after the reads
+                node = self._dict_node(node, key, skind, "a state dict")
+            op = self.merge(sd, node, key)
+            self.steps.append(lambda: target.load_state_dict(op()))
+        else:
+            if skind == "optimizer" and isinstance(obj, dict):
+                raise CheckpointError(
+                    f"{self.path}: entry {key!r} was saved from an optimizer (its state keyed by parameter names); "
+                    "pass the optimizer object itself (beside its model) to load it into, or load(path) to read it."
+                )
+            op = self.merge(obj, node, key, module=skind == "module")
+
+            def put() -> None:
+                state[key] = op()
+
+            self.steps.append(put)
+
+    def extra(self, key: str) -> Op:
+        """An entry the state did not ask for: read whole into new objects. Per-rank values give this
+        rank's value on the saved world size, else ``{rank: value}``."""
+        op = self.replace(self.manifest.objects[key]["value"], key, whole=True)
+        assert op is not None  # whole=True keeps per-rank values
+        return op
+
+    def _expect(self, key: str, saved: str, allowed: tuple[str, ...], what: str) -> None:
+        if saved not in allowed:
+            raise CheckpointError(
+                f"{self.path}: entry {key!r} was saved as a {saved}, but a {what} asks for it; pass a matching "
+                "object, or load(path) to read the entry as it was saved"
+            )
+
+    def _dict_node(self, node: Any, where: str, kind: str, what: str) -> dict[str, Any]:
+        if not (isinstance(node, dict) and node.get("$") == "dict"):
+            message = f"{self.path}: {where}: expected {what} (a dict), found {_describe(node)}"
+            if kind == "value":  # saved that way: the state asks for something else
+                raise CheckpointError(message)
+            raise CorruptCheckpointError(message)  # a module or stateful entry is written as a dict
+        return node
+
+    # ------------------------------------------------------------------------------- the walk
+
+    def merge(self, dest: Any, node: Any, where: str, *, lenient: bool = False, module: bool = False) -> Op:
+        """Plan loading ``node`` into ``dest`` in place. ``lenient`` (optimizer state): keys only the
+        state has are not missing, and a tensor of another dtype or kind is replaced, not refused."""
+        node = self._select(node, where)
+        if node is _ABSENT:
+            return lambda: dest
+        if isinstance(dest, PerRank):
+            inner = self.merge(dest.value, node, where, lenient=lenient, module=module)
+
+            def put_inner() -> PerRank:
+                dest.value = inner()
+                return dest
+
+            return put_inner
+        tag = _tag(node)
+        if isinstance(dest, torch.Tensor):
+            if tag in ("tensor", "ndarray"):
+                entry = self.manifest.tensors[node["ref"]]
+                if not lenient or entry.dtype == dest.dtype or entry.shape != tuple(dest.shape):
+                    self.fill(node["ref"], dest, where)
+                    return lambda: dest
+                # optimizer state of another dtype: a new tensor placed like the old one (DTensor too)
+                return self.fresh(node["ref"], lambda: torch.empty_like(dest, dtype=entry.dtype))
+            if not lenient:
+                raise CheckpointError(
+                    f"{self.path}: {where}: the state holds a tensor here, the checkpoint {_describe(node)}; "
+                    "the state and the checkpoint have different structures"
+                )
+        elif isinstance(dest, dict) and tag == "dict":
+            return self._merge_dict(dest, node, where, lenient=lenient, module=module)
+        elif isinstance(dest, list) and tag == "list" and len(dest) == len(node):
+            ops = [
+                self.merge(d, n, f"{where}/{i}", lenient=lenient)
+                for i, (d, n) in enumerate(zip(dest, node, strict=True))
+            ]
+
+            def put_list() -> list[Any]:
+                for i, op in enumerate(ops):
+                    dest[i] = op()
+                return dest
+
+            return put_list
+        elif type(dest) is tuple and tag == "tuple" and len(dest) == len(node["items"]):
+            items = [
+                self.merge(d, n, f"{where}/{i}", lenient=lenient)
+                for i, (d, n) in enumerate(zip(dest, node["items"], strict=True))
+            ]
+            return lambda: tuple(op() for op in items)
+        elif _holds_tensor(dest) and not lenient:
+            raise CheckpointError(
+                f"{self.path}: {where}: the state holds {_describe_value(dest)} with tensors here, the checkpoint "
+                f"{_describe(node)}; the state and the checkpoint have different structures"
+            )
+        new = self.replace(node, where)
+        return (lambda: dest) if new is None else new
+
+    def _merge_dict(self, dest: dict[Any, Any], node: dict[str, Any], where: str, *, lenient: bool, module: bool) -> Op:
+        saved = {k: v for k, v in node["items"]}
+        match = _align(list(dest), list(saved)) if module else {k: k for k in dest if k in saved}
+        ops: list[tuple[Any, Op]] = []
+        for k, v in dest.items():
+            if k in match:
+                ops.append((k, self.merge(v, saved[match[k]], f"{where}/{k}", lenient=lenient)))
+            elif not lenient:
+                self.missing.append(f"{where}/{k}")
+        used = set(match.values())
+        for k, v in saved.items():
+            if k in used:
+                continue
+            if module:  # a parameter the model does not have: never added to its state dict
+                self.missing.append(f"{where}: unexpected {k}")
+                continue
+            new = self.replace(v, f"{where}/{k}")
+            if new is not None:
+                ops.append((k, new))
+
+        def put() -> dict[Any, Any]:
+            for k, op in ops:
+                dest[k] = op()
+            return dest
+
+        return put
+
+    def fill(self, name: str, dest: torch.Tensor, where: str) -> None:
+        """Plan reading tensor ``name`` into ``dest`` (its local shard for a DTensor), in place."""
+        entry = self.manifest.tensors[name]
+        _, shape, _, _, _ = local_box(dest)
+        if shape != entry.shape:
+            raise CheckpointError(
+                f"{self.path}: {where}: shape mismatch: the checkpoint holds {list(entry.shape)}, the destination is "
+                f"{list(shape)}. Build the model with the same configuration as the saved one."
+            )
+        if dest.dtype != entry.dtype and not self.cast:
+            raise CheckpointError(
+                f"{self.path}: {where}: dtype mismatch: the checkpoint holds {dtype_name(entry.dtype)}, the "
+                f"destination is {dtype_name(dest.dtype)}. Pass cast=True to convert while loading, or load into "
+                "a tensor of the saved dtype."
+            )
+        if dest.device.type == "meta":
+            raise CheckpointError(
+                f"{self.path}: {where}: the destination is on the meta device (no storage to fill); "
+                "materialise the model first (e.g. model.to_empty(device=...)) and load again"
+            )
+        if dest.is_inference() or any(s == 0 and n > 1 for s, n in zip(dest.stride(), dest.shape, strict=True)):
+            raise CheckpointError(
+                f"{self.path}: {where}: the destination cannot be written in place (an inference tensor, or an "
+                "expanded view whose elements share memory); put a plain tensor there"
+            )
+        self._fills.append((name, dest))
+
+    def fresh(self, name: str, alloc: Callable[[], torch.Tensor] | None = None) -> Op:
+        """Plan reading tensor ``name`` into a new tensor (``alloc``, default: CPU or ``device``)."""
+        if alloc is None:
+            entry = self.manifest.tensors[name]
+
+            def alloc() -> torch.Tensor:
+                return torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
+
+        self._fresh[name] = alloc
+        return lambda: self.tensors[name]
+
+    def replace(self, node: Any, where: str, *, whole: bool = False) -> Op | None:
+        """Plan decoding ``node`` into new objects (its tensors read into new tensors); ``None`` when it
+        holds a per-rank value this rank has none of (recorded as missing)."""
+        node = self._select_all(node, where, whole)
+        if node is _ABSENT:
+            return None
+        todo = _Decode(node, where)
+        for tag, ref in _refs(node):
+            self.fresh(ref, _cpu(self.manifest, ref) if tag == "ndarray" else None)  # numpy needs CPU
+        self._decodes.append(todo)
+        return lambda: todo.value
+
+    # ------------------------------------------------------------------------------- per rank
+
+    def _select(self, node: Any, where: str) -> Any:
+        """This rank's value of a ``per_rank`` node (missing on another world size); other nodes as they are."""
+        if not (isinstance(node, dict) and node.get("$") == "per_rank"):
+            return node
+        ranks = node["ranks"]
+        if len(ranks) != self.manifest.world_size:
+            raise CorruptCheckpointError(
+                f"{self.path}: {where}: a per-rank value with {len(ranks)} ranks in a checkpoint saved by "
+                f"{self.manifest.world_size}"
+            )
+        if self.rank is not None and self.world_size == self.manifest.world_size:
+            return ranks[self.rank]
+        self.missing.append(
+            f"{where} (kept per rank by the {self.manifest.world_size}-rank save; this load runs on "
+            f"{self.world_size} rank{'s' if self.world_size > 1 else ''})"
+        )
+        return _ABSENT
+
+    def _select_all(self, node: Any, where: str, whole: bool) -> Any:
+        """``node`` with every ``per_rank`` node inside replaced by this rank's value; when there is none
+        of its own: ``{rank: value}`` for ``whole`` (an entry nobody asked for), else missing."""
+        if not has_per_rank(node):
+            return node
+        if isinstance(node, dict) and node.get("$") == "per_rank":
+            if whole and (self.rank is None or self.world_size != self.manifest.world_size):
+                return node  # decodes to {rank: value}
+            return self._select(node, where)
+        if isinstance(node, list):
+            items = [self._select_all(v, f"{where}/{i}", whole) for i, v in enumerate(node)]
+            return _ABSENT if any(v is _ABSENT for v in items) else items
+        if node.get("$") == "tuple":
+            inner = self._select_all(node["items"], where, whole)
+            return _ABSENT if inner is _ABSENT else {"$": "tuple", "items": inner}
+        pairs = [[k, self._select_all(v, f"{where}/{k}", whole)] for k, v in node["items"]]
+        return _ABSENT if any(v is _ABSENT for _, v in pairs) else {"$": "dict", "items": pairs}
+
+    # ------------------------------------------------------------------------------- phases
+
+    def names(self) -> list[str]:
+        """Every manifest tensor this plan reads (for the size checks before :meth:`prepare`)."""
+        return list(dict.fromkeys([n for n, _ in self._fills] + list(self._fresh)))
+
+    def prepare(self) -> list[Task]:
+        """Allocate the new tensors, decode the new values and return the reads. Still modifies
+        nothing of the caller's state."""
+        for name, alloc in self._fresh.items():
+            self.tensors[name] = alloc()
+        for todo in self._decodes:
+            todo.value = decode(
+                todo.node, f"{self.path}: {todo.where}", self.tensors.__getitem__, allow_pickle=self.allow_pickle
+            )
+        tasks: list[Task] = []
+        for name, dest in [*self._fills, *self.tensors.items()]:
+            local, _, offsets, _, _ = local_box(dest)
+            tasks += plan_reads(name, self.manifest.tensors[name], local, offsets)
+        return tasks
+
+    def apply(self) -> None:
+        """(after every read succeeded) Put the new values in place and hand state dicts back."""
+        for step in self.steps:
+            step()
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+
+def _cpu(manifest: Manifest, name: str) -> Callable[[], torch.Tensor]:
+    entry = manifest.tensors[name]
+    return lambda: torch.empty(entry.shape, dtype=entry.dtype)
+
+
+def _tag(node: Any) -> str | None:
+    if isinstance(node, list):
+        return "list"
+    if isinstance(node, dict):
+        tag = node.get("$")
+        return tag if isinstance(tag, str) else None
+    return None
+
+
+def _refs(node: Any) -> list[tuple[str, str]]:
+    """(tag, name) of every tensor/ndarray reference in a typed JSON tree."""
+    out: list[tuple[str, str]] = []
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            tag = item.get("$")
+            if tag in ("tensor", "ndarray"):
+                out.append((tag, item["ref"]))
+            elif tag == "dict":
+                stack.extend(v for _, v in item["items"])
+            elif tag in ("tuple",):
+                stack.extend(item["items"])
+            elif tag == "per_rank":
+                stack.extend(item["ranks"])
+    return out
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, PerRank):
+        return _holds_tensor(value.value)
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    return False
+
+
+def _describe(node: Any) -> str:
+    tag = _tag(node)
+    if tag == "list":
+        return f"a list of {len(node)}"
+    if tag == "dict":
+        return f"a dict of {len(node['items'])}"
+    if tag == "tuple":
+        return f"a tuple of {len(node['items'])}"
+    if tag in ("tensor", "ndarray"):
+        return f"a {tag}"
+    if tag is not None:
+        return f"a {tag} value"
+    return f"the value {str(node)[:40]!r}"
+
+
+def _describe_value(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
+
+
+def _strip(name: str) -> str:
+    while True:
+        prefix = next((p for p in _WRAPPERS if name.startswith(p)), None)
+        if prefix is None:
+            return name
+        name = name[len(prefix) :]
+
+
+def _align(dest: list[Any], saved: list[Any]) -> dict[Any, Any]:
+    """Module state dicts: each destination name -> its saved name. Exact names first; then names that
+    agree once wrapper prefixes are dropped (``model.state_dict()`` of a DDP or compiled model holds
+    ``module.``/``_orig_mod.`` names, a module entry its model's own)."""
+    exact = set(saved)
+    out = {k: k for k in dest if k in exact}
+    used = set(out.values())
+    loose: dict[str, Any] = {}
+    for k in saved:
+        if k not in used and isinstance(k, str):
+            loose.setdefault(_strip(k), k)
+    for k in dest:
+        if k in out or not isinstance(k, str):
+            continue
+        match = loose.get(_strip(k))
+        if match is not None and match not in used:
+            out[k] = match
+            used.add(match)
+    return out

@@ -1,0 +1,126 @@
+"""Loading an optimizer entry (every rank, locally; part of a :class:`~shardsafe.state.restore.Restorer`
+plan). The saved entry is validated whole first (a malformed one is a CorruptCheckpointError before
+anything changes); its state is keyed by parameter name, so it maps onto the optimizer's parameters
+whatever the wrapping and the world size. Tensors of the optimizer's current state are filled in place
+when shape and dtype agree; the others are read into new tensors shaped like their parameter (a DTensor
+shard under FSDP2) or as saved. Tensors in ``param_groups`` (``lr=torch.tensor(...)``) come back as
+tensors. After the reads, ``load_optimizer_state`` hands it all to the optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from shardsafe.errors import CorruptCheckpointError
+from shardsafe.state.flatten import load_optimizer_state, optimizer_current, optimizer_names, param_names
+from shardsafe.state.restore import Op, Restorer
+
+Json = Any
+
+
+def _items(node: Json, where: str, what: str) -> list[tuple[Any, Json]]:
+    if not (isinstance(node, dict) and node.get("$") == "dict" and isinstance(node.get("items"), list)):
+        raise CorruptCheckpointError(f"{where}: {what} is not a dict")
+    return [(k, v) for k, v in node["items"]]
+
+
+def parse_optimizer(
+    node: Json, where: str
+) -> tuple[list[tuple[str, list[tuple[str, Json]]]], list[tuple[list[str], list[tuple[str, Json]]]]]:
+    """The saved optimizer entry as ``(state, groups)``: ``state`` lists ``(parameter name, [(key,
+    node)])``, ``groups`` lists ``(parameter names, [(hyperparameter, node)])``. Raises
+    :class:`CorruptCheckpointError` naming what is malformed."""
+    top = dict(_items(node, where, "the optimizer entry"))
+    if set(top) != {"state", "param_groups"}:
+        raise CorruptCheckpointError(f"{where}: an optimizer entry holds 'state' and 'param_groups', not {sorted(top)}")
+    state = []
+    for pname, pnode in _items(top["state"], where, "'state'"):
+        if not isinstance(pname, str):
+            raise CorruptCheckpointError(f"{where}: state key {pname!r} is not a parameter name")
+        entries = _items(pnode, f"{where}/state/{pname}", "a parameter's state")
+        if any(not isinstance(k, str) for k, _ in entries):
+            raise CorruptCheckpointError(f"{where}/state/{pname}: keys must be strings")
+        state.append((pname, entries))
+    if not isinstance(top["param_groups"], list):
+        raise CorruptCheckpointError(f"{where}: 'param_groups' is not a list")
+    groups = []
+    for g, gnode in enumerate(top["param_groups"]):
+        entries = _items(gnode, f"{where}/param_groups/{g}", "a parameter group")
+        names = dict(entries).get("params")
+        if not (isinstance(names, list) and all(isinstance(n, str) for n in names) and len(set(names)) == len(names)):
+            raise CorruptCheckpointError(
+                f"{where}/param_groups/{g}: 'params' is not a list of distinct parameter names"
+            )
+        groups.append((names, [(k, v) for k, v in entries if k != "params"]))
+    return state, groups
+
+
+def plan_optimizer(r: Restorer, key: str, opt: torch.optim.Optimizer, node: Json, state: Mapping[str, Any]) -> None:
+    """Plan restoring optimizer ``opt`` (entry ``key``) into ``r``; a mismatch of its parameters with
+    the saved ones is recorded as missing (``strict`` decides), never half applied."""
+    where = f"{r.path}: {key}"
+    saved_state, saved_groups = parse_optimizer(node, where)
+    group_names = optimizer_names(opt, param_names(state))
+    if len(saved_groups) != len(group_names) or any(
+        sorted(s) != sorted(g) for (s, _), g in zip(saved_groups, group_names, strict=False)
+    ):
+        r.missing.append(f"{key}: parameter groups differ (saved {[s for s, _ in saved_groups]}, now {group_names})")
+        return
+    index = {n: i for i, n in enumerate(n for g in group_names for n in g)}
+    unknown = [n for n, _ in saved_state if n not in index]
+    if unknown:
+        r.missing.append(f"{key}: state for parameters the optimizer does not have: {unknown}")
+        return
+    params = [p for g in opt.param_groups for p in g["params"]]
+    current = optimizer_current(opt)
+    state_ops: dict[int, list[tuple[str, Op]]] = {}
+    for pname, entries in saved_state:
+        i = index[pname]
+        now = current["state"].get(i, {})
+        ops = []
+        for k, v in entries:
+            here = f"{key}/state/{pname}/{k}"
+            if k in now:
+                ops.append((k, r.merge(now[k], v, here, lenient=True)))
+            elif _tag(v) == "tensor" and r.manifest.tensors[v["ref"]].shape == tuple(params[i].shape):
+                ops.append((k, r.fresh(v["ref"], _like(params[i], r.manifest.tensors[v["ref"]].dtype))))
+            else:
+                new = r.replace(v, here)
+                if new is not None:
+                    ops.append((k, new))
+        state_ops[i] = ops
+    group_ops = []
+    for (_, entries), now_group in zip(saved_groups, current["param_groups"], strict=True):
+        ops = []
+        for k, v in entries:
+            here = f"{key}/param_groups/{k}"
+            new = r.merge(now_group[k], v, here, lenient=True) if k in now_group else r.replace(v, here)
+            if new is not None:
+                ops.append((k, new))
+        group_ops.append(ops)
+    gnames = [[index[n] for n in g] for g in group_names]
+
+    def apply() -> None:
+        load_optimizer_state(
+            opt,
+            {
+                "state": {i: {k: op() for k, op in ops} for i, ops in state_ops.items()},
+                "param_groups": [
+                    {**{k: op() for k, op in ops}, "params": p} for ops, p in zip(group_ops, gnames, strict=True)
+                ],
+            },
+        )
+
+    r.steps.append(apply)
+
+
+def _like(param: torch.Tensor, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    """A new state tensor placed like its parameter (device; a DTensor's mesh and placements)."""
+    return lambda: torch.zeros_like(param.detach(), dtype=dtype)
+
+
+def _tag(node: Json) -> str | None:
+    return node.get("$") if isinstance(node, dict) else None
