@@ -222,9 +222,16 @@ class VerifySummary:
     bytes: int
 
 
-def verify(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> VerifySummary:
+def verify(
+    path: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    part: tuple[int, int] | None = None,
+) -> VerifySummary:
     """Check every byte of the checkpoint at ``path`` against its checksums (one process, no rendezvous).
-    Raises :class:`CheckpointNotFoundError` or :class:`CorruptCheckpointError` naming file and tensor."""
+    Raises :class:`CheckpointNotFoundError` or :class:`CorruptCheckpointError` naming file and tensor.
+    ``part=(i, n)`` checks the manifest and only the data files ``i, i + n, ...`` (in name order), so
+    that ``n`` processes calling it with ``i = 0 .. n-1`` check the whole checkpoint once between them."""
     path = os.fspath(path)
     storage = get_storage(path, storage_options)
     manifest = read_manifest(storage, path)
@@ -233,7 +240,9 @@ def verify(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | No
         for c in entry.chunks:
             by_file[c.file].append((tname, c))
     total = 0
-    for fname, fentry in manifest.files.items():
+    for i, (fname, fentry) in enumerate(sorted(manifest.files.items())):
+        if part is not None and i % part[1] != part[0]:
+            continue
         fpath = storage.join(path, fname)
         try:
             verify_header(

@@ -102,6 +102,10 @@ class ManagerConfig:
     leftover_age: float = 3600.0
     """Leftovers of crashed saves (staging directories, orphaned data files) are removed once nothing
     in them has changed for this many seconds, so a save still running elsewhere is never touched."""
+    verify_on_resume: bool = False
+    """``resume`` first checks every byte of a checkpoint (the ranks share the files) and loads it only
+    if all of it is intact, so the state changes only from a checkpoint that verified whole; a damaged
+    one is skipped untouched. Costs one extra read of each checkpoint tried."""
     template: NameTemplate = field(init=False, repr=False, compare=False)
     """``name``, parsed."""
 
@@ -149,6 +153,8 @@ class ManagerConfig:
             isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool) and self.timeout > 0
         ):
             raise ValueError(f"timeout={self.timeout!r} must be a positive number of seconds, or None")
+        if not isinstance(self.verify_on_resume, bool):
+            raise ValueError(f"verify_on_resume={self.verify_on_resume!r} must be True or False")
         if not isinstance(self.leftover_age, (int, float)) or not self.leftover_age >= 0:
             raise ValueError(
                 f"leftover_age={self.leftover_age!r} must be a number of seconds >= 0 (default 3600); keep it "

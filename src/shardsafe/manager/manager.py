@@ -77,6 +77,7 @@ class CheckpointManager:
         save_on_signals: tuple[int, ...] = (signal.SIGTERM,),
         timeout: float | None = None,
         leftover_age: float = 3600.0,
+        verify_on_resume: bool = False,
     ) -> None:
         self.config = ManagerConfig(
             root=os.fspath(root),
@@ -92,6 +93,7 @@ class CheckpointManager:
             save_on_signals=save_on_signals,
             timeout=timeout,
             leftover_age=leftover_age,
+            verify_on_resume=verify_on_resume,
         )
         self._fs = open_root(self.config.root)
         store, self.rank, self.world_size, _, namespace, _ = resolve_group(None)
@@ -189,14 +191,16 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------- resuming
 
-    def resume(self, state: MutableMapping[str, Any]) -> int | None:
+    def resume(self, state: MutableMapping[str, Any], *, verify: bool | None = None) -> int | None:
         """(every rank) Load the newest checkpoint that is complete and intact into ``state`` and return
         its step; ``None`` when there is none. Incomplete or damaged newer ones are skipped with a
         WARNING naming them and why; that checkpoint is never deleted by retention until a newer one
-        is committed."""
+        is committed. With ``verify`` (default: ``verify_on_resume``) every byte of a checkpoint is
+        checked before it is loaded, so ``state`` changes only from one that verified whole."""
         self._check_open()
         self._finish_pending()  # a save in flight ends (or raises) before loading into the state
-        result = resume_newest(self._fs, self.config, state, rank=self.rank, deadlines=self._deadlines)
+        check = self.config.verify_on_resume if verify is None else verify
+        result = resume_newest(self._fs, self.config, state, rank=self.rank, deadlines=self._deadlines, verify=check)
         if result is None:
             return None
         self._resumed_step = result.step

@@ -4,8 +4,10 @@ Protocol (every rank calls :func:`resume_newest`):
 
 1. rendezvous ``manager.resume``; rank 0 lists the root and broadcasts the committed checkpoints,
    newest first, and the entries it skips (incomplete, bad manifest) with the reason;
-2. for each candidate: every rank loads it with :func:`shardsafe.load` (which verifies every byte it
-   reads), then a rendezvous ``manager.resume.outcome`` collects each rank's outcome, so every rank
+2. for each candidate: with ``verify``, every rank checks its share of the files and a rendezvous
+   ``manager.resume.verify`` collects the outcomes (a damaged candidate is skipped before the state
+   changes); then every rank loads it with :func:`shardsafe.load` (which verifies every byte it
+   reads), then a rendezvous ``manager.resume.load`` collects each rank's outcome, so every rank
    sees the same outcomes and takes the same branch:
    - all ranks loaded it: done;
    - any rank found it damaged (corrupt bytes, a missing or truncated file): WARNING naming it and
@@ -15,9 +17,10 @@ Protocol (every rank calls :func:`resume_newest`):
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,13 +66,24 @@ def _outcome(err: Exception | None) -> dict[str, Any]:
 
 
 def resume_newest(
-    fs: RootFS, config: ManagerConfig, state: MutableMapping[str, Any], *, rank: int, deadlines: Deadlines
+    fs: RootFS,
+    config: ManagerConfig,
+    state: MutableMapping[str, Any],
+    *,
+    rank: int,
+    deadlines: Deadlines,
+    verify: bool = False,
 ) -> Resumed | None:
     """(every rank) Load the newest loadable checkpoint under ``config.root`` into ``state``.
 
+    With ``verify``, every byte of a candidate is checked first (rank ``r`` of ``n`` checks every n-th
+    data file, all ranks the manifest) and the ranks agree on the outcome before anything is loaded:
+    a damaged candidate is skipped with ``state`` untouched. Without it, damage found while reading
+    can leave part of a skipped candidate in ``state`` (overwritten by the next candidate that loads).
+
     Returns ``None`` when there is no committed checkpoint. Raises :class:`CorruptCheckpointError`
-    when there are some but every one is damaged (``state`` may then hold part of one of them), and
-    re-raises on every rank a failure that is not about the checkpoint's bytes."""
+    when there are some but every one is damaged (``state`` may then hold part of one of them, unless
+    ``verify``), and re-raises on every rank a failure that is not about the checkpoint's bytes."""
     c = Coordinator.join("manager.resume", config.root, deadlines=deadlines)
     plan_json = None
     if rank == 0:
@@ -83,45 +97,68 @@ def resume_newest(
     failures: list[str] = []
     io_wait = Deadlines(arrive=deadlines.io, io=deadlines.io)  # the slowest rank's load bounds the wait
     for name, path, step in plan["candidates"]:
-        error: Exception | None = None
-        try:
-            api.load(path, state, timeout=config.timeout)
-        except Exception as err:  # classified and shared below; re-raised unless it means "damaged"
-            error = err
-        mine = _outcome(error)
-        c = Coordinator.join("manager.resume.outcome", path, deadlines=io_wait, extra={"outcome": mine})
-        outcomes: list[dict[str, Any]] = [info["outcome"] for info in c.infos]
-        if all(o["ok"] for o in outcomes):
+        steps: list[tuple[str, Callable[[], Any]]] = []
+        if verify:
+            steps.append(("verify", functools.partial(api.verify, path, part=(c.rank, c.world_size))))
+        steps.append(("load", functools.partial(api.load, path, state, timeout=config.timeout)))
+        why = None
+        for what, run in steps:
+            why = _attempt(what, run, path, rank, io_wait)
+            if why is not None:
+                break
+        if why is None:
             _warn_skipped(rank, plan["skipped"], step)
             if rank == 0:
                 logger.info("shardsafe: resumed from %s (step %d)", path, step)
             return Resumed(step=step, name=name, damaged=tuple(damaged))
-        why = "; ".join(f"rank {r}: {o['error']}" for r, o in enumerate(outcomes) if not o["ok"])
-        if not any(o.get("damaged") for o in outcomes):
-            if error is not None:
-                raise error
-            r, o = next((r, o) for r, o in enumerate(outcomes) if not o["ok"])
-            raise RemoteRankError(
-                f"resume from {path!r} failed on rank {r}: {o['error']}. This is not damage to the checkpoint "
-                "(so no older one is tried); fix the cause on that rank and restart.",
-                rank=r,
-                phase="manager.resume",
-                cause=o["error"],
-            ) from None
         if rank == 0:
             logger.warning("shardsafe: resume skips %s (step %d): damaged: %s", path, step, why)
         damaged.append(name)
         failures.append(f"  {path}: {why}")
     _warn_skipped(rank, plan["skipped"], None)
     if failures:
+        untouched = (
+            "The state is untouched (every candidate failed verification)."
+            if verify
+            else ("The state may hold part of one of them.")
+        )
         raise CorruptCheckpointError(
             f"no checkpoint under {config.root!r} could be loaded; every committed one is damaged:\n"
             + "\n".join(failures)
-            + "\nThe state may hold part of one of them. Repair or move these away to start from scratch."
+            + f"\n{untouched} Repair or move these away to start from scratch."
         )
     if rank == 0:
         logger.info("shardsafe: no committed checkpoint under %s; starting from scratch", config.root)
     return None
+
+
+def _attempt(what: str, run: Callable[[], Any], path: str, rank: int, io_wait: Deadlines) -> str | None:
+    """(every rank) Run one step on a candidate and share its outcome through the store, so every rank
+    takes the same branch: ``None`` when it succeeded on every rank, the reasons when some rank found
+    the checkpoint damaged; any other failure is raised on every rank."""
+    error: Exception | None = None
+    try:
+        run()
+    except Exception as err:  # classified and shared below; re-raised unless it means "damaged"
+        error = err
+    mine = _outcome(error)
+    c = Coordinator.join(f"manager.resume.{what}", path, deadlines=io_wait, extra={"outcome": mine})
+    outcomes: list[dict[str, Any]] = [info["outcome"] for info in c.infos]
+    if all(o["ok"] for o in outcomes):
+        return None
+    why = "; ".join(f"rank {r}: {o['error']}" for r, o in enumerate(outcomes) if not o["ok"])
+    if not any(o.get("damaged") for o in outcomes):
+        if error is not None:
+            raise error
+        r, o = next((r, o) for r, o in enumerate(outcomes) if not o["ok"])
+        raise RemoteRankError(
+            f"resume from {path!r} failed on rank {r} ({what}): {o['error']}. This is not damage to the checkpoint "
+            "(so no older one is tried); fix the cause on that rank and restart.",
+            rank=r,
+            phase=f"manager.resume.{what}",
+            cause=o["error"],
+        ) from None
+    return why
 
 
 def _warn_skipped(rank: int, skipped: list[list[Any]], chosen_step: int | None) -> None:

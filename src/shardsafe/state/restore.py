@@ -22,6 +22,7 @@ Call order: ``plan_entry``/``extra`` for each entry; then (after the size checks
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -409,7 +410,7 @@ def _describe(node: Any) -> str:
         return f"a {tag}"
     if tag is not None:
         return f"a {tag} value"
-    return f"the value {str(node)[:40]!r}"
+    return f"the value {json.dumps(node)[:40]}"
 
 
 def _describe_value(value: Any) -> str:
