@@ -82,6 +82,7 @@ class Restorer:
         self._fresh: dict[str, Callable[[], torch.Tensor]] = {}  # manifest name -> allocator (after size checks)
         self._decodes: list[_Decode] = []
         self.tensors: dict[str, torch.Tensor] = {}  # allocated by prepare()
+        self.cpu_only = False  # new tensors on CPU whatever ``device`` says (optimizer state)
 
     # ------------------------------------------------------------------------------- entries
 
@@ -278,8 +279,8 @@ class Restorer:
         if node is _ABSENT:
             return None
         todo = _Decode(node, where)
-        for tag, ref in _refs(node):
-            self.fresh(ref, _cpu(self.manifest, ref) if tag == "ndarray" else None)  # numpy needs CPU
+        for tag, ref in _refs(node):  # numpy needs CPU tensors, and so does optimizer state (torch moves it)
+            self.fresh(ref, _cpu(self.manifest, ref) if tag == "ndarray" or self.cpu_only else None)
         self._decodes.append(todo)
         return lambda: todo.value
 

@@ -63,6 +63,21 @@ def plan_optimizer(r: Restorer, key: str, opt: torch.optim.Optimizer, node: Json
     the saved ones is recorded as missing (``strict`` decides), never half applied."""
     where = f"{r.path}: {key}"
     saved_state, saved_groups = parse_optimizer(node, where)
+    r.cpu_only = True  # torch's load_state_dict places state by its parameter (``step`` stays on CPU)
+    try:
+        _plan(r, key, opt, saved_state, saved_groups, state)
+    finally:
+        r.cpu_only = False
+
+
+def _plan(
+    r: Restorer,
+    key: str,
+    opt: torch.optim.Optimizer,
+    saved_state: list[tuple[str, list[tuple[str, Json]]]],
+    saved_groups: list[tuple[list[str], list[tuple[str, Json]]]],
+    state: Mapping[str, Any],
+) -> None:
     group_names = optimizer_names(opt, param_names(state))
     if len(saved_groups) != len(group_names) or any(
         sorted(s) != sorted(g) for (s, _), g in zip(saved_groups, group_names, strict=False)
