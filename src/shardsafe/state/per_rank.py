@@ -150,8 +150,8 @@ def find_per_rank(flat: FlatState, coord: Coordinator, deadlines: Deadlines) -> 
     """(every rank of a save, after flatten, before planning) Find the values that differ between
     ranks, with rank 0 deciding through the store (two short rounds at most; one when nothing
     differs), and turn them, and the ``per_rank()`` values, into per-rank nodes of ``flat``. Waits
-    for every rank (``deadlines.io``); raises :class:`CheckpointError` on every rank when the ranks
-    passed states with different entries."""
+    for every rank (``deadlines.io``). When the ranks passed states with different entries, rank 0
+    raises :class:`CheckpointError` naming them and the others :class:`RemoteRankError`."""
     items = {i.name: i for i in flat.items}
     decided: list[Path] = []
     if coord.world_size > 1 and coord.store is not None:
@@ -159,12 +159,10 @@ def find_per_rank(flat: FlatState, coord: Coordinator, deadlines: Deadlines) -> 
         for key in _compared(flat):
             mine[key][1] = _digests(flat.objects[key]["value"], [key], items, None)
         tables = coord.barrier("per_rank.digests", json.dumps(mine), timeout=deadlines.io, collect=coord.rank == 0)
-        differ: Any = None
+        differ: list[str] | None = None
         if coord.rank == 0:
             differ = _differing_entries(flat, [json.loads(t) for t in tables], coord.target)
         differ = json.loads(coord.broadcast("per_rank.entries", json.dumps(differ), timeout=deadlines.io))
-        if isinstance(differ, str):
-            raise CheckpointError(differ)
         if differ:
             nodes: dict[str, tuple[str, str]] = {}
             for key in differ:
@@ -177,18 +175,18 @@ def find_per_rank(flat: FlatState, coord: Coordinator, deadlines: Deadlines) -> 
     _mark(flat, decided, coord.rank)
 
 
-def _differing_entries(flat: FlatState, tables: list[dict[str, list[str]]], target: str) -> list[str] | str:
-    """(rank 0) The value/stateful entries whose digest is not the same on every rank, or an error
-    message when the ranks' entries themselves differ."""
-    for rank, table in enumerate(tables):
-        if list(table) != list(tables[0]) or any(table[k][0] != tables[0][k][0] for k in table):
-            mine = {k: v[0] for k, v in tables[0].items()}
-            theirs = {k: v[0] for k, v in table.items()}
-            return (
-                f"save of {target!r}: rank {rank} passed a state with other entries than rank 0 "
-                f"(rank 0: {mine}; rank {rank}: {theirs}). Every rank must pass the same keys, in the same order; "
-                "wrap values that only some ranks have in a dict under one key."
-            )
+def _differing_entries(flat: FlatState, tables: list[dict[str, list[str]]], target: str) -> list[str]:
+    """(rank 0) The value/stateful entries whose digest is not the same on every rank. Raises
+    :class:`CheckpointError` (the other ranks get :class:`RemoteRankError`) when the ranks' entries
+    themselves differ."""
+    kinds = [{k: v[0] for k, v in table.items()} for table in tables]
+    odd = [r for r, k in enumerate(kinds) if list(k.items()) != list(kinds[0].items())]
+    if odd:
+        raise CheckpointError(
+            f"save of {target!r}: ranks {odd} passed a state with other entries than rank 0 (rank 0: {kinds[0]}; "
+            f"rank {odd[0]}: {kinds[odd[0]]}). Every rank must pass the same keys, of the same kinds, in the same "
+            "order; put values that only some ranks have in a dict under one key."
+        )
     return [k for k in _compared(flat) if len({t[k][1] for t in tables}) > 1]
 
 
