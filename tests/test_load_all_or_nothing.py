@@ -130,6 +130,18 @@ def test_malformed_entries_are_corrupt_and_change_nothing(tmp_path: Path, damage
     assert repr(state["optimizer"].state_dict()) == opt_before and state["sched"].state_dict() == sched_before
 
 
+def test_a_short_data_file_is_found_before_any_parameter_changes(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    shardsafe.save(path, {"model": _state(0)["model"]})
+    (f,) = [p for p in path.iterdir() if p.name.startswith("data-")]
+    f.write_bytes(f.read_bytes()[:-4])  # the last parameter's bytes are gone
+    model = _state(1)["model"]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        shardsafe.load(path, {"model": model})
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 # ----------------------------------------------------------------------- the manager's verify mode
 
 
