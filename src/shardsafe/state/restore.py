@@ -22,7 +22,6 @@ Call order: ``plan_entry``/``extra`` for each entry; then (after the size checks
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,11 +33,10 @@ from shardsafe.errors import CheckpointError, CorruptCheckpointError
 from shardsafe.format.manifest import Manifest
 from shardsafe.format.values import PerRank, decode, dtype_name, has_per_rank
 from shardsafe.state.flatten import kind_of, load_module_state, local_box, module_state
+from shardsafe.state.nodes import align, cpu_alloc, describe, describe_value, holds_tensor, refs, tag_of
 
 Op = Callable[[], Any]
 """Run after the reads: applies a subtree's changes and returns the value its parent holds."""
-
-_WRAPPERS = ("module.", "_orig_mod.", "_forward_module.")  # DDP, torch.compile, Lightning Fabric
 
 
 class _Absent:
@@ -143,7 +141,7 @@ class Restorer:
 
     def _dict_node(self, node: Any, where: str, kind: str, what: str) -> dict[str, Any]:
         if not (isinstance(node, dict) and node.get("$") == "dict"):
-            message = f"{self.path}: {where}: expected {what} (a dict), found {_describe(node)}"
+            message = f"{self.path}: {where}: expected {what} (a dict), found {describe(node)}"
             if kind == "value":  # saved that way: the state asks for something else
                 raise CheckpointError(message)
             raise CorruptCheckpointError(message)  # a module or stateful entry is written as a dict
@@ -165,7 +163,7 @@ class Restorer:
                 return dest
 
             return put_inner
-        tag = _tag(node)
+        tag = tag_of(node)
         if isinstance(dest, torch.Tensor):
             if tag in ("tensor", "ndarray"):
                 entry = self.manifest.tensors[node["ref"]]
@@ -176,7 +174,7 @@ class Restorer:
                 return self.fresh(node["ref"], lambda: torch.empty_like(dest, dtype=entry.dtype))
             if not lenient:
                 raise CheckpointError(
-                    f"{self.path}: {where}: the state holds a tensor here, the checkpoint {_describe(node)}; "
+                    f"{self.path}: {where}: the state holds a tensor here, the checkpoint {describe(node)}; "
                     "the state and the checkpoint have different structures"
                 )
         elif isinstance(dest, dict) and tag == "dict":
@@ -199,17 +197,17 @@ class Restorer:
                 for i, (d, n) in enumerate(zip(dest, node["items"], strict=True))
             ]
             return lambda: tuple(op() for op in items)
-        elif _holds_tensor(dest) and not lenient:
+        elif holds_tensor(dest) and not lenient:
             raise CheckpointError(
-                f"{self.path}: {where}: the state holds {_describe_value(dest)} with tensors here, the checkpoint "
-                f"{_describe(node)}; the state and the checkpoint have different structures"
+                f"{self.path}: {where}: the state holds {describe_value(dest)} with tensors here, the checkpoint "
+                f"{describe(node)}; the state and the checkpoint have different structures"
             )
         new = self.replace(node, where)
         return (lambda: dest) if new is None else new
 
     def _merge_dict(self, dest: dict[Any, Any], node: dict[str, Any], where: str, *, lenient: bool, module: bool) -> Op:
         saved = {k: v for k, v in node["items"]}
-        match = _align(list(dest), list(saved)) if module else {k: k for k in dest if k in saved}
+        match = align(list(dest), list(saved)) if module else {k: k for k in dest if k in saved}
         ops: list[tuple[Any, Op]] = []
         for k, v in dest.items():
             if k in match:
@@ -279,8 +277,8 @@ class Restorer:
         if node is _ABSENT:
             return None
         todo = _Decode(node, where)
-        for tag, ref in _refs(node):  # numpy needs CPU tensors, and so does optimizer state (torch moves it)
-            self.fresh(ref, _cpu(self.manifest, ref) if tag == "ndarray" or self.cpu_only else None)
+        for tag, ref in refs(node):  # numpy needs CPU tensors, and so does optimizer state (torch moves it)
+            self.fresh(ref, cpu_alloc(self.manifest, ref) if tag == "ndarray" or self.cpu_only else None)
         self._decodes.append(todo)
         return lambda: todo.value
 
@@ -347,103 +345,3 @@ class Restorer:
         """(after every read succeeded) Put the new values in place and hand state dicts back."""
         for step in self.steps:
             step()
-
-
-# ----------------------------------------------------------------------------------- helpers
-
-
-def _cpu(manifest: Manifest, name: str) -> Callable[[], torch.Tensor]:
-    entry = manifest.tensors[name]
-    return lambda: torch.empty(entry.shape, dtype=entry.dtype)
-
-
-def _tag(node: Any) -> str | None:
-    if isinstance(node, list):
-        return "list"
-    if isinstance(node, dict):
-        tag = node.get("$")
-        return tag if isinstance(tag, str) else None
-    return None
-
-
-def _refs(node: Any) -> list[tuple[str, str]]:
-    """(tag, name) of every tensor/ndarray reference in a typed JSON tree."""
-    out: list[tuple[str, str]] = []
-    stack = [node]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            tag = item.get("$")
-            if tag in ("tensor", "ndarray"):
-                out.append((tag, item["ref"]))
-            elif tag == "dict":
-                stack.extend(v for _, v in item["items"])
-            elif tag in ("tuple",):
-                stack.extend(item["items"])
-            elif tag == "per_rank":
-                stack.extend(item["ranks"])
-    return out
-
-
-def _holds_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, PerRank):
-        return _holds_tensor(value.value)
-    if isinstance(value, dict):
-        return any(_holds_tensor(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds_tensor(v) for v in value)
-    return False
-
-
-def _describe(node: Any) -> str:
-    tag = _tag(node)
-    if tag == "list":
-        return f"a list of {len(node)}"
-    if tag == "dict":
-        return f"a dict of {len(node['items'])}"
-    if tag == "tuple":
-        return f"a tuple of {len(node['items'])}"
-    if tag in ("tensor", "ndarray"):
-        return f"a {tag}"
-    if tag is not None:
-        return f"a {tag} value"
-    return f"the value {json.dumps(node)[:40]}"
-
-
-def _describe_value(value: Any) -> str:
-    if isinstance(value, (list, tuple)):
-        return f"a {type(value).__name__} of {len(value)}"
-    return f"a {type(value).__name__}"
-
-
-def _strip(name: str) -> str:
-    while True:
-        prefix = next((p for p in _WRAPPERS if name.startswith(p)), None)
-        if prefix is None:
-            return name
-        name = name[len(prefix) :]
-
-
-def _align(dest: list[Any], saved: list[Any]) -> dict[Any, Any]:
-    """Module state dicts: each destination name -> its saved name. Exact names first; then names that
-    agree once wrapper prefixes are dropped (``model.state_dict()`` of a DDP or compiled model holds
-    ``module.``/``_orig_mod.`` names, a module entry its model's own)."""
-    exact = set(saved)
-    out = {k: k for k in dest if k in exact}
-    used = set(out.values())
-    loose: dict[str, Any] = {}
-    for k in saved:
-        if k not in used and isinstance(k, str):
-            loose.setdefault(_strip(k), k)
-    for k in dest:
-        if k in out or not isinstance(k, str):
-            continue
-        match = loose.get(_strip(k))
-        if match is not None and match not in used:
-            out[k] = match
-            used.add(match)
-    return out
