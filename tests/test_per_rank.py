@@ -106,12 +106,16 @@ def test_per_rank_values_come_back_to_their_rank(tmp_path: Path) -> None:
 
 
 def test_per_rank_marker_in_one_process(tmp_path: Path) -> None:
-    shardsafe.save(tmp_path / "c", {"cfg": {"seen": shardsafe.per_rank([1, 2]), "lr": 0.1}})
-    state: dict[str, Any] = {"cfg": {"seen": shardsafe.per_rank(None), "lr": 0.0}}
+    saved = {"cfg": {"seen": shardsafe.per_rank([1, 2]), "lr": 0.1}, "sampler": shardsafe.per_rank(Sampler(4))}
+    shardsafe.save(tmp_path / "c", saved)
+    sampler = Sampler(0)
+    state: dict[str, Any] = {"cfg": {"seen": shardsafe.per_rank(None), "lr": 0.0}, "sampler": sampler}
     marker = state["cfg"]["seen"]
     shardsafe.load(tmp_path / "c", state)
     assert state["cfg"]["seen"] is marker and marker.value == [1, 2] and state["cfg"]["lr"] == 0.1
-    assert shardsafe.load(tmp_path / "c")["cfg"] == {"seen": {0: [1, 2]}, "lr": 0.1}
+    assert sampler.pos == 4
+    whole = shardsafe.load(tmp_path / "c")
+    assert whole["cfg"] == {"seen": {0: [1, 2]}, "lr": 0.1} and whole["sampler"] == {0: {"pos": 4, "seed": 7}}
 
 
 def test_per_rank_node_with_wrong_rank_count_is_corrupt(tmp_path: Path) -> None:
