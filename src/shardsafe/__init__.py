@@ -18,6 +18,7 @@ from shardsafe.errors import (
     RemoteRankError,
     UnsafeValueError,
 )
+from shardsafe.interop import ExportResult, ImportResult, export_hf, export_torch, import_checkpoint
 from shardsafe.manager import CheckpointManager, CheckpointRecord
 from shardsafe.runtime import LaunchError, Runtime, WorkerError
 
@@ -32,6 +33,8 @@ __all__ = [
     "CheckpointRecord",
     "CoordinationError",
     "CorruptCheckpointError",
+    "ExportResult",
+    "ImportResult",
     "LaunchError",
     "MissingKeysError",
     "RankDeadError",
@@ -45,6 +48,9 @@ __all__ = [
     "WorkerError",
     "__version__",
     "async_save",
+    "export_hf",
+    "export_torch",
+    "import_checkpoint",
     "inspect",
     "load",
     "save",

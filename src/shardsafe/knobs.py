@@ -88,3 +88,8 @@ def remote_upload_threads() -> int:
 def remote_retry_seconds() -> float:
     """Object stores: how long a request keeps being retried on transient errors."""
     return _float("REMOTE_RETRY_SECONDS", 120.0)
+
+
+def export_slab_bytes() -> int:
+    """Export: bytes read, converted and written at a time (two such buffers are in use at once)."""
+    return int(_float("EXPORT_SLAB_BYTES", 64 * 1024 * 1024))
