@@ -86,7 +86,9 @@ def _train_and_save(rank: int, world: int, ckpt: str, dcp_dir: str) -> dict[str,
     extra = {"columns": distribute_tensor(columns, mesh, [Shard(1)]), "note": "cols"}
     shardsafe.save(ckpt, {"model": model, "optimizer": opt, "step": 2, "extra": extra}, timeout=60)
     model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd, "step": 2, "meta": {"lr": 0.01, "tag": "gpt2"}}, checkpoint_id=dcp_dir)
+    dcp.save(
+        {"model": model_sd, "optim": optim_sd, "step": 2, "meta": {"lr": 0.01, "tag": "gpt2"}}, checkpoint_id=dcp_dir
+    )
     full = {"model": _full(model.state_dict()), "optim": _full(optim_sd), "columns": columns}
     return {"logits": logits, **full}
 
