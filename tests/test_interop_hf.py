@@ -78,18 +78,21 @@ def _train_and_save(rank: int, world: int, ckpt: str, dcp_dir: str) -> dict[str,
         opt.zero_grad()
         loss.backward()
         opt.step()
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=probe()).logits
     mesh = init_device_mesh("cpu", (world,))
     columns = torch.arange(6 * 10, dtype=torch.float32).reshape(6, 10)  # sharded by columns: not row-major
-    extra = {"columns": distribute_tensor(columns, mesh, [Shard(1)]), "note": "cols"}
+    wte = model.transformer.wte.weight.full_tensor().detach().clone()  # one chunk, where FSDP2 wrote two
+    changed = wte.clone()
+    changed[-1, -1] += 1
+    extra = {"columns": distribute_tensor(columns, mesh, [Shard(1)]), "note": "cols", "wte": wte, "changed": changed}
     shardsafe.save(ckpt, {"model": model, "optimizer": opt, "step": 2, "extra": extra}, timeout=60)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save(
         {"model": model_sd, "optim": optim_sd, "step": 2, "meta": {"lr": 0.01, "tag": "gpt2"}}, checkpoint_id=dcp_dir
     )
     full = {"model": _full(model.state_dict()), "optim": _full(optim_sd), "columns": columns}
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=probe()).logits  # the trained model's own forward, under FSDP2
     return {"logits": logits, **full}
 
 
@@ -169,7 +172,7 @@ def test_without_config_every_tensor_is_written_and_still_loads(trained: dict[st
 def test_column_sharded_tensor_and_torch_format(trained: dict[str, Any]) -> None:
     out = trained["root"] / "extra"
     result = shardsafe.export_hf(trained["ckpt"], out, key="extra")
-    assert result.skipped == ["note"]
+    assert result.skipped == ["note"] and result.tensors == 3
     assert torch.equal(_weights(out)["columns"], trained["columns"])
     file = trained["root"] / "model.pt"
     assert main(["export", trained["ckpt"], str(file), "--format", "torch"]) == 0
@@ -262,3 +265,22 @@ def test_declared_tie_with_different_bytes_writes_both(tmp_path: Path, caplog: p
     assert result.tied == {}
     assert torch.equal(_weights(tmp_path / "hf")["lm_head.weight"], sd["lm_head.weight"])
     assert "holds different values" in caplog.text
+
+
+def test_equal_bytes_across_different_chunk_layouts(trained: dict[str, Any]) -> None:
+    """Two chunks (FSDP2) against one (a plain copy): compared by reading both, not by checksums."""
+    from shardsafe.engine.read import read_manifest
+    from shardsafe.interop.stream import PieceReader, same_bytes
+    from shardsafe.storage import LocalStorage
+
+    manifest = read_manifest(LocalStorage(), trained["ckpt"])
+    assert manifest.strategy == "fsdp" and manifest.world_size == 2
+    assert len(manifest.tensors["model/transformer.wte.weight"].chunks) == 2
+    assert len(manifest.tensors["extra/wte"].chunks) == 1
+    reader = PieceReader(LocalStorage(), trained["ckpt"], manifest, 8192, 60.0)
+    try:
+        assert same_bytes(manifest, reader, "model/transformer.wte.weight", "extra/wte", 8192)
+        assert not same_bytes(manifest, reader, "model/transformer.wte.weight", "extra/changed", 8192)
+        assert not same_bytes(manifest, reader, "model/transformer.wte.weight", "model/transformer.wpe.weight", 8192)
+    finally:
+        reader.close()

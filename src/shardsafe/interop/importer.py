@@ -141,9 +141,9 @@ def _read_torch(path: str, allow_pickle: bool) -> Any:
         if allow_pickle:
             raise CheckpointError(f"{path}: not a readable torch.save file ({err})") from err
         raise UnsafeValueError(
-            f"{path}: refused: this torch.save file holds objects that weights_only loading does not allow, and "
-            "unpickling them would run code chosen by whoever wrote the file. Pass allow_pickle=True "
-            f"(--allow-pickle) only if you trust its author. torch said: {_first_line(err)}"
+            f"{path}: refused: weights_only loading cannot read this file (torch said: {_first_line(err)}). If it "
+            "is a torch.save file from an author you trust, allow_pickle=True (--allow-pickle) reads it with full "
+            "unpickling, which runs code chosen by whoever wrote the file"
         ) from None
     except (RuntimeError, EOFError, OSError) as err:
         raise CheckpointError(f"{path}: not a readable torch.save file ({type(err).__name__}: {err})") from err

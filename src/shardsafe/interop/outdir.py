@@ -38,12 +38,10 @@ def plain_name(name: Any) -> bool:
     return isinstance(name, str) and bool(_NAME.match(name)) and ".." not in name
 
 
-def previous_export(path: str) -> list[str] | None:
-    """The files of the export at ``path`` (its marker's list), or ``None`` when ``path`` holds anything
-    else: no marker, an unreadable or oversized one, a listed name that is not a plain name, a listed file
-    missing or not a regular file, or any entry the marker does not list."""
+def marker_files(path: str) -> list[str] | None:
+    """The files the export marker in ``path`` lists, if it is well formed (plain names only) and every
+    listed file is there as a regular file; else ``None``."""
     try:
-        entries = set(os.listdir(path))
         info = os.lstat(os.path.join(path, MARKER))
         if not stat.S_ISREG(info.st_mode) or info.st_size > _MARKER_MAX:
             return None
@@ -54,8 +52,6 @@ def previous_export(path: str) -> list[str] | None:
     files = doc.get("files") if isinstance(doc, dict) and doc.get("format") == MARKER_FORMAT else None
     if not isinstance(files, list) or not all(plain_name(n) for n in files) or MARKER in files:
         return None
-    if entries != {*files, MARKER}:
-        return None
     for name in files:
         try:
             if not stat.S_ISREG(os.lstat(os.path.join(path, name)).st_mode):
@@ -63,6 +59,17 @@ def previous_export(path: str) -> list[str] | None:
         except OSError:
             return None
     return list(files)
+
+
+def previous_export(path: str) -> list[str] | None:
+    """The files of the export at ``path``, or ``None`` when ``path`` holds anything else: no valid
+    marker (see :func:`marker_files`), or any entry the marker does not list."""
+    files = marker_files(path)
+    try:
+        entries = set(os.listdir(path))
+    except OSError:
+        return None
+    return files if files is not None and entries == {*files, MARKER} else None
 
 
 def inside(path: str, root: str) -> bool:
@@ -107,12 +114,17 @@ class ExportDir:
         entries = sorted(os.listdir(self.target))
         if not entries:
             return None
-        files = previous_export(self.target)
+        files = marker_files(self.target)
         if files is None:
-            shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
             raise CheckpointExistsError(
-                f"{self.target} is not empty ({shown}) and is not a shardsafe export: refused, nothing was changed. "
-                "Export into a new or empty directory"
+                f"{self.target} is not empty ({_some(entries)}) and is not a shardsafe export: refused, nothing was "
+                "changed. Export into a new or empty directory"
+            )
+        extra = [e for e in entries if e != MARKER and e not in files]
+        if extra:
+            raise CheckpointExistsError(
+                f"{self.target} holds a previous export plus files it did not write ({_some(extra)}): refused, "
+                "nothing was changed. Move those files out, or export to a new directory"
             )
         if not overwrite:
             raise CheckpointExistsError(
@@ -179,6 +191,10 @@ class ExportDir:
             pass
         except OSError as err:
             logger.warning("shardsafe export: could not remove staging directory %s: %s", self.staging, err)
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
 
 
 def _remove_export(path: str, files: list[str]) -> None:
