@@ -30,7 +30,7 @@ from shardsafe.format.datafile import tensor_bytes
 from shardsafe.format.manifest import SAFETENSORS_DTYPES, Manifest
 from shardsafe.interop.outdir import ExportDir, write_all
 from shardsafe.interop.select import select
-from shardsafe.interop.stream import PieceReader, pieces, same_bytes
+from shardsafe.interop.stream import Piece, PieceReader, pieces, same_bytes
 from shardsafe.interop.ties import declared_ties
 from shardsafe.storage import get_storage
 
@@ -139,8 +139,9 @@ def export_hf(
         sizes = {n: _out_nbytes(manifest, refs[n], out_dtype) for n in names}
         shards = plan_shards(names, sizes, limit)
         files = [SINGLE] if len(shards) == 1 else [_shard_name(i, len(shards)) for i in range(len(shards))]
+        cast = _cast_buffer(manifest, refs, todo, out_dtype)
         for file, shard in zip(files, shards, strict=True):
-            _write_shard(export, file, shard, refs, manifest, reader, out_dtype, todo)
+            _write_shard(export, file, shard, refs, manifest, reader, out_dtype, todo, cast)
         total = sum(sizes.values())
         if len(shards) > 1:
             index = {
@@ -228,6 +229,18 @@ def _out_nbytes(manifest: Manifest, ref: str, out_dtype: torch.dtype | None) -> 
     return entry.nbytes // entry.dtype.itemsize * _out_dtype(entry.dtype, out_dtype).itemsize
 
 
+def _cast_buffer(
+    manifest: Manifest, refs: Mapping[str, str], todo: Mapping[str, Sequence[Piece]], out_dtype: torch.dtype | None
+) -> torch.Tensor:
+    """Room for the largest converted piece (empty when nothing is converted)."""
+    need = 0
+    for name, ps in todo.items():
+        saved = manifest.tensors[refs[name]].dtype
+        if _out_dtype(saved, out_dtype) != saved:
+            need = max([need, *(p.nbytes // saved.itemsize * _out_dtype(saved, out_dtype).itemsize for p in ps)])
+    return torch.empty(need, dtype=torch.uint8)
+
+
 def _ties(
     manifest: Manifest, reader: PieceReader, refs: Mapping[str, str], config: Mapping[str, Any], slab: int
 ) -> dict[str, str]:
@@ -257,9 +270,11 @@ def _write_shard(
     manifest: Manifest,
     reader: PieceReader,
     out_dtype: torch.dtype | None,
-    todo: Mapping[str, Sequence[Any]],
+    todo: Mapping[str, Sequence[Piece]],
+    cast: torch.Tensor,
 ) -> None:
-    """One safetensors file: header (``__metadata__`` ``{"format": "pt"}``), then each tensor's bytes."""
+    """One safetensors file: header (``__metadata__`` ``{"format": "pt"}``), then each tensor's bytes
+    (converted into ``cast``, reused piece after piece, when ``out_dtype`` asks for it)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     pos = 0
     for name in names:
@@ -279,8 +294,10 @@ def _write_shard(
         written = 0
         for _, data in reader.stream([p for name in names for p in todo[name]]):
             want = _out_dtype(data.dtype, out_dtype)
-            out = data if want == data.dtype else data.to(want)
-            view = tensor_bytes(out.reshape(-1))
+            out = data.reshape(-1)
+            if want != data.dtype:
+                out = cast[: out.numel() * want.itemsize].view(want).copy_(out)
+            view = tensor_bytes(out)
             write_all(fd, view)
             written += len(view)
         if written != pos:  # an internal invariant: the pieces of a tensor cover it exactly

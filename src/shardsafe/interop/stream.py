@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
 
 import torch
 
+from shardsafe import knobs
 from shardsafe.engine.read import plan_reads, run_tasks
 from shardsafe.errors import CheckpointError, CorruptCheckpointError
 from shardsafe.format.datafile import read_verified
@@ -81,10 +82,12 @@ class PieceReader:
         self.storage, self.path, self.manifest, self.timeout = storage, path, manifest, timeout
         self.buffers = [torch.empty(max(capacity, 8), dtype=torch.uint8) for _ in range(2)]
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="shardsafe-export-read")
+        self.io = ThreadPoolExecutor(knobs.io_threads(), thread_name_prefix="shardsafe-export-io")
 
     def close(self) -> None:
         """Stop reading; a read still running (a hung filesystem) is abandoned, not waited for."""
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.io.shutdown(wait=False, cancel_futures=True)
 
     def stream(self, todo: Sequence[Piece]) -> Iterator[tuple[Piece, torch.Tensor]]:
         """Each piece with its data (a tensor of the saved dtype, valid until the next item is taken)."""
@@ -112,19 +115,7 @@ class PieceReader:
             buf = torch.empty(piece.nbytes, dtype=torch.uint8)
         raw = buf[: piece.nbytes]
         if piece.chunk is not None:
-            file = self.storage.join(self.path, piece.chunk.file)
-            try:
-                read_verified(
-                    self.storage,
-                    file,
-                    piece.chunk,
-                    self.manifest.block_bytes,
-                    piece.start,
-                    raw.numpy().data,
-                    piece.name,
-                )
-            except (EOFError, FileNotFoundError) as err:
-                raise CorruptCheckpointError(f"{file}: cannot read tensor {piece.name!r}: {err}") from err
+            self._direct(piece, piece.chunk, raw.numpy().data)
             return raw.view(entry.dtype)
         shape = (piece.hi - piece.lo, *entry.shape[1:]) if entry.shape else ()
         out = raw.view(entry.dtype).view(shape)
@@ -133,6 +124,29 @@ class PieceReader:
             self.storage, self.path, self.manifest, plan_reads(piece.name, entry, out, offsets), _nothing, self.timeout
         )
         return out
+
+    def _direct(self, piece: Piece, chunk: Chunk, out: memoryview) -> None:
+        """Bytes of ``chunk`` from ``piece.start`` into ``out``, one checksum block per read, several
+        reads at once (``SHARDSAFE_IO_THREADS``); each block is verified before it counts."""
+        file = self.storage.join(self.path, chunk.file)
+        block = self.manifest.block_bytes
+
+        def one(offset: int) -> None:
+            view = out[offset : offset + block]
+            try:
+                read_verified(self.storage, file, chunk, block, piece.start + offset, view, piece.name)
+            except (EOFError, FileNotFoundError) as err:
+                raise CorruptCheckpointError(f"{file}: cannot read tensor {piece.name!r}: {err}") from err
+
+        futures = [self.io.submit(one, offset) for offset in range(0, len(out), block)]
+        _, late = wait(futures, timeout=self.timeout)
+        if late:
+            raise CheckpointError(
+                f"export of {self.path!r}: reading {file} did not finish within {self.timeout:.0f}s (storage hung "
+                "or far too slow); raise timeout= or SHARDSAFE_IO_TIMEOUT if it is merely slow"
+            )
+        for f in futures:
+            f.result()  # the first failure, in order
 
 
 def same_bytes(manifest: Manifest, reader: PieceReader, a: str, b: str, slab: int) -> bool:
