@@ -279,7 +279,9 @@ def test_torch_format(ckpt: Path, tmp_path: Path) -> None:
     assert got["note"] == "text" and got["nested"]["w"].dtype == torch.bfloat16 and got["ids"].dtype == torch.int64
     with pytest.raises(CheckpointExistsError):
         shardsafe.export_torch(ckpt, file)
-    assert _hidden(tmp_path) == []
+    assert main(["export", str(ckpt), str(file), "--format", "torch", "--overwrite"]) == 2  # never replaced
+    assert main(["export", str(ckpt), str(tmp_path / "o"), "--allow-pickle"]) == 2  # hf decodes no values
+    assert _hidden(tmp_path) == [] and not (tmp_path / "o").exists()
 
 
 def test_export_from_an_object_store_url(tmp_path: Path) -> None:

@@ -71,10 +71,12 @@ def _export(args: argparse.Namespace, out: TextIO) -> int:
     from shardsafe.interop.hf import export_hf
     from shardsafe.interop.torchfile import export_torch
 
+    only = {"torch": ("allow_pickle",), "hf": ("config", "strip_prefix", "overwrite")}
+    for fmt, flags in only.items():
+        for flag in flags:
+            if fmt != args.format and getattr(args, flag):
+                raise ValueError(f"--{flag.replace('_', '-')} applies to --format {fmt} only")
     if args.format == "torch":
-        for flag in ("config", "strip_prefix"):
-            if getattr(args, flag):
-                raise ValueError(f"--{flag.replace('_', '-')} applies to --format hf only")
         result = export_torch(args.checkpoint, args.out, key=args.key, dtype=args.dtype, allow_pickle=args.allow_pickle)
     else:
         result = export_hf(
