@@ -128,6 +128,17 @@ def test_key_selection_and_names(ckpt: Path, tmp_path: Path) -> None:
     assert sorted(_read(tmp_path / "stripped")) == ["0.bias", "0.weight"]
 
 
+def test_hostile_names_print_as_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    evil = "a\nFAKE OK\x1b[2J"
+    shardsafe.save(tmp_path / "ckpt", {"x": {evil: torch.ones(1), f"{evil}v": 1}})
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--key", "x"]) == 0
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "o"), "--key", "x/nope"]) == 2
+    out, err = capsys.readouterr()
+    assert out.count("\n") == 1 and err.count("\n") == 1 and "\x1b" not in out + err
+    assert "a | FAKE OK\\x1b[2Jv" in out and "a | FAKE OK\\x1b[2J" in err
+    assert list(_read(tmp_path / "hf")) == [evil]  # the name itself is kept as saved
+
+
 def test_sizes_and_shard_plan() -> None:
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size(" 1.5 mb ") == 1_500_000
     assert parse_size(100) == 100

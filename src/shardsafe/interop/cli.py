@@ -63,8 +63,15 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _fail(command: str, what: str, err: BaseException, code: int) -> int:
-    print(f"shardsafe {command}: {what}: {err}", file=sys.stderr)
+    print(one_line(f"shardsafe {command}: {what}: {err}"), file=sys.stderr)
     return code
+
+
+def one_line(text: str) -> str:
+    """``text`` as one line of printable characters (a name from a hostile file may hold line breaks or
+    terminal escapes): line breaks become `` | ``, other control characters their escape sequence."""
+    joined = " | ".join(line.strip() for line in text.splitlines() if line.strip())
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in joined)
 
 
 def _export(args: argparse.Namespace, out: TextIO) -> int:
@@ -99,7 +106,7 @@ def _export(args: argparse.Namespace, out: TextIO) -> int:
     if result.skipped:
         line += "; not exported (not tensors): " + ", ".join(result.skipped[:10])
         line += ", ..." if len(result.skipped) > 10 else ""
-    out.write(line + "\n")
+    out.write(one_line(line) + "\n")
     return EXIT_OK
 
 
@@ -110,7 +117,10 @@ def _import(args: argparse.Namespace, out: TextIO) -> int:
     entries = ", ".join(result.keys[:10]) + (", ..." if len(result.keys) > 10 else "")
     wrapped = f" (saved under {WRAP_KEY!r}: its keys are not plain strings)" if result.wrapped else ""
     out.write(
-        f"OK {result.source} ({result.source_format}) -> {result.path}: {result.tensors} tensor(s), "
-        f"{result.bytes} bytes verified; entries: {entries}{wrapped}\n"
+        one_line(
+            f"OK {result.source} ({result.source_format}) -> {result.path}: {result.tensors} tensor(s), "
+            f"{result.bytes} bytes verified; entries: {entries}{wrapped}"
+        )
+        + "\n"
     )
     return EXIT_OK
