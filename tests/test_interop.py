@@ -358,6 +358,7 @@ def test_import_edge_cases(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(CheckpointExistsError):
         shardsafe.import_checkpoint(src, tmp_path / "wrapped")
     assert main(["import", str(tmp_path / "missing.pt"), str(tmp_path / "d1")]) == 1
+    assert main(["export", str(tmp_path / "no-ckpt"), str(tmp_path / "d1")]) == 1  # nothing to export
     (tmp_path / "garbage.pt").write_bytes(b"\x00not a torch file" * 10)
     assert main(["import", str(tmp_path / "garbage.pt"), str(tmp_path / "d2")]) == 2  # weights_only refuses it
     assert "Unsupported operand" in capsys.readouterr().err
