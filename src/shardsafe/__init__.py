@@ -19,6 +19,7 @@ from shardsafe.errors import (
     UnsafeValueError,
 )
 from shardsafe.format.values import PerRank
+from shardsafe.interop import ExportResult, ImportResult, export_hf, export_torch, import_checkpoint
 from shardsafe.manager import CheckpointManager, CheckpointRecord
 from shardsafe.runtime import LaunchError, Runtime, WorkerError
 from shardsafe.state.per_rank import per_rank
@@ -34,6 +35,8 @@ __all__ = [
     "CheckpointRecord",
     "CoordinationError",
     "CorruptCheckpointError",
+    "ExportResult",
+    "ImportResult",
     "LaunchError",
     "MissingKeysError",
     "PerRank",
@@ -48,6 +51,9 @@ __all__ = [
     "WorkerError",
     "__version__",
     "async_save",
+    "export_hf",
+    "export_torch",
+    "import_checkpoint",
     "inspect",
     "load",
     "per_rank",

@@ -4,6 +4,7 @@ rank: it only reads checkpoints.
 - ``shardsafe inspect PATH [--json]``: what a checkpoint holds, from its manifest alone.
 - ``shardsafe verify PATH``: every byte of every data file checked against its checksum.
 - ``shardsafe ls ROOT [--verify] [--json]``: the checkpoints under a directory, with their status.
+- ``shardsafe export CKPT OUT`` / ``shardsafe import SRC DEST``: see :mod:`shardsafe.interop.cli`.
 
 Exit status: 0 when all is well, 1 when a checkpoint is corrupt, incomplete (uncommitted) or not
 there, 2 for a usage error.
@@ -22,6 +23,8 @@ from typing import Any, TextIO
 
 import shardsafe
 from shardsafe.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from shardsafe.interop.cli import add_commands as add_interop_commands
+from shardsafe.interop.cli import run as run_interop
 
 EXIT_OK = 0
 EXIT_BAD = 1
@@ -62,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     ls.add_argument("root", type=_path, metavar="ROOT", help="directory (or URL) that holds checkpoints")
     ls.add_argument("--verify", action="store_true", help="also verify every committed checkpoint byte for byte")
     ls.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_interop_commands(commands)
     return parser
 
 
@@ -87,6 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _inspect(args.path, as_json=args.json, out=sys.stdout)
     if args.command == "verify":
         return _verify(args.path, out=sys.stdout)
+    if args.command in ("export", "import"):
+        return run_interop(args, sys.stdout)
     from shardsafe.manager.listing import ls_main  # the manager is not needed by inspect/verify
 
     return ls_main(args.root, verify=args.verify, as_json=args.json, out=sys.stdout)

@@ -95,3 +95,8 @@ def per_rank_digest_bytes() -> int:
     ranks by their bytes (larger ones by dtype and shape only: assumed equal unless wrapped in
     ``shardsafe.per_rank``); those that differ are kept per rank."""
     return int(_float("PER_RANK_DIGEST_BYTES", 1024 * 1024))
+
+
+def export_slab_bytes() -> int:
+    """Export: bytes read, converted and written at a time (two such buffers are in use at once)."""
+    return int(_float("EXPORT_SLAB_BYTES", 64 * 1024 * 1024))

@@ -1,0 +1,8 @@
+"""Interop with the rest of the ecosystem: export a checkpoint in the Hugging Face layout (or as one
+``torch.save`` file), import ``torch.save`` files and DCP folders. docs/interop.md describes both."""
+
+from shardsafe.interop.hf import ExportResult, export_hf
+from shardsafe.interop.importer import ImportResult, import_checkpoint
+from shardsafe.interop.torchfile import export_torch
+
+__all__ = ["ExportResult", "ImportResult", "export_hf", "export_torch", "import_checkpoint"]

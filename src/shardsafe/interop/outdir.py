@@ -1,0 +1,216 @@
+"""Where an export is written: a new directory that appears whole or not at all.
+
+Files are written into a hidden staging directory beside the target (``<parent>/.<name>.export-<hex>``),
+fsynced, and the staging directory is renamed into place. A crash at any instant leaves the target as
+it was (absent, empty, or the previous export) plus at most a hidden staging directory: never a
+half-written export under the target's name.
+
+The target must be absent, an empty directory, or a previous export (a directory holding exactly the
+files its ``.shardsafe-export.json`` lists; replaced only with ``overwrite``). Anything else is
+refused untouched. Deleting is limited to the files this module wrote or a previous export's marker
+lists, each name checked to be a plain name inside the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import stat
+import uuid
+from typing import Any
+
+from shardsafe.errors import CheckpointExistsError
+from shardsafe.storage import is_remote
+from shardsafe.storage.local import fsync_dir
+
+logger = logging.getLogger(__name__)
+
+MARKER = ".shardsafe-export.json"
+"""Lists the files of an export, so a later export can recognise (and replace) it and nothing else."""
+MARKER_FORMAT = "shardsafe-export"
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
+_MARKER_MAX = 1 << 20
+
+
+def plain_name(name: Any) -> bool:
+    return isinstance(name, str) and bool(_NAME.match(name)) and ".." not in name
+
+
+def marker_files(path: str) -> list[str] | None:
+    """The files the export marker in ``path`` lists, if it is well formed (plain names only) and every
+    listed file is there as a regular file; else ``None``."""
+    try:
+        info = os.lstat(os.path.join(path, MARKER))
+        if not stat.S_ISREG(info.st_mode) or info.st_size > _MARKER_MAX:
+            return None
+        with open(os.path.join(path, MARKER), "rb") as f:
+            doc = json.loads(f.read(_MARKER_MAX))
+    except (OSError, ValueError):
+        return None
+    files = doc.get("files") if isinstance(doc, dict) and doc.get("format") == MARKER_FORMAT else None
+    if not isinstance(files, list) or not all(plain_name(n) for n in files) or MARKER in files:
+        return None
+    for name in files:
+        try:
+            if not stat.S_ISREG(os.lstat(os.path.join(path, name)).st_mode):
+                return None
+        except OSError:
+            return None
+    return list(files)
+
+
+def previous_export(path: str) -> list[str] | None:
+    """The files of the export at ``path``, or ``None`` when ``path`` holds anything else: no valid
+    marker (see :func:`marker_files`), or any entry the marker does not list."""
+    files = marker_files(path)
+    try:
+        entries = set(os.listdir(path))
+    except OSError:
+        return None
+    return files if files is not None and entries == {*files, MARKER} else None
+
+
+def inside(path: str, root: str) -> bool:
+    """Whether ``path`` is ``root`` or lies under it (symlinks resolved)."""
+    p, r = os.path.realpath(path), os.path.realpath(root)
+    return p == r or p.startswith(r.rstrip(os.sep) + os.sep)
+
+
+class ExportDir:
+    """(one process) A new export of ``source`` at ``target``. Checks the target on construction
+    (before anything is read or written), then: :meth:`create` files, :meth:`publish` or :meth:`abort`."""
+
+    def __init__(self, target: str, *, source: str, overwrite: bool) -> None:
+        if is_remote(target):
+            raise ValueError(f"export writes to a local directory, not {target!r}; export locally, then upload it")
+        self.target = os.path.abspath(target)
+        self.parent, self.name = os.path.split(self.target)
+        if not self.name:
+            raise ValueError(f"{target!r} is not a directory name an export can be written to")
+        if not is_remote(source) and inside(self.target, source):
+            raise ValueError(
+                f"{target} lies inside the checkpoint {source}: an export there would be mixed into the checkpoint "
+                "(and removed with it). Export to a directory outside it"
+            )
+        self.replaces: list[str] | None = self._check(overwrite)
+        self.overwrite = overwrite
+        self.staging = os.path.join(self.parent, f".{self.name}.export-{uuid.uuid4().hex[:12]}")
+        os.makedirs(self.parent, exist_ok=True)
+        os.mkdir(self.staging)
+        self.written: list[str] = []
+
+    def _check(self, overwrite: bool) -> list[str] | None:
+        """``None`` for an absent or empty target, else the previous export's files; refuses the rest."""
+        if os.path.islink(self.target):
+            raise CheckpointExistsError(
+                f"{self.target} is a symbolic link; export to the directory it points to, or to a new path"
+            )
+        if not os.path.lexists(self.target):
+            return None
+        if not os.path.isdir(self.target):
+            raise CheckpointExistsError(f"{self.target} exists and is not a directory; export to a new path")
+        entries = sorted(os.listdir(self.target))
+        if not entries:
+            return None
+        files = marker_files(self.target)
+        if files is None:
+            raise CheckpointExistsError(
+                f"{self.target} is not empty ({_some(entries)}) and is not a shardsafe export: refused, nothing was "
+                "changed. Export into a new or empty directory"
+            )
+        extra = [e for e in entries if e != MARKER and e not in files]
+        if extra:
+            raise CheckpointExistsError(
+                f"{self.target} holds a previous export plus files it did not write ({_some(extra)}): refused, "
+                "nothing was changed. Move those files out, or export to a new directory"
+            )
+        if not overwrite:
+            raise CheckpointExistsError(
+                f"{self.target} holds a previous export; pass overwrite=True (--overwrite) to replace it, "
+                "or export to a new directory"
+            )
+        return files
+
+    def create(self, name: str) -> int:
+        """A new file ``name`` in staging, open for writing (the caller closes it after :func:`os.fsync`)."""
+        if not plain_name(name) or name in self.written:
+            raise ValueError(f"export file name {name!r} is not a new plain name")
+        fd = os.open(os.path.join(self.staging, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self.written.append(name)
+        return fd
+
+    def write_file(self, name: str, data: bytes) -> None:
+        """A small file (index, config), written whole and fsynced."""
+        fd = self.create(name)
+        try:
+            write_all(fd, memoryview(data))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def publish(self, about: dict[str, Any]) -> None:
+        """Write the marker, make staging durable and rename it into place (replacing the previous
+        export, if any, whose files are then deleted by the names its marker lists)."""
+        marker = {"format": MARKER_FORMAT, "version": 1, "files": sorted(self.written), **about}
+        fd = os.open(os.path.join(self.staging, MARKER), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            write_all(fd, memoryview(json.dumps(marker, indent=1).encode()))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(self.staging)
+        if self.replaces is None:
+            os.rename(self.staging, self.target)  # onto an empty directory too; fails if one appeared non-empty
+            fsync_dir(self.parent)
+            return
+        files = previous_export(self.target)
+        if files is None:
+            raise CheckpointExistsError(f"{self.target} changed during the export and is no longer an export: refused")
+        aside = os.path.join(self.parent, f".{self.name}.replaced-{uuid.uuid4().hex[:12]}")
+        os.rename(self.target, aside)
+        try:
+            os.rename(self.staging, self.target)
+        except BaseException:
+            os.rename(aside, self.target)
+            raise
+        fsync_dir(self.parent)
+        _remove_export(aside, files)
+
+    def abort(self) -> None:
+        """Remove what this export wrote (its staging directory), nothing else."""
+        for name in [*self.written, MARKER]:
+            try:
+                os.unlink(os.path.join(self.staging, name))
+            except FileNotFoundError:
+                pass
+        try:
+            os.rmdir(self.staging)
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            logger.warning("shardsafe export: could not remove staging directory %s: %s", self.staging, err)
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+
+
+def _remove_export(path: str, files: list[str]) -> None:
+    """Delete a replaced export: the files its marker listed, the marker, the directory if then empty."""
+    try:
+        for name in [*files, MARKER]:
+            try:
+                os.unlink(os.path.join(path, name))
+            except FileNotFoundError:
+                pass
+        os.rmdir(path)
+    except OSError as err:  # the new export is in place; what is left is hidden litter, said loudly
+        logger.warning("shardsafe export: the replaced export at %s could not be removed fully: %s", path, err)
+
+
+def write_all(fd: int, data: memoryview) -> None:
+    while len(data):
+        n = os.write(fd, data)
+        data = data[n:]

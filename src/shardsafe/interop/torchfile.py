@@ -1,0 +1,116 @@
+"""Export one entry of a checkpoint as a single ``torch.save`` file, for tools that want one.
+
+Unlike the Hugging Face export this holds the exported entry in memory (``torch.save`` pickles one
+object); its structure is kept (a module entry becomes its ``state_dict``). The file is written beside
+the target under a hidden name, fsynced, and linked into place, which fails rather than replace
+anything: an existing target is refused, since nothing in a ``torch.save`` file says who wrote it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+import torch
+
+from shardsafe import knobs
+from shardsafe.engine.read import check_sizes, plan_reads, read_manifest, run_tasks
+from shardsafe.errors import CheckpointExistsError
+from shardsafe.format.values import decode, validate
+from shardsafe.interop.hf import ExportResult, _out_dtype, resolve_dtype
+from shardsafe.interop.outdir import inside
+from shardsafe.interop.select import select
+from shardsafe.storage import get_storage, is_remote
+from shardsafe.storage.local import fsync_dir
+
+logger = logging.getLogger(__name__)
+
+
+def export_torch(
+    checkpoint: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    key: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    allow_pickle: bool = False,
+    timeout: float | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> ExportResult:
+    """Write entry ``key`` of the checkpoint at ``checkpoint`` (default: its one module; ``"/"``: every
+    entry) to the new file ``out`` with ``torch.save`` (one process). ``dtype`` converts floating tensors.
+    ``out`` must not exist (:class:`CheckpointExistsError`); it appears whole or not at all."""
+    started = time.monotonic()
+    source, target = os.fspath(checkpoint), os.path.abspath(os.fspath(out))
+    out_dtype = resolve_dtype(dtype)
+    if is_remote(os.fspath(out)):
+        raise ValueError(f"export writes a local file, not {out!r}; export locally, then upload it")
+    if not is_remote(source) and inside(target, source):
+        raise ValueError(f"{target} lies inside the checkpoint {source}; export to a path outside it")
+    if os.path.lexists(target):
+        raise CheckpointExistsError(f"{target} exists: refused, nothing was changed. Export to a new file name")
+    storage = get_storage(source, storage_options)
+    manifest = read_manifest(storage, source)
+    chosen = select(manifest, key, source)
+    validate(chosen.node, f"{source}: {chosen.key}", allow_pickle=allow_pickle)
+    refs = [ref for _, ref in chosen.tensors]
+    check_sizes(storage, source, manifest, refs)
+    tensors: dict[str, torch.Tensor] = {}
+    tasks = []
+    for ref in refs:
+        entry = manifest.tensors[ref]
+        tensors[ref] = torch.empty(entry.shape, dtype=entry.dtype)
+        tasks += plan_reads(ref, entry, tensors[ref], (0,) * len(entry.shape))
+    run_tasks(storage, source, manifest, tasks, lambda: None, timeout or knobs.io_timeout())
+    for ref, t in tensors.items():
+        tensors[ref] = t.to(_out_dtype(t.dtype, out_dtype))
+    value = decode(chosen.node, f"{source}: {chosen.key}", tensors.__getitem__, allow_pickle=allow_pickle)
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(target)}.export-{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        torch.save(value, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        _link_new(tmp, target)
+        fsync_dir(parent)
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+    total = sum(t.nbytes for t in tensors.values())
+    logger.info(
+        "shardsafe: exported %s [%s] to %s (torch.save): %d tensors, %.1f MiB, %.2fs",
+        source,
+        chosen.key,
+        target,
+        len(tensors),
+        total / 2**20,
+        time.monotonic() - started,
+    )
+    return ExportResult(
+        path=target,
+        files=[os.path.basename(target)],
+        tensors=len(tensors),
+        bytes=total,
+        skipped=[],
+        key=chosen.key,
+    )
+
+
+def _link_new(tmp: str, target: str) -> None:
+    """Give ``tmp`` the name ``target`` only if no file has it (a hard link fails on an existing name)."""
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        raise CheckpointExistsError(f"{target} appeared during the export: refused, nothing was changed") from None
+    except OSError as err:
+        if err.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV):
+            raise
+        if os.path.lexists(target):  # no hard links on this filesystem: check, then rename
+            raise CheckpointExistsError(f"{target} appeared during the export: refused") from None
+        os.rename(tmp, target)
