@@ -88,3 +88,8 @@ def remote_upload_threads() -> int:
 def remote_retry_seconds() -> float:
     """Object stores: how long a request keeps being retried on transient errors."""
     return _float("REMOTE_RETRY_SECONDS", 120.0)
+
+
+def max_manifest_bytes() -> int:
+    """Largest ``MANIFEST.json`` a reader reads (a file larger than this is refused before reading)."""
+    return int(_float("MAX_MANIFEST_BYTES", 256 * 1024 * 1024))

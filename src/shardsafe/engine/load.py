@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from shardsafe.coord import Coordinator, Deadlines, fault_point
-from shardsafe.engine.read import Task, check_sizes, plan_reads, read_manifest, run_tasks
+from shardsafe.engine.read import Task, check_allocation, check_sizes, plan_reads, read_manifest, run_tasks
 from shardsafe.errors import CheckpointError, CoordinationError, MissingKeysError
 from shardsafe.format.manifest import Manifest
 from shardsafe.format.values import decode, tensor_refs, validate
@@ -61,7 +61,7 @@ def load(
         if state is None:
             for key, obj in manifest.objects.items():
                 validate(obj["value"], f"{path}: {key}", allow_pickle=allow_pickle)
-            check_sizes(storage, path, manifest, list(manifest.tensors))
+            check_allocation(storage, path, manifest, list(manifest.tensors))
             resolved: dict[str, torch.Tensor] = {}
             tasks = []
             for name, entry in manifest.tensors.items():

@@ -16,6 +16,7 @@ import torch
 from shardsafe.coord import Deadlines
 from shardsafe.coord.group import resolve_group
 from shardsafe.engine import api
+from shardsafe.engine.guard import mapped_errors
 from shardsafe.manager.agreement import StepBroadcast, StoreKeys
 from shardsafe.manager.cleanup import apply_retention, remove_leftovers
 from shardsafe.manager.config import ManagerConfig
@@ -193,10 +194,12 @@ class CheckpointManager:
         """(every rank) Load the newest checkpoint that is complete and intact into ``state`` and return
         its step; ``None`` when there is none. Incomplete or damaged newer ones are skipped with a
         WARNING naming them and why; that checkpoint is never deleted by retention until a newer one
-        is committed."""
+        is committed. Every failure is a :class:`CheckpointError` (anything unforeseen is mapped to
+        one, its cause chained)."""
         self._check_open()
         self._finish_pending()  # a save in flight ends (or raises) before loading into the state
-        result = resume_newest(self._fs, self.config, state, rank=self.rank, deadlines=self._deadlines)
+        with mapped_errors("resume", self.config.root):
+            result = resume_newest(self._fs, self.config, state, rank=self.rank, deadlines=self._deadlines)
         if result is None:
             return None
         self._resumed_step = result.step
