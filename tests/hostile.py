@@ -5,6 +5,7 @@ rewritten with their checksum, length and byte ranges made consistent again."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import struct
@@ -192,8 +193,10 @@ def reshard(path: Path, tensor: str, rows: list[int]) -> None:
     """Rewrite ``tensor`` (saved whole) as row ranges starting at ``rows`` (e.g. ``[0, 3, 7]``), each in
     a data file of its own, as a multi-rank save would have written it. The result is a valid
     checkpoint: it loads and verifies."""
-    doc = manifest_of(path)
     whole = shardsafe.load(path)
+    (old,) = {c["file"] for c in manifest_of(path)["tensors"][tensor]["chunks"]}
+    edit_header(path, old, lambda header: header.pop(tensor))  # its bytes stay, unreferenced
+    doc = manifest_of(path)
     value = whole[tensor.split("/")[0]]
     for part in tensor.split("/")[1:]:
         value = value[part]
@@ -201,7 +204,7 @@ def reshard(path: Path, tensor: str, rows: list[int]) -> None:
     entry = doc["tensors"][tensor]
     chunks = []
     bounds = [*rows, value.shape[0]]
-    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False)):
+    for i, (lo, hi) in enumerate(itertools.pairwise(bounds)):
         name = f"data-{90 + i:05d}-{doc['save_id']}.safetensors"
         offsets = (lo, *([0] * (value.dim() - 1)))
         pending = PendingChunk(tensor, offsets, tuple(value[lo:hi].shape), value[lo:hi].contiguous())
@@ -253,4 +256,3 @@ def state_snapshot(state: dict[str, Any]) -> dict[str, Any]:
 
 def _groups(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "params"} for g in opt.state_dict()["param_groups"]]
-

@@ -5,7 +5,6 @@ with the machine. The seeded fuzz test (tests/test_fuzz.py) covers the combinati
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -28,14 +27,12 @@ from hostile import (
     chunk_of,
     data_files,
     deep_list,
-    edit_header,
     edit_manifest,
     fresh_state,
     header_of,
     manifest_of,
     rewrite_header,
     save_base,
-    write_manifest,
     write_raw_manifest,
 )
 from shardsafe import CheckpointError, CorruptCheckpointError
@@ -553,9 +550,7 @@ def _break_manifest_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("entry", ["load", "load(state)", "verify", "inspect"])
-def test_unexpected_errors_become_checkpoint_errors(
-    ckpt: Path, monkeypatch: pytest.MonkeyPatch, entry: str
-) -> None:
+def test_unexpected_errors_become_checkpoint_errors(ckpt: Path, monkeypatch: pytest.MonkeyPatch, entry: str) -> None:
     """Whatever escapes the readers reaches the caller as a CheckpointError naming the path, with the
     original as its cause."""
     _break_manifest_parsing(monkeypatch)
@@ -606,9 +601,9 @@ def test_storage_refuses_files_that_are_not_regular(tmp_path: Path, fifos: list[
         for name in ("fifo", "dir", "zero"):
             path = str(tmp_path / name)
             calls: list[Callable[[], object]] = [
-                lambda: st.read_bytes(path),
-                lambda: st.size(path),
-                lambda: st.read_into(path, 0, memoryview(bytearray(1))),
+                lambda p=path: st.read_bytes(p),
+                lambda p=path: st.size(p),
+                lambda p=path: st.read_into(p, 0, memoryview(bytearray(1))),
             ]
             for call in calls:
                 with pytest.raises(CorruptCheckpointError, match="not a regular file"):

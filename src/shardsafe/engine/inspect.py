@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardsafe.engine.guard import mapped_errors
+from shardsafe.engine.memory import available_memory
 from shardsafe.engine.read import read_manifest
-from shardsafe.errors import CorruptCheckpointError
+from shardsafe.errors import CheckpointError, CorruptCheckpointError
 from shardsafe.format.datafile import read_verified, verify_header
 from shardsafe.format.manifest import Chunk
 from shardsafe.format.values import decode, dtype_name
@@ -63,6 +64,12 @@ def verify(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | No
         for tname, entry in manifest.tensors.items():
             for c in entry.chunks:
                 by_file[c.file].append((tname, c))
+        biggest = max((min(c.end - c.begin, manifest.block_bytes) for _, c in _all(by_file)), default=0)
+        if biggest > available_memory():  # one checksum block is read at a time
+            raise CheckpointError(
+                f"verify of {path!r}: a checksum block of {biggest} bytes does not fit in the memory available "
+                f"({available_memory()} bytes); checksum.block_bytes is {manifest.block_bytes}"
+            )
         total = 0
         for fname, fentry in manifest.files.items():
             fpath = storage.join(path, fname)
@@ -82,6 +89,10 @@ def verify(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | No
     return VerifySummary(path=path, files=len(manifest.files), tensors=len(manifest.tensors), bytes=total)
 
 
+def _all(by_file: dict[str, list[tuple[str, Chunk]]]) -> list[tuple[str, Chunk]]:
+    return [item for items in by_file.values() for item in items]
+
+
 def inspect(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo:
     """What a committed checkpoint holds, from its manifest alone (no data read)."""
     path = os.fspath(path)
@@ -91,7 +102,9 @@ def inspect(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | N
         entries = [EntryInfo(key, obj["kind"], None, None, 0, 0) for key, obj in manifest.objects.items()]
         for name, t in manifest.tensors.items():
             entries.append(
-                EntryInfo(name, "tensor", dtype_name(t.dtype), t.shape, len(t.chunks), math.prod(t.shape) * t.dtype.itemsize)
+                EntryInfo(
+                    name, "tensor", dtype_name(t.dtype), t.shape, len(t.chunks), math.prod(t.shape) * t.dtype.itemsize
+                )
             )
         metadata = decode(manifest.metadata, f"{path}: metadata", lambda ref: ref)
     return CheckpointInfo(

@@ -253,8 +253,9 @@ def _int(value: Any, what: str, where: str, minimum: int = 0, maximum: int = INT
 def _ints(value: Any, what: str, where: str, count: int | None = None) -> tuple[int, ...]:
     items = _list(value, f"the {what}s", where)
     if count is not None and len(items) != count:
-        raise CorruptCheckpointError(f"{where}: {len(items)} {what}s, the shape has {count} dimensions (chunk rank "
-                                     "does not match shape)")
+        raise CorruptCheckpointError(
+            f"{where}: {len(items)} {what}s, the shape has {count} dimensions (chunk rank does not match shape)"
+        )
     return tuple(_int(v, f"a {what}", where) for v in items)
 
 
@@ -285,16 +286,13 @@ def build_manifest(doc: dict[str, Any], where: str) -> Manifest:
         raise CorruptCheckpointError(f"{where}: created is {_short(created)}, expected a Unix time from 0 to 2^34")
     library = _obj(doc["library"], "library", where)
     files = {
-        check_file_name(name, where): _file(name, f, where)
-        for name, f in _obj(doc["files"], "files", where).items()
+        check_file_name(name, where): _file(name, f, where) for name, f in _obj(doc["files"], "files", where).items()
     }
     tensors = {
         _text(name, "a tensor name", where, limit=65536, printable=False): _tensor(name, t, files, block, where)
         for name, t in _obj(doc["tensors"], "tensors", where).items()
     }
-    objects = {
-        key: _object(key, obj, tensors, where) for key, obj in _obj(doc["objects"], "objects", where).items()
-    }
+    objects = {key: _object(key, obj, tensors, where) for key, obj in _obj(doc["objects"], "objects", where).items()}
     metadata = doc["metadata"]
     validate(metadata, f"{where}: metadata", allow_pickle=False)
     if tensor_refs(metadata):
@@ -392,4 +390,3 @@ def _chunk(
         raise CorruptCheckpointError(f"{here}: {len(sums)} checksums for {end - begin} bytes")
     checksums = tuple(_text(h, "a chunk checksum", here, _DIGEST) for h in sums)
     return Chunk(offsets, sizes, file, key, begin, end, checksums)
-

@@ -35,7 +35,7 @@ def check_tiling(shape: Sequence[int], boxes: Sequence[Box], here: str) -> None:
     full = [b for b in boxes if all(s > 0 for s in b[1])]
     if len(full) < 2:
         return
-    split = [k for k in range(len(shape)) if any(o != 0 or s != shape[k] for o, s in ((b[0][k], b[1][k]) for b in full))]
+    split = [k for k in range(len(shape)) if any(b[0][k] != 0 or b[1][k] != shape[k] for b in full)]
     if not split:
         raise CorruptCheckpointError(f"{here}: chunks overlap ({len(full)} chunks each cover the whole tensor)")
     if len(split) == 1:

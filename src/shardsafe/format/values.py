@@ -75,9 +75,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    dtype_name(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)
-}
+TORCH_DTYPES: dict[str, torch.dtype] = {dtype_name(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 """Every dtype of the running torch by name, from the module's namespace: a name read from a
 checkpoint is looked up here, never with ``getattr(torch, name)`` (which imports submodules)."""
 
