@@ -188,7 +188,8 @@ def _header(rng: random.Random, ckpt: Path, case: Path) -> str:
 
 
 def _target(rng: random.Random, ckpt: Path) -> str:
-    return rng.choice(["MANIFEST.json", *sorted(manifest_of(ckpt)["files"])] + sorted(manifest_of(ckpt)["files"]))
+    files = sorted(manifest_of(ckpt)["files"])
+    return rng.choice(["MANIFEST.json", *files, *files])  # data files twice as often
 
 
 def _bytes(rng: random.Random, ckpt: Path, case: Path) -> str:

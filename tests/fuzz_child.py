@@ -127,7 +127,7 @@ class Runner:
         damaged = damaged_files or not ok_verify
         ok, out = attempt("load", lambda: shardsafe.load(path))
         if ok and damaged and not self._same(out, self.ref_load, damaged_files):
-            violations.append({"kind": "silent", "op": "load", "detail": "a damaged checkpoint loaded other data"})
+            violations.append({"kind": "silent", "op": "load", "detail": "damaged, yet loaded other data"})
         state = fresh_state()
         snap = state_snapshot(state)
         ok, _ = attempt("load(state)", lambda: shardsafe.load(path, state))
