@@ -608,3 +608,76 @@ def test_storage_refuses_files_that_are_not_regular(tmp_path: Path, fifos: list[
             for call in calls:
                 with pytest.raises(CorruptCheckpointError, match="not a regular file"):
                     call()
+
+
+def test_fsspec_backend_refuses_files_that_are_not_regular(pristine: Path, tmp_path: Path, fifos: list[Path]) -> None:
+    """The same rules through fsspec: ``file://`` (a FIFO, a symlink out, /dev/zero as the manifest)
+    and an object store, here ``memory://`` (a prefix in place of an object, an oversized manifest)."""
+    import fsspec
+
+    from shardsafe.storage.remote import FsspecStorage
+
+    local = tmp_path / "ckpt"
+    local.mkdir()
+    for f in pristine.iterdir():
+        (local / f.name).write_bytes(f.read_bytes())
+    name = data_files(local)[0]
+    url = f"file://{local}"
+    (local / name).unlink()
+    os.mkfifo(local / name)
+    fifos.append(local / name)
+    with guard(60):
+        for read in (lambda: shardsafe.verify(url), lambda: shardsafe.load(url)):
+            with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+                read()
+    (local / name).unlink()
+    os.symlink(pristine / name, local / name)
+    with pytest.raises(CorruptCheckpointError, match="outside"):
+        shardsafe.verify(url)
+    (local / "MANIFEST.json").unlink()
+    os.symlink("/dev/zero", local / "MANIFEST.json")
+    with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+        shardsafe.inspect(url)
+
+    memory = fsspec.filesystem("memory")
+    prefix = f"/hostile-{os.getpid()}"
+    for f in pristine.iterdir():
+        memory.pipe_file(f"{prefix}/{f.name}", f.read_bytes())
+    memory.rm_file(f"{prefix}/{name}")
+    memory.pipe_file(f"{prefix}/{name}/inner", b"x" * 100)
+    try:
+        with pytest.raises(CorruptCheckpointError, match=name):  # its size is that of what the prefix holds
+            shardsafe.verify(f"memory://{prefix}")
+        with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+            FsspecStorage("memory").read_into(f"memory://{prefix}/{name}", 0, memoryview(bytearray(8)))
+        os.environ["SHARDSAFE_MAX_MANIFEST_BYTES"] = "100"
+        with pytest.raises(CorruptCheckpointError, match="SHARDSAFE_MAX_MANIFEST_BYTES"):
+            shardsafe.inspect(f"memory://{prefix}")
+    finally:
+        os.environ.pop("SHARDSAFE_MAX_MANIFEST_BYTES", None)
+        memory.rm(prefix, recursive=True)
+
+
+def test_writer_refuses_what_readers_reject(tmp_path: Path) -> None:
+    """A save never writes a checkpoint that its own reader would refuse: values nested too deep (or
+    holding themselves), numpy scalars outside the table, negative sizes."""
+    import numpy as np
+
+    from shardsafe import UnsafeValueError
+
+    deep: list[Any] = []
+    for _ in range(150):
+        deep = [deep]
+    looped: list[Any] = []
+    looped.append(looped)
+    for value, words in [
+        (deep, "levels deep"),
+        (looped, "levels deep"),
+        (np.longdouble(1.5), "longdouble"),
+        (torch.Size([2, -1]), "negative"),
+    ]:
+        with pytest.raises(UnsafeValueError, match=words):
+            shardsafe.save(tmp_path / "ck", {"v": value})
+        assert not (tmp_path / "ck").exists()
+    shardsafe.save(tmp_path / "ok", {"v": {"a": {"b": [[(1, 2)]]}}, "n": np.uint64(2**64 - 1)})
+    assert shardsafe.load(tmp_path / "ok")["n"] == np.uint64(2**64 - 1)
