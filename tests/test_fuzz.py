@@ -42,6 +42,7 @@ MEMORY = 1 << 30  # bytes a child may grow by beyond importing torch
 TESTS = Path(__file__).resolve().parent
 SRC = Path(shardsafe.__file__).resolve().parents[1]
 CLI_SAMPLES = max(2, CASES // 100)
+pytestmark = pytest.mark.timeout(300 + CASES)  # a hang guard for the whole run, long runs included
 
 
 def _env(scratch: Path) -> dict[str, str]:
