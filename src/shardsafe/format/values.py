@@ -17,6 +17,7 @@ tag            fields                                       Python value
 ``ndarray``    ``ref``: tensor name in the manifest         numpy.ndarray (stored as a tensor)
 ``npscalar``   ``dtype``: numpy dtype name, ``v``: value    numpy scalar
 ``pickle``     ``b64``: pickled bytes                       anything (opt-in on both sides only)
+``per_rank``   ``ranks``: ``[value, ...]``, one per rank    the value of each saving rank
 =============  ===========================================  =====================================
 
 Any other tag is rejected on load, never skipped. Reading is strict (docs/format.md, section 4): each
@@ -64,6 +65,7 @@ _FIELDS: dict[str, frozenset[str]] = {
         "ndarray": ("ref",),
         "npscalar": ("dtype", "v"),
         "pickle": ("b64",),
+        "per_rank": ("ranks",),
     }.items()
 }
 _NON_FINITE = ("nan", "inf", "-inf")
@@ -227,6 +229,8 @@ def _build(node: Json, resolve: TensorSource) -> Any:
         import numpy as np
 
         return np.dtype(node["dtype"]).type(_build(node["v"], resolve))
+    if tag == "per_rank":  # every rank's value, by rank (a loader picks its own rank's beforehand)
+        return {r: _build(v, resolve) for r, v in enumerate(node["ranks"])}
     # tag == "pickle" (validate refused it unless allowed)
     return pickle.loads(base64.b64decode(node["b64"], validate=True))
 
@@ -320,6 +324,14 @@ def _check(tag: str, node: dict[str, Any], where: str, allow_pickle: bool, level
     elif tag in ("tensor", "ndarray"):
         if not isinstance(node["ref"], str) or not node["ref"]:
             raise TypeError(f"bad tensor reference {_short(node['ref'])}")
+    elif tag == "per_rank":
+        ranks = node["ranks"]
+        if not isinstance(ranks, list) or not ranks:
+            raise TypeError("'ranks' must be a non-empty list, one value per saving rank")
+        for r, v in enumerate(ranks):
+            validate(v, f"{where}@rank{r}", allow_pickle=allow_pickle, _level=level + 2)
+            if has_per_rank(v):
+                raise ValueError("a per_rank node inside a per_rank node")
     else:  # npscalar
         _check_npscalar(node, where, level)
 
@@ -342,6 +354,24 @@ def _check_npscalar(node: dict[str, Any], where: str, level: int) -> None:
         raise ValueError(f"value {_short(v)} is not a {name} npscalar")
 
 
+def has_per_rank(node: Json) -> bool:
+    """Whether a typed JSON tree holds a ``per_rank`` node anywhere."""
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            tag = item.get("$")
+            if tag == "per_rank":
+                return True
+            if tag in ("dict", "tuple") and isinstance(item.get("items"), list):
+                stack.extend(
+                    v[1] if tag == "dict" and isinstance(v, list) and len(v) == 2 else v for v in item["items"]
+                )
+    return False
+
+
 def tensor_refs(node: Json) -> list[str]:
     """Every tensor name a (validated) typed JSON node refers to, in order."""
     out: list[str] = []
@@ -357,4 +387,6 @@ def tensor_refs(node: Json) -> list[str]:
                 stack.extend(reversed([pair[1] for pair in item.get("items", [])]))
             elif item.get("$") == "tuple":
                 stack.extend(reversed(item.get("items", [])))
+            elif item.get("$") == "per_rank":
+                stack.extend(reversed(item.get("ranks", [])))
     return out
