@@ -205,7 +205,7 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         raise CorruptCheckpointError(f"{where}: MANIFEST.json has no integer format_version")
     if version != FORMAT_VERSION:
         raise CorruptCheckpointError(
-            f"{where}: format_version {version} is not supported (this shardsafe reads {FORMAT_VERSION}); "
+            f"{where}: format_version {_short(version)} is not supported (this shardsafe reads {FORMAT_VERSION}); "
             "upgrade shardsafe to read it"
         )
     try:
