@@ -30,8 +30,8 @@ EXIT_OK = 0
 EXIT_BAD = 1
 EXIT_USAGE = 2
 
-# What a command may raise for a bad, missing or unreachable checkpoint (reported, exit 1). Anything
-# else is a bug and keeps its traceback.
+# What a command may raise for a bad, missing or unreachable checkpoint besides a CheckpointError
+# (reported, exit 1): a store that cannot be reached, a missing optional package.
 _REPORTED = (OSError, ImportError)
 
 
@@ -82,11 +82,19 @@ def _doc(command: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``shardsafe`` command with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    """Run the ``shardsafe`` command with ``argv`` (default ``sys.argv[1:]``); returns the exit status.
+    A failure of any kind is one line on stderr and exit status 1, never a traceback."""
     try:
         args = _parser().parse_args(argv)
     except SystemExit as stop:  # argparse exits on --help, --version and usage errors
         return stop.code if isinstance(stop.code, int) else EXIT_USAGE
+    try:
+        return _run(args)
+    except Exception as err:  # whatever a damaged checkpoint provokes: reported, never a traceback
+        return _fail(args.command, err)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "inspect":
         return _inspect(args.path, as_json=args.json, out=sys.stdout)
     if args.command == "verify":
@@ -105,8 +113,16 @@ def _fail(command: str, err: BaseException) -> int:
         what = "NOT A CHECKPOINT"
     else:
         what = f"ERROR ({type(err).__name__})"
-    print(f"shardsafe {command}: {what}: {err}", file=sys.stderr)
+    print(_one_line(f"shardsafe {command}: {what}: {err}"), file=sys.stderr)
     return EXIT_BAD
+
+
+def _one_line(text: str) -> str:
+    """``text`` on one line of printable characters: line breaks become `` | ``, other control
+    characters (a hostile name may hold terminal escapes) their escape sequence."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    joined = " | ".join(lines)
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in joined)
 
 
 def _verify(path: str, *, out: TextIO) -> int:

@@ -100,3 +100,8 @@ def per_rank_digest_bytes() -> int:
 def export_slab_bytes() -> int:
     """Export: bytes read, converted and written at a time (two such buffers are in use at once)."""
     return int(_float("EXPORT_SLAB_BYTES", 64 * 1024 * 1024))
+
+
+def max_manifest_bytes() -> int:
+    """Largest ``MANIFEST.json`` a reader reads (a file larger than this is refused before reading)."""
+    return int(_float("MAX_MANIFEST_BYTES", 256 * 1024 * 1024))

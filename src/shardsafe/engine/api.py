@@ -1,16 +1,14 @@
-"""The public functions: save, async_save, load, verify, inspect. A synchronous save is an async save
-plus ``wait()`` (run inline, without the staging copy)."""
+"""The public functions: save, async_save, load, and (from :mod:`shardsafe.engine.inspect`) verify and
+inspect. A synchronous save is an async save plus ``wait()`` (run inline, without the staging copy)."""
 
 from __future__ import annotations
 
 import atexit
 import logging
-import math
 import os
 import sys
 import threading
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,10 +16,9 @@ import torch
 from shardsafe import knobs
 from shardsafe.coord import Deadlines
 from shardsafe.engine import load as _load
-from shardsafe.engine.read import read_manifest
+from shardsafe.engine.guard import mapped_errors
+from shardsafe.engine.inspect import CheckpointInfo, EntryInfo, VerifySummary, inspect, verify
 from shardsafe.engine.save import SaveHandle, SaveJob
-from shardsafe.format.datafile import read_verified, verify_header
-from shardsafe.format.values import decode
 from shardsafe.storage import get_storage
 
 logger = logging.getLogger("shardsafe")
@@ -199,129 +196,28 @@ def load(
 
     With ``state=None`` (one process, no rendezvous): the whole checkpoint, tensors on CPU (or on
     ``device``), per-rank values as ``{rank: value}``.
+
+    Every failure is a :class:`CheckpointError` (a damaged or hostile checkpoint: a
+    :class:`CorruptCheckpointError` naming the file and tensor), raised in bounded time and memory;
+    anything unforeseen is mapped to one with the original as its ``__cause__``. Usage errors (a bad
+    ``timeout`` or ``storage_options``) raise ``ValueError``/``TypeError`` as usual.
     """
-    _drain(Deadlines.resolve(timeout), 0)  # a load may read what a save in flight is writing
-    return _load.load(
-        os.fspath(path),
-        state,
-        strict=strict,
-        deadlines=Deadlines.resolve(timeout),
-        group=group,
-        allow_pickle=allow_pickle,
-        storage_options=storage_options,
-        cast=cast,
-        device=None if device is None else torch.device(device),
-    )
-
-
-@dataclass(frozen=True)
-class VerifySummary:
-    path: str
-    files: int
-    tensors: int
-    bytes: int
-
-
-def verify(
-    path: str | os.PathLike[str],
-    *,
-    storage_options: dict[str, Any] | None = None,
-    part: tuple[int, int] | None = None,
-) -> VerifySummary:
-    """Check every byte of the checkpoint at ``path`` against its checksums (one process, no rendezvous).
-    Raises :class:`CheckpointNotFoundError` or :class:`CorruptCheckpointError` naming file and tensor.
-    ``part=(i, n)`` checks the manifest and only the data files ``i, i + n, ...`` (in name order), so
-    that ``n`` processes calling it with ``i = 0 .. n-1`` check the whole checkpoint once between them."""
+    deadlines = Deadlines.resolve(timeout)
     path = os.fspath(path)
-    storage = get_storage(path, storage_options)
-    manifest = read_manifest(storage, path)
-    by_file: dict[str, list[Any]] = {name: [] for name in manifest.files}
-    for tname, entry in manifest.tensors.items():
-        for c in entry.chunks:
-            by_file[c.file].append((tname, c))
-    total = 0
-    for i, (fname, fentry) in enumerate(sorted(manifest.files.items())):
-        if part is not None and i % part[1] != part[0]:
-            continue
-        fpath = storage.join(path, fname)
-        try:
-            verify_header(
-                storage,
-                fpath,
-                fentry,
-                [c for _, c in by_file[fname]],
-                [manifest.tensors[t].dtype for t, _ in by_file[fname]],
-            )
-        except (FileNotFoundError, EOFError, ValueError) as err:
-            from shardsafe.errors import CorruptCheckpointError
-
-            raise CorruptCheckpointError(f"{fpath}: {type(err).__name__}: {err}") from err
-        for tname, c in by_file[fname]:
-            buf = bytearray(min(c.end - c.begin, manifest.block_bytes))
-            for start in range(0, c.end - c.begin, manifest.block_bytes):
-                view = memoryview(buf)[: min(manifest.block_bytes, c.end - c.begin - start)]
-                read_verified(storage, fpath, c, manifest.block_bytes, start, view, tname)
-            total += c.end - c.begin
-        total += fentry.header_bytes
-    return VerifySummary(path=path, files=len(manifest.files), tensors=len(manifest.tensors), bytes=total)
-
-
-@dataclass(frozen=True)
-class EntryInfo:
-    name: str
-    kind: str
-    dtype: str | None
-    shape: tuple[int, ...] | None
-    chunks: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    path: str
-    format_version: int
-    save_id: str
-    created: float
-    world_size: int
-    strategy: str
-    total_bytes: int
-    metadata: Any
-    files: list[str]
-    entries: list[EntryInfo]
-    library: dict[str, str]
-
-
-def inspect(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo:
-    """What a committed checkpoint holds, from its manifest alone (no data read)."""
-    path = os.fspath(path)
-    manifest = read_manifest(get_storage(path, storage_options), path)
-    entries = []
-    for key, obj in manifest.objects.items():
-        entries.append(EntryInfo(key, obj["kind"], None, None, 0, 0))
-    for name, t in manifest.tensors.items():
-        entries.append(
-            EntryInfo(
-                name,
-                "tensor",
-                str(t.dtype).removeprefix("torch."),
-                t.shape,
-                len(t.chunks),
-                math.prod(t.shape) * t.dtype.itemsize,
-            )
+    get_storage(path, storage_options)  # usage errors are the caller's, raised as they are
+    _drain(deadlines, 0)  # a load may read what a save in flight is writing
+    with mapped_errors("load", path):
+        return _load.load(
+            path,
+            state,
+            strict=strict,
+            deadlines=deadlines,
+            group=group,
+            allow_pickle=allow_pickle,
+            storage_options=storage_options,
+            cast=cast,
+            device=None if device is None else torch.device(device),
         )
-    return CheckpointInfo(
-        path=path,
-        format_version=manifest.format_version,
-        save_id=manifest.save_id,
-        created=manifest.created,
-        world_size=manifest.world_size,
-        strategy=manifest.strategy,
-        total_bytes=manifest.total_bytes,
-        metadata=decode(manifest.metadata, "metadata", lambda ref: ref),
-        files=sorted(manifest.files),
-        entries=entries,
-        library=manifest.library,
-    )
 
 
 @atexit.register

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from shardsafe.coord import Coordinator, Deadlines, fault_point
-from shardsafe.engine.read import check_sizes, read_manifest, run_tasks
+from shardsafe.engine.read import check_allocation, check_sizes, read_manifest, run_tasks
 from shardsafe.errors import CheckpointError, CoordinationError, MissingKeysError
 from shardsafe.format.manifest import Manifest
 from shardsafe.state.restore import Op, Restorer
@@ -70,6 +70,8 @@ def load(
             if r.missing and strict:
                 raise _missing_error(path, manifest, r.missing)
         check_sizes(storage, path, manifest, r.names())  # before allocating what the manifest sizes
+        if device is None or device.type == "cpu":  # new host tensors must fit in the memory available
+            check_allocation(storage, path, manifest, r.fresh_names())
         tasks = r.prepare()
         if coord is not None:
             phase = "go"  # every rank planned and validated: only now may anything change

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from shardsafe import knobs
+from shardsafe.engine.memory import available_memory
 from shardsafe.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from shardsafe.format.datafile import read_verified, tensor_bytes
 from shardsafe.format.manifest import Chunk, Manifest, TensorEntry, parse_manifest
@@ -24,7 +25,9 @@ from shardsafe.storage import MANIFEST_NAME, Storage
 
 
 def read_manifest(storage: Storage, path: str) -> Manifest:
-    """(any rank) The validated manifest of the committed checkpoint at ``path``."""
+    """(any rank) The validated manifest of the committed checkpoint at ``path``. Reads at most
+    ``SHARDSAFE_MAX_MANIFEST_BYTES`` of a regular file; raises only checkpoint errors
+    (:class:`CheckpointNotFoundError`, :class:`CorruptCheckpointError`)."""
     where = storage.join(path, MANIFEST_NAME)
     try:
         raw = storage.read_bytes(where)
@@ -39,7 +42,8 @@ def read_manifest(storage: Storage, path: str) -> Manifest:
 
 def check_sizes(storage: Storage, path: str, manifest: Manifest, tensors: Sequence[str]) -> None:
     """Before allocating ``tensors`` from manifest shapes: their data files must really be as large as
-    the manifest says, so a forged shape cannot make a reader allocate memory the files do not back."""
+    the manifest says (and regular files), so a forged shape cannot make a reader allocate memory the
+    files do not back."""
     files = sorted({c.file for t in tensors for c in manifest.tensors[t].chunks})
     for name in files:
         file = storage.join(path, name)
@@ -51,6 +55,24 @@ def check_sizes(storage: Storage, path: str, manifest: Manifest, tensors: Sequen
             raise CorruptCheckpointError(
                 f"{file}: {size} bytes, the manifest says {manifest.files[name].size} (truncated or altered)"
             )
+
+
+def check_allocation(storage: Storage, path: str, manifest: Manifest, tensors: Sequence[str]) -> None:
+    """(the process about to allocate) Before allocating ``tensors`` fresh from manifest shapes: the
+    files back them (:func:`check_sizes`) and their bytes fit in the memory available to this process
+    (a sparse file makes a forged shape look backed). Raises :class:`CheckpointError` naming the
+    largest tensor, before any allocation."""
+    check_sizes(storage, path, manifest, tensors)
+    wanted = set(tensors)
+    need = sum(manifest.tensors[t].nbytes for t in wanted)
+    have = available_memory()
+    if wanted and need > have:
+        largest = max(wanted, key=lambda t: manifest.tensors[t].nbytes)
+        raise CheckpointError(
+            f"load of {path!r}: its tensors need {need} bytes of memory (the largest, {largest!r}, "
+            f"{manifest.tensors[largest].nbytes}), but only {have} are available to this process. Load into a "
+            "state whose tensors already exist (filled in place), or on a machine with more memory."
+        )
 
 
 def _not_found(storage: Storage, path: str) -> CheckpointNotFoundError:

@@ -18,6 +18,7 @@ import torch
 import xxhash
 
 from shardsafe.errors import CorruptCheckpointError
+from shardsafe.format import jsontext
 from shardsafe.format.manifest import SAFETENSORS_DTYPES, Chunk, FileEntry
 from shardsafe.storage.base import Storage, Writer
 
@@ -137,10 +138,16 @@ def _check(path: str, chunk: Chunk, k: int, block: int, data: memoryview | bytea
         )
 
 
+HEADER_DEPTH = 3
+"""A safetensors header nests three levels: the object, an entry, its ``shape``/``data_offsets``."""
+
+
 def verify_header(
     storage: Storage, path: str, entry: FileEntry, chunks: Sequence[Chunk], dtypes: Sequence[torch.dtype]
 ) -> None:
-    """Check a data file's size, header checksum, and that its safetensors header matches the manifest."""
+    """Check a data file's size, header checksum, and that its safetensors header is strict (UTF-8
+    JSON object, space padding, ``__metadata__`` of strings) and holds exactly the manifest's chunks
+    of this file, each with its dtype, shape and byte range. Only :class:`CorruptCheckpointError`."""
     size = storage.size(path)
     if size != entry.size:
         raise CorruptCheckpointError(f"{path}: {size} bytes, the manifest says {entry.size} (truncated or altered)")
@@ -151,14 +158,27 @@ def verify_header(
     (n,) = struct.unpack("<Q", raw[:8])
     if 8 + n != entry.header_bytes:
         raise CorruptCheckpointError(f"{path}: header length field {n} disagrees with the manifest")
-    header = json.loads(bytes(raw[8:]))
+    text = bytes(raw[8:]).rstrip(b" ")
+    if not (text.startswith(b"{") and text.endswith(b"}")):
+        raise CorruptCheckpointError(f"{path}: the safetensors header is not a JSON object padded with spaces")
+    header = jsontext.parse(text, path, "the safetensors header", max_depth=HEADER_DEPTH)
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{path}: the safetensors header is not a JSON object")
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CorruptCheckpointError(f"{path}: the safetensors header's __metadata__ is not an object of strings")
+    keys = {c.key for c in chunks}
+    extra = [k for k in header if k != "__metadata__" and k not in keys]
+    if extra:
+        raise CorruptCheckpointError(
+            f"{path}: the safetensors header has entries the manifest does not list: {[k[:80] for k in extra[:3]]}"
+        )
     for c, dtype in zip(chunks, dtypes, strict=True):
         info = header.get(c.key)
-        want = [c.begin - entry.header_bytes, c.end - entry.header_bytes]
-        if (
-            not isinstance(info, dict)
-            or info.get("data_offsets") != want
-            or info.get("shape") != list(c.sizes)
-            or info.get("dtype") != SAFETENSORS_DTYPES[dtype]
-        ):
+        want = {
+            "dtype": SAFETENSORS_DTYPES[dtype],
+            "shape": list(c.sizes),
+            "data_offsets": [c.begin - entry.header_bytes, c.end - entry.header_bytes],
+        }
+        if info != want or any(type(v) is not int for v in [*info["shape"], *info["data_offsets"]]):
             raise CorruptCheckpointError(f"{path}: header entry {c.key!r} disagrees with the manifest")

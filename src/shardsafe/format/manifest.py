@@ -1,8 +1,11 @@
 """``MANIFEST.json``, the commit record of a checkpoint (format v1; docs/format.md is the spec).
 
-Parsing validates everything a hostile file could get wrong: the version, every entry kind, file
-names (plain names only), byte ranges against file sizes, chunk boxes against global shapes, byte
-lengths against shapes and dtypes, and checksum counts against chunk lengths.
+Parsing is one strict validation pass (docs/format.md, section 8) over everything a hostile file could
+get wrong: UTF-8 JSON of bounded size and depth, the version and self-checksum, every field present
+with its JSON type and nothing else, integers in range, every entry kind, file names (plain names
+only, ``fullmatch``), dtypes from a fixed table, byte ranges against file sizes, chunk boxes against
+global shapes (disjoint, tiling the shape), byte lengths against shapes and dtypes, checksum lists,
+and every typed value. The only exception it raises is :class:`CorruptCheckpointError`.
 """
 
 from __future__ import annotations
@@ -17,14 +20,49 @@ import torch
 import xxhash
 
 from shardsafe.errors import CorruptCheckpointError
-from shardsafe.format.values import dtype_from_name, dtype_name, tensor_refs, validate
+from shardsafe.format import jsontext
+from shardsafe.format.tiling import check_tiling
+from shardsafe.format.values import dtype_name, per_rank_counts, tensor_refs, validate
 
 FORMAT_VERSION = 1
 CHECKSUM_ALGORITHM = "xxh3-64"
 SELF_CHECKSUM = "manifest_checksum"
 """Key of the manifest's own checksum: xxh3-64 of the canonical JSON of the document without it."""
 OBJECT_KINDS = ("module", "optimizer", "stateful", "value")
-_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
+MAX_DEPTH = 128
+"""Most levels of JSON arrays and objects in a manifest (a typed value inside is capped lower)."""
+MAX_HEADER_BYTES = 8 + 100_000_000
+"""Largest ``header_bytes`` of a data file: safetensors' own limit on the JSON header, plus the prefix."""
+MAX_DIMS = 64
+INT_LIMIT = 2**62
+"""Every size, offset, byte position and element count in a manifest is at most this."""
+CREATED_LIMIT = 2**34
+"""``created`` is a Unix time between 0 and this (the year 2514)."""
+
+_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
+_SAVE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_DIGEST = re.compile(r"[0-9a-f]{16}")
+_FIELDS = frozenset(
+    {
+        "format_version",
+        "save_id",
+        "created",
+        "world_size",
+        "strategy",
+        "library",
+        "checksum",
+        "metadata",
+        "objects",
+        "tensors",
+        "files",
+        SELF_CHECKSUM,
+    }
+)
+_CHECKSUM_FIELDS = frozenset({"algorithm", "block_bytes"})
+_FILE_FIELDS = frozenset({"size", "header_bytes", "header_checksum"})
+_TENSOR_FIELDS = frozenset({"dtype", "shape", "chunks"})
+_CHUNK_FIELDS = frozenset({"offsets", "sizes", "file", "key", "begin", "end", "checksums"})
+_OBJECT_FIELDS = frozenset({"kind", "value"})
 
 # safetensors dtype codes for the torch dtypes the format stores.
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
@@ -45,6 +83,8 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.uint64: "U64",
     torch.complex64: "C64",
 }
+STORABLE_DTYPES: dict[str, torch.dtype] = {dtype_name(d): d for d in SAFETENSORS_DTYPES}
+"""Manifest dtype names (section 6) -> torch dtype: the only names a tensor entry may carry."""
 
 
 @dataclass(frozen=True)
@@ -149,17 +189,15 @@ def _self_checksum(doc: dict[str, Any]) -> str:
 
 def check_file_name(name: Any, where: str) -> str:
     """A data file name must be a plain name inside the checkpoint: no ``/``, no ``..``, no hidden file."""
-    if not isinstance(name, str) or not _FILE_NAME.match(name) or ".." in name:
-        raise CorruptCheckpointError(f"{where}: file name {name!r} is not a plain name inside the checkpoint")
+    if not isinstance(name, str) or not _FILE_NAME.fullmatch(name) or ".." in name:
+        raise CorruptCheckpointError(f"{where}: file name {_short(name)} is not a plain name inside the checkpoint")
     return name
 
 
 def parse_manifest(raw: bytes, where: str) -> Manifest:
-    """Parse and validate ``MANIFEST.json`` bytes; ``where`` (its path) prefixes every error."""
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise CorruptCheckpointError(f"{where}: MANIFEST.json is not valid JSON ({err})") from err
+    """Parse and validate ``MANIFEST.json`` bytes; ``where`` (its path) prefixes every error, the only
+    exception raised is :class:`CorruptCheckpointError`."""
+    doc = jsontext.parse(raw, where, "MANIFEST.json", max_depth=MAX_DEPTH)
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"{where}: MANIFEST.json is not a JSON object")
     version = doc.get("format_version")
@@ -167,7 +205,7 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         raise CorruptCheckpointError(f"{where}: MANIFEST.json has no integer format_version")
     if version != FORMAT_VERSION:
         raise CorruptCheckpointError(
-            f"{where}: format_version {version} is not supported (this shardsafe reads {FORMAT_VERSION}); "
+            f"{where}: format_version {_short(version)} is not supported (this shardsafe reads {FORMAT_VERSION}); "
             "upgrade shardsafe to read it"
         )
     try:
@@ -178,115 +216,184 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         raise CorruptCheckpointError(
             f"{where}: MANIFEST.json fails its own checksum: it was altered or damaged. Load an older checkpoint."
         )
-    try:
-        return _build(doc, where)
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise CorruptCheckpointError(f"{where}: malformed MANIFEST.json ({type(err).__name__}: {err})") from err
+    return build_manifest(doc, where)
 
 
-def _checked(node: Any, where: str) -> Any:
-    validate(node, where, allow_pickle=False)
-    return node
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _int(value: Any, what: str, where: str, minimum: int = 0) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise CorruptCheckpointError(f"{where}: {what} is {value!r}, expected an integer >= {minimum}")
+def _obj(value: Any, what: str, where: str, fields: frozenset[str] | None = None) -> dict[str, Any]:
+    """``value`` as a JSON object; with ``fields``, holding exactly those."""
+    if not isinstance(value, dict):
+        raise CorruptCheckpointError(f"{where}: {what} is {_short(value)}, expected a JSON object")
+    if fields is not None and value.keys() != fields:
+        missing, extra = sorted(fields - value.keys()), sorted(value.keys() - fields)
+        raise CorruptCheckpointError(
+            f"{where}: {what} " + (f"lacks field(s) {missing}" if missing else f"has unexpected field(s) {extra}")
+        )
     return value
 
 
-def _build(doc: dict[str, Any], where: str) -> Manifest:
-    checksum = doc["checksum"]
-    if checksum.get("algorithm") != CHECKSUM_ALGORITHM:
-        raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {checksum.get('algorithm')!r}")
+def _list(value: Any, what: str, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise CorruptCheckpointError(f"{where}: {what} is {_short(value)}, expected a JSON array")
+    return value
+
+
+def _int(value: Any, what: str, where: str, minimum: int = 0, maximum: int = INT_LIMIT) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= maximum:
+        raise CorruptCheckpointError(
+            f"{where}: {what} is {_short(value)}, expected an integer >= {minimum} (and <= {maximum})"
+        )
+    return value
+
+
+def _ints(value: Any, what: str, where: str, count: int | None = None) -> tuple[int, ...]:
+    items = _list(value, f"the {what}s", where)
+    if count is not None and len(items) != count:
+        raise CorruptCheckpointError(
+            f"{where}: {len(items)} {what}s, the shape has {count} dimensions (chunk rank does not match shape)"
+        )
+    return tuple(_int(v, f"a {what}", where) for v in items)
+
+
+def _text(
+    value: Any, what: str, where: str, pattern: re.Pattern[str] | None = None, limit: int = 256, printable: bool = True
+) -> str:
+    """A string matching ``pattern`` in full, or else non-empty, at most ``limit`` characters and
+    (unless ``printable`` is false: names taken from the user's state) printable."""
+    ok = isinstance(value, str) and (
+        pattern.fullmatch(value) is not None
+        if pattern
+        else 0 < len(value) <= limit and (value.isprintable() or not printable)
+    )
+    if not ok:
+        raise CorruptCheckpointError(f"{where}: {what} is {_short(value)}, not a valid name")
+    return str(value)
+
+
+def build_manifest(doc: dict[str, Any], where: str) -> Manifest:
+    """The :class:`Manifest` of a parsed, sealed document, every field checked (section 8)."""
+    _obj(doc, "MANIFEST.json", where, _FIELDS)
+    checksum = _obj(doc["checksum"], "checksum", where, _CHECKSUM_FIELDS)
+    if checksum["algorithm"] != CHECKSUM_ALGORITHM:
+        raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {_short(checksum['algorithm'])}")
     block = _int(checksum["block_bytes"], "checksum.block_bytes", where, 1)
-    files: dict[str, FileEntry] = {}
-    for name, f in doc["files"].items():
-        check_file_name(name, where)
-        size = _int(f["size"], f"files[{name}].size", where)
-        header = _int(f["header_bytes"], f"files[{name}].header_bytes", where, 8)
-        if header > size:
-            raise CorruptCheckpointError(f"{where}: {name}: header of {header} bytes exceeds file size {size}")
-        files[name] = FileEntry(size=size, header_bytes=header, header_checksum=str(f["header_checksum"]))
-    tensors = {name: _tensor(name, t, files, block, where) for name, t in doc["tensors"].items()}
-    objects: dict[str, dict[str, Any]] = {}
-    for key, obj in doc["objects"].items():
-        if obj.get("kind") not in OBJECT_KINDS:
-            raise CorruptCheckpointError(f"{where}: entry {key!r} has unknown kind {obj.get('kind')!r}")
-        validate(obj["value"], f"{where}: {key}", allow_pickle=True)
-        for ref in tensor_refs(obj["value"]):
-            if ref not in tensors:
-                raise CorruptCheckpointError(f"{where}: entry {key!r} refers to missing tensor {ref!r}")
-        objects[str(key)] = {"kind": obj["kind"], "value": obj["value"]}
+    created = doc["created"]
+    if isinstance(created, bool) or not isinstance(created, (int, float)) or not 0 <= created <= CREATED_LIMIT:
+        raise CorruptCheckpointError(f"{where}: created is {_short(created)}, expected a Unix time from 0 to 2^34")
+    library = _obj(doc["library"], "library", where)
+    files = {
+        check_file_name(name, where): _file(name, f, where) for name, f in _obj(doc["files"], "files", where).items()
+    }
+    tensors = {
+        _text(name, "a tensor name", where, limit=65536, printable=False): _tensor(name, t, files, block, where)
+        for name, t in _obj(doc["tensors"], "tensors", where).items()
+    }
+    objects = {key: _object(key, obj, tensors, where) for key, obj in _obj(doc["objects"], "objects", where).items()}
+    world = _int(doc["world_size"], "world_size", where, 1)
+    for key, obj in objects.items():
+        wrong = [n for n in per_rank_counts(obj["value"]) if n != world]
+        if wrong:
+            raise CorruptCheckpointError(
+                f"{where}: entry {key!r} holds a per-rank value of {wrong[0]} ranks in a checkpoint saved by {world}"
+            )
+    metadata = doc["metadata"]
+    validate(metadata, f"{where}: metadata", allow_pickle=False)
+    if tensor_refs(metadata):
+        raise CorruptCheckpointError(f"{where}: metadata refers to tensors {tensor_refs(metadata)[:3]}; it holds none")
     return Manifest(
-        save_id=str(doc["save_id"]),
-        created=float(doc["created"]),
-        world_size=_int(doc["world_size"], "world_size", where, 1),
-        strategy=str(doc["strategy"]),
-        library={str(k): str(v) for k, v in doc.get("library", {}).items()},
+        save_id=_text(doc["save_id"], "save_id", where, _SAVE_ID),
+        created=float(created),
+        world_size=_int(doc["world_size"], "world_size", where, 1, 2**31 - 1),
+        strategy=_text(doc["strategy"], "strategy", where, limit=64),
+        library={_text(k, "a library name", where): _text(v, f"library[{k}]", where) for k, v in library.items()},
         block_bytes=block,
-        metadata=_checked(doc.get("metadata"), f"{where}: metadata"),
+        metadata=metadata,
         objects=objects,
         tensors=tensors,
         files=files,
     )
 
 
-def _tensor(name: str, t: dict[str, Any], files: dict[str, FileEntry], block: int, where: str) -> TensorEntry:
+def _file(name: str, f: Any, where: str) -> FileEntry:
+    what = f"files[{name}]"
+    f = _obj(f, what, where, _FILE_FIELDS)
+    size = _int(f["size"], f"{what}.size", where, 8)
+    header = _int(f["header_bytes"], f"{what}.header_bytes", where, 8, min(size, MAX_HEADER_BYTES))
+    if header % 8:
+        raise CorruptCheckpointError(f"{where}: {what}.header_bytes is {header}, not a multiple of 8")
+    digest = _text(f["header_checksum"], f"{what}.header_checksum", where, _DIGEST)
+    return FileEntry(size=size, header_bytes=header, header_checksum=digest)
+
+
+def _object(key: Any, obj: Any, tensors: dict[str, TensorEntry], where: str) -> dict[str, Any]:
+    if not isinstance(key, str) or not key or "/" in key:
+        raise CorruptCheckpointError(f"{where}: entry name {_short(key)} is not a non-empty name without '/'")
+    obj = _obj(obj, f"entry {key!r}", where, _OBJECT_FIELDS)
+    if not isinstance(obj["kind"], str) or obj["kind"] not in OBJECT_KINDS:
+        raise CorruptCheckpointError(f"{where}: entry {key!r} has unknown kind {_short(obj['kind'])}")
+    validate(obj["value"], f"{where}: {key}", allow_pickle=True)  # a loader refuses pickle unless allowed
+    for ref in tensor_refs(obj["value"]):
+        if ref not in tensors:
+            raise CorruptCheckpointError(f"{where}: entry {key!r} refers to missing tensor {_short(ref)}")
+    return {"kind": obj["kind"], "value": obj["value"]}
+
+
+def _tensor(name: str, t: Any, files: dict[str, FileEntry], block: int, where: str) -> TensorEntry:
     here = f"{where}: tensor {name!r}"
-    dtype = dtype_from_name(t["dtype"], here)
-    if dtype not in SAFETENSORS_DTYPES:
-        raise CorruptCheckpointError(f"{here}: dtype {t['dtype']!r} is not storable in format v1")
-    shape = tuple(_int(d, "a shape dimension", here) for d in t["shape"])
-    if math.prod(shape) * dtype.itemsize > 2**62:
+    t = _obj(t, "the entry", here, _TENSOR_FIELDS)
+    dtype = STORABLE_DTYPES.get(t["dtype"]) if isinstance(t["dtype"], str) else None
+    if dtype is None:
+        raise CorruptCheckpointError(f"{here}: dtype {_short(t['dtype'])} is not one of format v1 (section 6)")
+    dims = _list(t["shape"], "shape", here)
+    if len(dims) > MAX_DIMS:
+        raise CorruptCheckpointError(f"{here}: shape has {len(dims)} dimensions, more than {MAX_DIMS}")
+    shape = tuple(_int(d, "a shape dimension", here) for d in dims)
+    if math.prod(max(d, 1) for d in shape) * dtype.itemsize > INT_LIMIT:
         raise CorruptCheckpointError(f"{here}: shape {list(shape)} is absurdly large")
-    chunks = []
-    covered = 0
-    for c in t["chunks"]:
-        offsets = tuple(_int(v, "a chunk offset", here) for v in c["offsets"])
-        sizes = tuple(_int(v, "a chunk size", here) for v in c["sizes"])
-        if len(offsets) != len(shape) or len(sizes) != len(shape):
-            raise CorruptCheckpointError(f"{here}: chunk rank does not match shape {list(shape)}")
-        if any(o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
-            raise CorruptCheckpointError(f"{here}: chunk {list(offsets)}+{list(sizes)} lies outside {list(shape)}")
-        file = check_file_name(c["file"], here)
-        if file not in files:
-            raise CorruptCheckpointError(f"{here}: chunk refers to unlisted file {file!r}")
-        begin, end = _int(c["begin"], "chunk begin", here), _int(c["end"], "chunk end", here)
-        if not files[file].header_bytes <= begin <= end <= files[file].size:
-            raise CorruptCheckpointError(
-                f"{here}: byte range [{begin}, {end}) lies outside the data of {file} ({files[file].size} bytes)"
-            )
-        if end - begin != math.prod(sizes) * dtype.itemsize:
-            raise CorruptCheckpointError(
-                f"{here}: byte range of {end - begin} bytes does not fit a {list(sizes)} {dtype_name(dtype)} chunk"
-            )
-        checksums = tuple(str(h) for h in c["checksums"])
-        if len(checksums) != max(1, -(-(end - begin) // block)):
-            raise CorruptCheckpointError(f"{here}: {len(checksums)} checksums for {end - begin} bytes")
-        covered += math.prod(sizes)
-        chunks.append(Chunk(offsets, sizes, file, str(c["key"]), begin, end, checksums))
+    records = _list(t["chunks"], "chunks", here)
+    if not records:
+        raise CorruptCheckpointError(
+            f"{here}: has no chunks (chunks hold 0 elements); every tensor, even an empty one, has one"
+        )
+    if not shape and len(records) != 1:
+        raise CorruptCheckpointError(f"{here}: a 0-d tensor has {len(records)} chunks")
+    chunks = [_chunk(c, shape, dtype, files, block, here) for c in records]
+    covered = sum(math.prod(c.sizes) for c in chunks)
     if covered != math.prod(shape):
-        raise CorruptCheckpointError(f"{here}: chunks hold {covered} elements, shape {list(shape)} needs more/less")
-    _check_disjoint(chunks, here)
+        raise CorruptCheckpointError(
+            f"{here}: chunks hold {covered} elements, shape {list(shape)} holds {math.prod(shape)}"
+        )
+    check_tiling(shape, [(c.offsets, c.sizes) for c in chunks], here)
     return TensorEntry(dtype=dtype, shape=shape, chunks=tuple(chunks))
 
 
-def _check_disjoint(chunks: list[Chunk], here: str) -> None:
-    """Chunks must not overlap (with the element count equal to the shape's, they then tile it
-    exactly). A sweep along dim 0 keeps this near-linear for the usual row-sharded chunks."""
-    if len(chunks) < 2 or not chunks[0].offsets:
-        if len(chunks) > 1:
-            raise CorruptCheckpointError(f"{here}: a 0-d tensor has {len(chunks)} chunks")
-        return
-    boxes = sorted((c for c in chunks if math.prod(c.sizes) > 0), key=lambda c: c.offsets[0])
-    for i, a in enumerate(boxes):
-        end0 = a.offsets[0] + a.sizes[0]
-        for b in boxes[i + 1 :]:
-            if b.offsets[0] >= end0:
-                break
-            if all(
-                bo < ao + asz and ao < bo + bsz
-                for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
-            ):
-                raise CorruptCheckpointError(f"{here}: chunks at {list(a.offsets)} and {list(b.offsets)} overlap")
+def _chunk(
+    c: Any, shape: tuple[int, ...], dtype: torch.dtype, files: dict[str, FileEntry], block: int, here: str
+) -> Chunk:
+    c = _obj(c, "a chunk record", here, _CHUNK_FIELDS)
+    offsets = _ints(c["offsets"], "chunk offset", here, len(shape))
+    sizes = _ints(c["sizes"], "chunk size", here, len(shape))
+    if any(o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
+        raise CorruptCheckpointError(f"{here}: chunk {list(offsets)}+{list(sizes)} lies outside {list(shape)}")
+    file = check_file_name(c["file"], here)
+    if file not in files:
+        raise CorruptCheckpointError(f"{here}: chunk refers to unlisted file {file!r}")
+    key = _text(c["key"], "chunk key", here, limit=65600, printable=False)
+    begin, end = _int(c["begin"], "chunk begin", here), _int(c["end"], "chunk end", here)
+    if not files[file].header_bytes <= begin <= end <= files[file].size:
+        raise CorruptCheckpointError(
+            f"{here}: byte range [{begin}, {end}) lies outside the data of {file} ({files[file].size} bytes)"
+        )
+    if end - begin != math.prod(sizes) * dtype.itemsize:
+        raise CorruptCheckpointError(
+            f"{here}: byte range of {end - begin} bytes does not fit a {list(sizes)} {dtype_name(dtype)} chunk"
+        )
+    sums = _list(c["checksums"], "the chunk checksums", here)
+    if len(sums) != max(1, -(-(end - begin) // block)):
+        raise CorruptCheckpointError(f"{here}: {len(sums)} checksums for {end - begin} bytes")
+    checksums = tuple(_text(h, "a chunk checksum", here, _DIGEST) for h in sums)
+    return Chunk(offsets, sizes, file, key, begin, end, checksums)

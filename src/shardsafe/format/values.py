@@ -20,14 +20,19 @@ tag            fields                                       Python value
 ``per_rank``   ``ranks``: ``[value, ...]``, one per rank    the value of each saving rank
 =============  ===========================================  =====================================
 
-Any other tag is rejected on load, never skipped.
+Any other tag is rejected on load, never skipped. Reading is strict (docs/format.md, section 4): each
+node has exactly its fields, each field its JSON type (``items`` a list, ``v`` of a ``size`` a list of
+integers >= 0, ...), dtype names come from fixed tables, and a value nests at most
+:data:`MAX_DEPTH` levels, which the writer enforces too.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import math
 import pickle
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -41,22 +46,31 @@ TensorSink = Callable[[str, torch.Tensor], str]
 TensorSource = Callable[[str], Any]
 """Called with a manifest tensor name while decoding; returns the tensor to put there."""
 
-_TAGS = frozenset(
-    {
-        "float",
-        "dict",
-        "tuple",
-        "bytes",
-        "size",
-        "dtype",
-        "device",
-        "tensor",
-        "ndarray",
-        "npscalar",
-        "pickle",
-        "per_rank",
-    }
-)
+MAX_DEPTH = 100
+"""Most levels of JSON arrays and objects one value's typed JSON may nest (a dict costs three: its
+node, ``items`` and the pair; a tuple two; a list one). Deeper values are refused at save and
+rejected on load, so that no reader recurses without bound."""
+
+_FIELDS: dict[str, frozenset[str]] = {
+    tag: frozenset({"$", *fields})
+    for tag, fields in {
+        "float": ("v",),
+        "dict": ("items",),
+        "tuple": ("items",),
+        "bytes": ("b64",),
+        "size": ("v",),
+        "dtype": ("v",),
+        "device": ("v",),
+        "tensor": ("ref",),
+        "ndarray": ("ref",),
+        "npscalar": ("dtype", "v"),
+        "pickle": ("b64",),
+        "per_rank": ("ranks",),
+    }.items()
+}
+_NON_FINITE = ("nan", "inf", "-inf")
+_DEVICE = re.compile(r"[a-z][a-z0-9_]{0,31}(?::[0-9]{1,5})?")
+_SIZE_LIMIT = 2**63  # torch.Size holds int64
 
 
 class PerRank:
@@ -76,25 +90,61 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def dtype_from_name(name: str, where: str) -> torch.dtype:
-    value = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
-    if not isinstance(value, torch.dtype):
-        raise CorruptCheckpointError(f"{where}: unknown dtype {name!r}")
-    return value
+TORCH_DTYPES: dict[str, torch.dtype] = {dtype_name(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+"""Every dtype of the running torch by name, from the module's namespace: a name read from a
+checkpoint is looked up here, never with ``getattr(torch, name)`` (which imports submodules)."""
 
 
-def encode(value: Any, path: str, on_tensor: TensorSink, *, allow_pickle: bool = False) -> Json:
+def _int_range(bits: int, signed: bool) -> tuple[int, int]:
+    return (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2**bits - 1)
+
+
+NUMPY_SCALARS: dict[str, tuple[str, float, float]] = {
+    "bool": ("b", 0, 1),
+    **{f"int{b}": ("i", *_int_range(b, True)) for b in (8, 16, 32, 64)},
+    **{f"uint{b}": ("i", *_int_range(b, False)) for b in (8, 16, 32, 64)},
+    "float16": ("f", -65504.0, 65504.0),
+    "float32": ("f", -3.4028234663852886e38, 3.4028234663852886e38),
+    "float64": ("f", -math.inf, math.inf),
+}
+"""The numpy scalar dtypes an ``npscalar`` node may name: kind and range of finite values."""
+
+
+def dtype_from_name(name: Any, where: str) -> torch.dtype:
+    """The torch dtype called ``name`` (``"float32"``); anything else is rejected."""
+    dtype = TORCH_DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise CorruptCheckpointError(f"{where}: unknown dtype {_short(name)}")
+    return dtype
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _step(where: str, key: Any) -> str:
+    text = str(key)
+    return f"{where}/{text if len(text) <= 80 else text[:77] + '...'}"
+
+
+def encode(value: Any, path: str, on_tensor: TensorSink, *, allow_pickle: bool = False, _level: int = 1) -> Json:
     """Typed JSON for ``value``; ``path`` names it in errors (``model/layers.0.weight``)."""
     if value is None or isinstance(value, (bool, str)):
         return value
+    if _level > MAX_DEPTH:
+        raise UnsafeValueError(
+            f"{path!r}: the value nests more than {MAX_DEPTH} levels deep (or holds itself); flatten it, "
+            "or store it another way"
+        )
     if isinstance(value, PerRank):
         # This rank's value only; the save collects every rank's into "ranks" (state/per_rank.py).
-        inner = encode(value.value, path, on_tensor, allow_pickle=allow_pickle)
+        inner = encode(value.value, path, on_tensor, allow_pickle=allow_pickle, _level=_level + 2)
         if has_per_rank(inner):
             raise UnsafeValueError(f"{path!r}: per_rank() inside per_rank(); mark the outer value only")
         return {"$": "per_rank", "ranks": [inner]}
     if type(value).__module__.startswith("numpy"):  # np.float64 is a float subclass: keep its type
-        numpy = _numpy_value(value, path, on_tensor)
+        numpy = _numpy_value(value, path, on_tensor, _level)
         if numpy is not None:
             return numpy
     if isinstance(value, int):
@@ -106,7 +156,9 @@ def encode(value: Any, path: str, on_tensor: TensorSink, *, allow_pickle: bool =
     if isinstance(value, torch.Tensor):
         return {"$": "tensor", "ref": on_tensor(path, value)}
     if isinstance(value, torch.Size):
-        return {"$": "size", "v": list(value)}
+        if any(not 0 <= int(d) < _SIZE_LIMIT for d in value):
+            raise UnsafeValueError(f"{path!r}: torch.Size {list(value)} has a negative size, which cannot be stored")
+        return {"$": "size", "v": [int(d) for d in value]}
     if isinstance(value, torch.dtype):
         return {"$": "dtype", "v": dtype_name(value)}
     if isinstance(value, torch.device):
@@ -121,12 +173,18 @@ def encode(value: Any, path: str, on_tensor: TensorSink, *, allow_pickle: bool =
                     f"{path!r}: dict key {k!r} of type {type(k).__name__} cannot be stored; "
                     "use str or int keys (or pass allow_pickle=True to save and load)"
                 )
-            items.append([k, encode(v, f"{path}/{k}", on_tensor, allow_pickle=allow_pickle)])
+            items.append([k, encode(v, f"{path}/{k}", on_tensor, allow_pickle=allow_pickle, _level=_level + 3)])
         return {"$": "dict", "items": items}
     if isinstance(value, list):
-        return [encode(v, f"{path}/{i}", on_tensor, allow_pickle=allow_pickle) for i, v in enumerate(value)]
+        return [
+            encode(v, f"{path}/{i}", on_tensor, allow_pickle=allow_pickle, _level=_level + 1)
+            for i, v in enumerate(value)
+        ]
     if type(value) is tuple:
-        items = [encode(v, f"{path}/{i}", on_tensor, allow_pickle=allow_pickle) for i, v in enumerate(value)]
+        items = [
+            encode(v, f"{path}/{i}", on_tensor, allow_pickle=allow_pickle, _level=_level + 2)
+            for i, v in enumerate(value)
+        ]
         return {"$": "tuple", "items": items}
     if allow_pickle:
         return {"$": "pickle", "b64": base64.b64encode(pickle.dumps(value)).decode()}
@@ -137,7 +195,7 @@ def encode(value: Any, path: str, on_tensor: TensorSink, *, allow_pickle: bool =
     )
 
 
-def _numpy_value(value: Any, path: str, on_tensor: TensorSink) -> Json | None:
+def _numpy_value(value: Any, path: str, on_tensor: TensorSink, level: int) -> Json | None:
     module = type(value).__module__
     if not module.startswith("numpy"):
         return None
@@ -147,119 +205,172 @@ def _numpy_value(value: Any, path: str, on_tensor: TensorSink) -> Json | None:
         if value.dtype.hasobject:
             return None
         return {"$": "ndarray", "ref": on_tensor(path, torch.from_numpy(np.ascontiguousarray(value)))}
-    if isinstance(value, np.generic) and isinstance(value, (np.bool_, np.integer, np.floating)):
-        inner = encode(value.item(), path, on_tensor)
+    if isinstance(value, np.generic) and str(value.dtype) in NUMPY_SCALARS:
+        inner = encode(value.item(), path, on_tensor, _level=level + 1)
         return {"$": "npscalar", "dtype": str(value.dtype), "v": inner}
     return None
 
 
 def decode(node: Json, where: str, resolve: TensorSource, *, allow_pickle: bool = False) -> Any:
-    """The Python value of a typed JSON node; ``where`` names it in errors."""
-    if node is None or isinstance(node, (bool, int, float, str)):
+    """The Python value of a typed JSON node; ``where`` names it in errors. The whole node is
+    validated first (:func:`validate`), so nothing is built from a malformed one."""
+    validate(node, where, allow_pickle=allow_pickle)
+    return _build(node, resolve)
+
+
+def _build(node: Json, resolve: TensorSource) -> Any:
+    """The value of a validated node."""
+    if not isinstance(node, (list, dict)):
         return node
     if isinstance(node, list):
-        return [decode(v, f"{where}/{i}", resolve, allow_pickle=allow_pickle) for i, v in enumerate(node)]
-    if not isinstance(node, dict) or not isinstance(node.get("$"), str):
-        raise CorruptCheckpointError(f"{where}: malformed value node {str(node)[:80]!r}")
+        return [_build(v, resolve) for v in node]
     tag = node["$"]
-    if tag not in _TAGS:
-        raise CorruptCheckpointError(f"{where}: unknown value kind {tag!r}; this checkpoint needs a newer shardsafe")
-    try:
-        return _decode_tagged(tag, node, where, resolve, allow_pickle)
-    except (KeyError, TypeError, ValueError, RuntimeError) as err:
-        raise CorruptCheckpointError(f"{where}: malformed {tag!r} node: {err}") from err
-
-
-def _decode_tagged(tag: str, node: dict[str, Any], where: str, resolve: TensorSource, allow_pickle: bool) -> Any:
     if tag == "float":
-        if node["v"] not in ("nan", "inf", "-inf"):
-            raise ValueError(f"bad float {node['v']!r}")
         return float(node["v"])
     if tag == "dict":
-        out: dict[Any, Any] = {}
-        for key, value in node["items"]:
-            if isinstance(key, bool) or not isinstance(key, (str, int)):
-                raise ValueError(f"bad dict key {key!r}")
-            out[key] = decode(value, f"{where}/{key}", resolve, allow_pickle=allow_pickle)
-        return out
+        return {key: _build(value, resolve) for key, value in node["items"]}
     if tag == "tuple":
-        return tuple(decode(v, f"{where}/{i}", resolve, allow_pickle=allow_pickle) for i, v in enumerate(node["items"]))
+        return tuple([_build(v, resolve) for v in node["items"]])
     if tag == "bytes":
         return base64.b64decode(node["b64"], validate=True)
     if tag == "size":
-        return torch.Size([int(v) for v in node["v"]])
+        return torch.Size(node["v"])
     if tag == "dtype":
-        return dtype_from_name(node["v"], where)
+        return TORCH_DTYPES[node["v"]]
     if tag == "device":
         return torch.device(node["v"])
     if tag == "tensor":
-        return resolve(str(node["ref"]))
+        return resolve(node["ref"])
     if tag == "ndarray":
-        tensor = resolve(str(node["ref"]))
+        tensor = resolve(node["ref"])
         return tensor.numpy() if isinstance(tensor, torch.Tensor) else tensor
     if tag == "npscalar":
         import numpy as np
 
-        return np.dtype(str(node["dtype"])).type(decode(node["v"], where, resolve))
+        return np.dtype(node["dtype"]).type(_build(node["v"], resolve))
     if tag == "per_rank":  # every rank's value, by rank (a loader picks its own rank's beforehand)
-        return {
-            r: decode(v, f"{where}@rank{r}", resolve, allow_pickle=allow_pickle)
-            for r, v in enumerate(_rank_nodes(node))
-        }
-    # tag == "pickle"
-    if not allow_pickle:
-        raise UnsafeValueError(
-            f"{where}: the checkpoint holds a pickled value, and loading it would run code from whoever wrote the "
-            "file. Refused; pass allow_pickle=True to load only if you trust its author."
-        )
+        return {r: _build(v, resolve) for r, v in enumerate(node["ranks"])}
+    # tag == "pickle" (validate refused it unless allowed)
     return pickle.loads(base64.b64decode(node["b64"], validate=True))
 
 
-def validate(node: Json, where: str, *, allow_pickle: bool) -> None:
-    """Check a typed JSON tree without building it: every tag known, every leaf well formed, and no
-    pickle unless allowed (nothing is unpickled here)."""
-    if node is None or isinstance(node, (bool, int, float, str)):
+def validate(node: Json, where: str, *, allow_pickle: bool, _level: int = 1) -> None:
+    """Check a typed JSON tree without building it: every tag known, every node with exactly its
+    fields of the right types, every leaf well formed and in range, the nesting within
+    :data:`MAX_DEPTH`, and no pickle unless allowed (nothing is unpickled here). Raises
+    :class:`CorruptCheckpointError` naming the node's path."""
+    if node is None or isinstance(node, (bool, int, str)):
         return
+    if isinstance(node, float):
+        if not math.isfinite(node):
+            raise CorruptCheckpointError(f"{where}: non-finite float {node!r} outside a 'float' node")
+        return
+    if _level > MAX_DEPTH:
+        raise CorruptCheckpointError(f"{where}: value nested more than {MAX_DEPTH} levels deep")
     if isinstance(node, list):
         for i, v in enumerate(node):
-            validate(v, f"{where}/{i}", allow_pickle=allow_pickle)
+            validate(v, _step(where, i), allow_pickle=allow_pickle, _level=_level + 1)
         return
     if not isinstance(node, dict) or not isinstance(node.get("$"), str):
-        raise CorruptCheckpointError(f"{where}: malformed value node {str(node)[:80]!r}")
+        raise CorruptCheckpointError(f"{where}: malformed value node {_short(node)}")
     tag = node["$"]
+    if tag not in _FIELDS:
+        raise CorruptCheckpointError(
+            f"{where}: unknown value kind {_short(tag)}; this checkpoint needs a newer shardsafe"
+        )
+    if node.keys() != _FIELDS[tag]:
+        missing, extra = sorted(_FIELDS[tag] - node.keys()), sorted(node.keys() - _FIELDS[tag])
+        raise CorruptCheckpointError(
+            f"{where}: malformed {tag!r} node: " + (f"missing {missing}" if missing else f"unexpected {extra}")
+        )
     try:
-        if tag == "dict":
-            for key, value in node["items"]:
-                if isinstance(key, bool) or not isinstance(key, (str, int)):
-                    raise ValueError(f"bad dict key {key!r}")
-                validate(value, f"{where}/{key}", allow_pickle=allow_pickle)
-        elif tag == "tuple":
-            for i, v in enumerate(node["items"]):
-                validate(v, f"{where}/{i}", allow_pickle=allow_pickle)
-        elif tag in ("tensor", "ndarray"):
-            if not isinstance(node["ref"], str):
-                raise ValueError(f"bad tensor reference {node['ref']!r}")
-        elif tag == "per_rank":
-            for r, v in enumerate(_rank_nodes(node)):
-                validate(v, f"{where}@rank{r}", allow_pickle=allow_pickle)
-                if has_per_rank(v):
-                    raise ValueError("a per_rank node inside a per_rank node")
-        elif tag == "pickle":
-            if not isinstance(node["b64"], str):
-                raise ValueError("pickle payload is not text")
-            if not allow_pickle:
-                decode(node, where, _no_source)  # raises the refusal
-        else:
-            decode(node, where, _no_source)
-    except (KeyError, TypeError, ValueError) as err:
-        raise CorruptCheckpointError(f"{where}: malformed {tag!r} node: {err}") from err
+        _check(tag, node, where, allow_pickle, _level)
+    except (TypeError, ValueError) as err:
+        raise CorruptCheckpointError(f"{where}: malformed {tag!r} node: {err}") from None
 
 
-def _rank_nodes(node: dict[str, Any]) -> list[Json]:
-    ranks = node["ranks"]
-    if not isinstance(ranks, list) or not ranks:
-        raise ValueError("'ranks' must be a non-empty list, one value per saving rank")
-    return ranks
+def _check(tag: str, node: dict[str, Any], where: str, allow_pickle: bool, level: int) -> None:
+    """Raises ``TypeError``/``ValueError`` for a malformed field (turned into the node's error), or
+    :class:`CorruptCheckpointError` from a nested node."""
+    if tag in ("dict", "tuple"):
+        items = node["items"]
+        if not isinstance(items, list):
+            raise TypeError(f"items is {_short(items)}, not a list")
+        if tag == "tuple":
+            for i, v in enumerate(items):
+                validate(v, _step(where, i), allow_pickle=allow_pickle, _level=level + 2)
+            return
+        for pair in items:
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise TypeError(f"item {_short(pair)} is not a [key, value] pair")
+            key, value = pair
+            if isinstance(key, bool) or not isinstance(key, (str, int)):
+                raise TypeError(f"bad dict key {_short(key)}")
+            validate(value, _step(where, key), allow_pickle=allow_pickle, _level=level + 3)
+    elif tag == "float":
+        if not isinstance(node["v"], str) or node["v"] not in _NON_FINITE:
+            raise ValueError(f"bad float {_short(node['v'])}")
+    elif tag in ("bytes", "pickle"):
+        if not isinstance(node["b64"], str):
+            raise TypeError("b64 is not text")
+        try:
+            base64.b64decode(node["b64"], validate=True)
+        except binascii.Error as err:
+            raise ValueError(f"invalid base64 ({err})") from None
+        if tag == "pickle" and not allow_pickle:
+            raise CorruptCheckpointError(
+                f"{where}: the checkpoint holds a pickled value, and loading it would run code from whoever wrote "
+                "the file. Refused; pass allow_pickle=True to load only if you trust its author."
+            )
+    elif tag == "size":
+        dims = node["v"]
+        if level + 1 > MAX_DEPTH:
+            raise ValueError(f"nested more than {MAX_DEPTH} levels deep")
+        if not isinstance(dims, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d < _SIZE_LIMIT for d in dims
+        ):
+            raise ValueError(f"v is {_short(dims)}, not a list of integers >= 0")
+    elif tag == "dtype":
+        dtype_from_name(node["v"], where)
+    elif tag == "device":
+        device = node["v"]
+        if not isinstance(device, str) or not _DEVICE.fullmatch(device):
+            raise ValueError(f"bad device {_short(device)}")
+        try:
+            torch.device(device)
+        except RuntimeError as err:
+            raise ValueError(f"bad device {device!r} ({err})") from None
+    elif tag in ("tensor", "ndarray"):
+        if not isinstance(node["ref"], str) or not node["ref"]:
+            raise TypeError(f"bad tensor reference {_short(node['ref'])}")
+    elif tag == "per_rank":
+        ranks = node["ranks"]
+        if not isinstance(ranks, list) or not ranks:
+            raise TypeError("'ranks' must be a non-empty list, one value per saving rank")
+        for r, v in enumerate(ranks):
+            validate(v, f"{where}@rank{r}", allow_pickle=allow_pickle, _level=level + 2)
+            if has_per_rank(v):
+                raise ValueError("a per_rank node inside a per_rank node")
+    else:  # npscalar
+        _check_npscalar(node, where, level)
+
+
+def _check_npscalar(node: dict[str, Any], where: str, level: int) -> None:
+    name, v = node["dtype"], node["v"]
+    if not isinstance(name, str) or name not in NUMPY_SCALARS:
+        raise ValueError(f"npscalar dtype {_short(name)} is not one of {sorted(NUMPY_SCALARS)}")
+    kind, lo, hi = NUMPY_SCALARS[name]
+    if kind == "b":
+        ok = isinstance(v, bool)
+    elif kind == "i":
+        ok = isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+    elif isinstance(v, dict):
+        validate(v, where, allow_pickle=False, _level=level + 1)
+        ok = v["$"] == "float"
+    else:
+        ok = isinstance(v, float) and lo <= v <= hi
+    if not ok:
+        raise ValueError(f"value {_short(v)} is not a {name} npscalar")
 
 
 def has_per_rank(node: Json) -> bool:
@@ -280,12 +391,27 @@ def has_per_rank(node: Json) -> bool:
     return False
 
 
-def _no_source(ref: str) -> Any:
-    raise CorruptCheckpointError(f"unexpected tensor reference {ref!r}")
+def per_rank_counts(node: Json) -> list[int]:
+    """The number of ranks of every ``per_rank`` node in a (validated) typed JSON tree."""
+    out: list[int] = []
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            tag = item.get("$")
+            if tag == "per_rank":
+                out.append(len(item["ranks"]))
+            elif tag == "dict":
+                stack.extend(v for _, v in item["items"])
+            elif tag == "tuple":
+                stack.extend(item["items"])
+    return out
 
 
 def tensor_refs(node: Json) -> list[str]:
-    """Every tensor name a typed JSON node refers to, in order."""
+    """Every tensor name a (validated) typed JSON node refers to, in order."""
     out: list[str] = []
     stack = [node]
     while stack:
@@ -296,7 +422,7 @@ def tensor_refs(node: Json) -> list[str]:
             if item.get("$") in ("tensor", "ndarray"):
                 out.append(str(item.get("ref")))
             elif item.get("$") == "dict":
-                stack.extend(reversed([v for _, v in item.get("items", [])]))
+                stack.extend(reversed([pair[1] for pair in item.get("items", [])]))
             elif item.get("$") == "tuple":
                 stack.extend(reversed(item.get("items", [])))
             elif item.get("$") == "per_rank":

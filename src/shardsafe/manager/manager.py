@@ -16,6 +16,7 @@ import torch
 from shardsafe.coord import Deadlines
 from shardsafe.coord.group import resolve_group
 from shardsafe.engine import api
+from shardsafe.engine.guard import mapped_errors
 from shardsafe.manager.agreement import StepBroadcast, StoreKeys
 from shardsafe.manager.cleanup import apply_retention, remove_leftovers
 from shardsafe.manager.config import ManagerConfig
@@ -196,11 +197,15 @@ class CheckpointManager:
         its step; ``None`` when there is none. Incomplete or damaged newer ones are skipped with a
         WARNING naming them and why; that checkpoint is never deleted by retention until a newer one
         is committed. With ``verify`` (default: ``verify_on_resume``) every byte of a checkpoint is
-        checked before it is loaded, so ``state`` changes only from one that verified whole."""
+        checked before it is loaded, so ``state`` changes only from one that verified whole. Every
+        failure is a :class:`CheckpointError` (anything unforeseen is mapped to one, its cause chained)."""
         self._check_open()
         self._finish_pending()  # a save in flight ends (or raises) before loading into the state
         check = self.config.verify_on_resume if verify is None else verify
-        result = resume_newest(self._fs, self.config, state, rank=self.rank, deadlines=self._deadlines, verify=check)
+        with mapped_errors("resume", self.config.root):
+            result = resume_newest(
+                self._fs, self.config, state, rank=self.rank, deadlines=self._deadlines, verify=check
+            )
         if result is None:
             return None
         self._resumed_step = result.step

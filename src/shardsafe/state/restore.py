@@ -326,6 +326,10 @@ class Restorer:
         """Every manifest tensor this plan reads (for the size checks before :meth:`prepare`)."""
         return list(dict.fromkeys([n for n, _ in self._fills] + list(self._fresh)))
 
+    def fresh_names(self) -> list[str]:
+        """The manifest tensors this plan allocates anew (not filled into the caller's tensors)."""
+        return list(self._fresh)
+
     def prepare(self) -> list[Task]:
         """Allocate the new tensors, decode the new values and return the reads. Still modifies
         nothing of the caller's state."""

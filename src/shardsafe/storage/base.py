@@ -61,16 +61,21 @@ class Storage(Protocol):
         """Delete ``names`` in ``directory``; missing ones are fine."""
         ...
 
-    def read_bytes(self, path: str) -> bytes:
-        """The whole content of a (small) file. Raises ``FileNotFoundError``."""
+    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
+        """The whole content of a (small) file of at most ``limit`` bytes (default
+        ``SHARDSAFE_MAX_MANIFEST_BYTES``). Raises ``FileNotFoundError``, and
+        :class:`~shardsafe.errors.CorruptCheckpointError` for a larger file or for something that is
+        not a regular file (a FIFO, a device, a directory, a symlink loop, a symlink out of its
+        directory): the read side never blocks on, or streams from, what a checkpoint should not hold."""
         ...
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
-        """Fill ``out`` with the bytes at ``[offset, offset + len(out))``; raise if the file is shorter."""
+        """Fill ``out`` with the bytes at ``[offset, offset + len(out))``; raise ``EOFError`` if the file
+        is shorter. Opens only regular files, as :meth:`read_bytes` does."""
         ...
 
     def size(self, path: str) -> int:
-        """Size in bytes. Raises ``FileNotFoundError``."""
+        """Size in bytes of a regular file (as :meth:`read_bytes`). Raises ``FileNotFoundError``."""
         ...
 
     def exists(self, path: str) -> bool: ...

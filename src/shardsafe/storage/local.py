@@ -18,6 +18,8 @@ import shutil
 import time
 import uuid
 
+from shardsafe import knobs
+from shardsafe.storage import regular
 from shardsafe.storage.base import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
@@ -127,12 +129,17 @@ class LocalStorage:
             except FileNotFoundError:
                 pass
 
-    def read_bytes(self, path: str) -> bytes:
-        with open(path, "rb") as f:
-            return f.read()
+    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
+        """The content of a regular file inside its directory, at most ``limit`` bytes (default
+        ``SHARDSAFE_MAX_MANIFEST_BYTES``); anything else raises :class:`CorruptCheckpointError`."""
+        return regular.read_whole(
+            path, knobs.max_manifest_bytes() if limit is None else limit, "SHARDSAFE_MAX_MANIFEST_BYTES"
+        )
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        if not 0 <= offset <= offset + len(out) < 2**63:
+            raise EOFError(f"{path}: byte range at {offset} of {len(out)} bytes lies past any file's end")
+        fd = regular.open_regular(path)
         try:
             done = 0
             while done < len(out):
@@ -144,7 +151,7 @@ class LocalStorage:
             os.close(fd)
 
     def size(self, path: str) -> int:
-        return os.stat(path).st_size
+        return regular.stat_regular(path).st_size
 
     def exists(self, path: str) -> bool:
         return os.path.exists(path)

@@ -18,6 +18,7 @@ resets and 5xx). On S3 (``s3fs``) large data files upload as parallel multipart 
 from __future__ import annotations
 
 import datetime
+import errno
 import functools
 import json
 import logging
@@ -26,7 +27,9 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from shardsafe.storage import retry
+from shardsafe import knobs
+from shardsafe.errors import CorruptCheckpointError
+from shardsafe.storage import regular, retry
 from shardsafe.storage.base import MANIFEST_NAME, Writer
 from shardsafe.storage.local import fsync_dir
 from shardsafe.storage.uploads import PartWriter, StreamWriter, abort_upload, is_s3, list_uploads, part_bytes, s3_call
@@ -217,14 +220,33 @@ class FsspecStorage:
 
     # -- load ------------------------------------------------------------------------------------
 
-    def read_bytes(self, path: str) -> bytes:
+    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
+        """The content of an object (a regular file elsewhere) of at most ``limit`` bytes (default
+        ``SHARDSAFE_MAX_MANIFEST_BYTES``), checked with a stat before any byte is read."""
+        limit = knobs.max_manifest_bytes() if limit is None else limit
         p = self._p(path)
-        return bytes(self._retry("read", path, lambda: self.fs.cat_file(p)))
+        size = self._file_size(path)
+        if size > limit:
+            raise CorruptCheckpointError(
+                f"{path}: {size} bytes, more than the {limit} allowed; if it is genuine, raise "
+                "SHARDSAFE_MAX_MANIFEST_BYTES"
+            )
+        if size == 0:
+            return b""  # a ranged GET of an empty object is refused (416)
+        data = bytes(self._retry("read", path, lambda: self.fs.cat_file(p, start=0, end=limit + 1)))
+        if len(data) > limit:
+            raise CorruptCheckpointError(f"{path}: grew past {limit} bytes while being read")
+        return data
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         """Ranged reads of ``[offset, offset + len(out))`` only; large ranges are split into parts
-        read in parallel. ``EOFError`` if the object is shorter."""
+        read in parallel. ``EOFError`` if the object is shorter. Outside object stores (``file://``,
+        ``memory://``, ...) the path must be a regular file, checked first."""
         out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+        if not 0 <= offset <= offset + len(out) < 2**63:
+            raise EOFError(f"{path}: byte range at {offset} of {len(out)} bytes lies past any file's end")
+        if not self.object_store:
+            self._file_size(path)
         p = self._p(path)
         step = part_bytes()
         spans = [(s, min(len(out), s + step)) for s in range(0, len(out), step)]
@@ -236,6 +258,27 @@ class FsspecStorage:
             futures = [pool.submit(self._read_span, p, path, offset, out, s, e) for s, e in spans]
             for f in futures:
                 f.result()  # re-raises a reader thread's error here
+
+    def _stat(self, path: str) -> dict[str, Any]:
+        """``fs.info`` of ``path``; on the local filesystem anything but a directory must also pass
+        :func:`~shardsafe.storage.regular.stat_regular` (no FIFO, device, loop or symlink out)."""
+        try:
+            info = self._info(path)
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise CorruptCheckpointError(f"{path} is a symlink loop, not a file") from None
+            raise
+        local = _local_dir(self.fs, self._p(path))
+        if local is not None and info.get("type") != "directory":
+            regular.stat_regular(local)
+        return info
+
+    def _file_size(self, path: str) -> int:
+        """Size of ``path``, which must be a file (an object), never a directory or prefix."""
+        info = self._stat(path)
+        if info.get("type") != "file":
+            raise CorruptCheckpointError(f"{path} is not a regular file ({info.get('type')}); expected an object")
+        return int(info["size"])
 
     def _read_span(self, p: str, url: str, offset: int, out: memoryview, start: int, end: int) -> None:
         lo, hi = offset + start, offset + end
@@ -252,11 +295,15 @@ class FsspecStorage:
         out[start:end] = data
 
     def size(self, path: str) -> int:
-        """Bytes of an object, or of the objects directly inside a prefix. ``FileNotFoundError``."""
-        info = self._info(path)
-        if info.get("type") != "directory":
-            return int(info["size"])
-        return sum(int(e.get("size") or 0) for e in self._entries(path) if e.get("type") != "directory")
+        """Bytes of an object, or of the objects directly inside a prefix (for the manager's listing).
+        ``FileNotFoundError``; :class:`CorruptCheckpointError` for what is neither (a FIFO, a device,
+        a symlink loop or out of its directory on a local filesystem)."""
+        info = self._stat(path)
+        if info.get("type") == "directory":
+            return sum(int(e.get("size") or 0) for e in self._entries(path) if e.get("type") != "directory")
+        if info.get("type") != "file":
+            raise CorruptCheckpointError(f"{path} is not a regular file ({info.get('type')}); expected an object")
+        return int(info["size"])
 
     def _info(self, path: str) -> dict[str, Any]:
         p = self._p(path)

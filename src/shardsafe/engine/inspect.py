@@ -1,0 +1,131 @@
+"""Looking at a checkpoint without loading it: :func:`verify` (every byte against its checksum) and
+:func:`inspect` (what it holds, from the manifest alone). One process, no rendezvous; both raise only
+:class:`~shardsafe.errors.CheckpointError` (a damaged or hostile checkpoint: a
+:class:`~shardsafe.errors.CorruptCheckpointError` naming the file and tensor)."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from shardsafe.engine.guard import mapped_errors
+from shardsafe.engine.memory import available_memory
+from shardsafe.engine.read import read_manifest
+from shardsafe.errors import CheckpointError, CorruptCheckpointError
+from shardsafe.format.datafile import read_verified, verify_header
+from shardsafe.format.manifest import Chunk
+from shardsafe.format.values import decode, dtype_name
+from shardsafe.storage import get_storage
+
+
+@dataclass(frozen=True)
+class VerifySummary:
+    path: str
+    files: int
+    tensors: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    name: str
+    kind: str
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    chunks: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: str
+    format_version: int
+    save_id: str
+    created: float
+    world_size: int
+    strategy: str
+    total_bytes: int
+    metadata: Any
+    files: list[str]
+    entries: list[EntryInfo]
+    library: dict[str, str]
+
+
+def verify(
+    path: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    part: tuple[int, int] | None = None,
+) -> VerifySummary:
+    """Check every byte of the checkpoint at ``path`` against its checksums (one process, no rendezvous).
+    Raises :class:`CheckpointNotFoundError` or :class:`CorruptCheckpointError` naming file and tensor.
+    ``part=(i, n)`` checks the manifest and only the data files ``i, i + n, ...`` (in name order), so
+    that ``n`` processes calling it with ``i = 0 .. n-1`` check the whole checkpoint once between them."""
+    path = os.fspath(path)
+    storage = get_storage(path, storage_options)
+    with mapped_errors("verify", path):
+        manifest = read_manifest(storage, path)
+        by_file: dict[str, list[tuple[str, Chunk]]] = {name: [] for name in manifest.files}
+        for tname, entry in manifest.tensors.items():
+            for c in entry.chunks:
+                by_file[c.file].append((tname, c))
+        biggest = max((min(c.end - c.begin, manifest.block_bytes) for _, c in _all(by_file)), default=0)
+        if biggest > available_memory():  # one checksum block is read at a time
+            raise CheckpointError(
+                f"verify of {path!r}: a checksum block of {biggest} bytes does not fit in the memory available "
+                f"({available_memory()} bytes); checksum.block_bytes is {manifest.block_bytes}"
+            )
+        total = 0
+        for i, (fname, fentry) in enumerate(sorted(manifest.files.items())):
+            if part is not None and i % part[1] != part[0]:
+                continue
+            fpath = storage.join(path, fname)
+            chunks = by_file[fname]
+            try:
+                dtypes = [manifest.tensors[t].dtype for t, _ in chunks]
+                verify_header(storage, fpath, fentry, [c for _, c in chunks], dtypes)
+                for tname, c in chunks:
+                    buf = bytearray(min(c.end - c.begin, manifest.block_bytes))
+                    for start in range(0, c.end - c.begin, manifest.block_bytes):
+                        view = memoryview(buf)[: min(manifest.block_bytes, c.end - c.begin - start)]
+                        read_verified(storage, fpath, c, manifest.block_bytes, start, view, tname)
+                    total += c.end - c.begin
+            except (FileNotFoundError, EOFError) as err:
+                raise CorruptCheckpointError(f"{fpath}: {type(err).__name__}: {err}") from err
+            total += fentry.header_bytes
+    return VerifySummary(path=path, files=len(manifest.files), tensors=len(manifest.tensors), bytes=total)
+
+
+def _all(by_file: dict[str, list[tuple[str, Chunk]]]) -> list[tuple[str, Chunk]]:
+    return [item for items in by_file.values() for item in items]
+
+
+def inspect(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo:
+    """What a committed checkpoint holds, from its manifest alone (no data read)."""
+    path = os.fspath(path)
+    storage = get_storage(path, storage_options)
+    with mapped_errors("inspect", path):
+        manifest = read_manifest(storage, path)
+        entries = [EntryInfo(key, obj["kind"], None, None, 0, 0) for key, obj in manifest.objects.items()]
+        for name, t in manifest.tensors.items():
+            entries.append(
+                EntryInfo(
+                    name, "tensor", dtype_name(t.dtype), t.shape, len(t.chunks), math.prod(t.shape) * t.dtype.itemsize
+                )
+            )
+        metadata = decode(manifest.metadata, f"{path}: metadata", lambda ref: ref)
+    return CheckpointInfo(
+        path=path,
+        format_version=manifest.format_version,
+        save_id=manifest.save_id,
+        created=manifest.created,
+        world_size=manifest.world_size,
+        strategy=manifest.strategy,
+        total_bytes=manifest.total_bytes,
+        metadata=metadata,
+        files=sorted(manifest.files),
+        entries=entries,
+        library=manifest.library,
+    )
