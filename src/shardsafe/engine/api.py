@@ -18,7 +18,7 @@ from shardsafe.coord import Deadlines
 from shardsafe.engine import load as _load
 from shardsafe.engine.read import read_manifest
 from shardsafe.engine.save import SaveHandle, SaveJob
-from shardsafe.format.datafile import read_verified, verify_header
+from shardsafe.format.datafile import read_blocks, verify_header
 from shardsafe.format.values import decode
 from shardsafe.storage import get_storage
 
@@ -234,10 +234,7 @@ def verify(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | No
 
             raise CorruptCheckpointError(f"{fpath}: {type(err).__name__}: {err}") from err
         for tname, c in by_file[fname]:
-            buf = bytearray(min(c.end - c.begin, manifest.block_bytes))
-            for start in range(0, c.end - c.begin, manifest.block_bytes):
-                view = memoryview(buf)[: min(manifest.block_bytes, c.end - c.begin - start)]
-                read_verified(storage, fpath, c, manifest.block_bytes, start, view, tname)
+            read_blocks(storage, fpath, c, manifest.block_bytes, 0, c.end - c.begin, tname, None, None)
             total += c.end - c.begin
         total += fentry.header_bytes
     return VerifySummary(path=path, files=len(manifest.files), tensors=len(manifest.tensors), bytes=total)
