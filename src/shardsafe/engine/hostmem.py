@@ -28,17 +28,19 @@ _lock = threading.Lock()
 _held = 0  # bytes of live HostBuffers
 _pinned = 0  # of which page-locked
 _peak = 0  # high-water mark of _held since reset_peak()
+_pinned_peak = 0  # and of _pinned
 _count = 0  # HostBuffers ever allocated
 _streams: dict[tuple[str, int, str], Any] = {}  # (device type, index, purpose) -> side stream
 
 
 def _account(nbytes: int, pinned: bool) -> None:
-    global _held, _pinned, _peak, _count
+    global _held, _pinned, _peak, _pinned_peak, _count
     with _lock:
         _held += nbytes
         _pinned += nbytes if pinned else 0
         if nbytes > 0:
             _peak = max(_peak, _held)
+            _pinned_peak = max(_pinned_peak, _pinned)
             _count += 1
 
 
@@ -57,10 +59,15 @@ def peak_bytes() -> int:
     return _peak
 
 
+def pinned_peak_bytes() -> int:
+    """High-water mark of :func:`pinned_bytes` since the last :func:`reset_peak`."""
+    return _pinned_peak
+
+
 def reset_peak() -> None:
-    global _peak
+    global _peak, _pinned_peak
     with _lock:
-        _peak = _held
+        _peak, _pinned_peak = _held, _pinned
 
 
 def allocations() -> int:
