@@ -266,8 +266,7 @@ def _run(run: _Run, t: Task, bounce: _Bounce) -> int:
     if not c.sizes:  # a 0-d tensor
         tmp = torch.empty((), dtype=dtype)
         _read(run, file, c, 0, dtype.itemsize, t.name, bounce, _into(tensor_bytes(tmp), 0))
-        with run.fence:
-            t.dest.copy_(tmp)
+        _copy_into(run, t.dest, tmp)
         return dtype.itemsize
     row = math.prod(c.sizes[1:]) * dtype.itemsize
     full_rows = t.box_lo[1:] == (0,) * (len(c.sizes) - 1) and t.box_hi[1:] == tuple(c.sizes[1:])
@@ -296,16 +295,21 @@ def _run(run: _Run, t: Task, bounce: _Bounce) -> int:
     # a column range, another dtype, a strided or non-CPU/CUDA destination: verified rows, then copy_
     rows = torch.empty((t.box_hi[0] - t.box_lo[0], *c.sizes[1:]), dtype=dtype)
     _read(run, file, c, start, stop, t.name, bounce, _into(tensor_bytes(rows), start))
-    src = rows[(slice(None), *(slice(a, b) for a, b in zip(t.box_lo[1:], t.box_hi[1:], strict=True)))]
+    _copy_into(run, dest, rows[(slice(None), *(slice(a, b) for a, b in zip(t.box_lo[1:], t.box_hi[1:], strict=True)))])
+    return stop - start
+
+
+def _copy_into(run: _Run, dest: torch.Tensor, src: torch.Tensor) -> None:
+    """Verified bytes in a private CPU tensor into the caller's ``dest`` (any layout, dtype or device),
+    inside the fence; a CUDA copy runs on the side stream and has landed when this returns."""
     with run.fence:
         if dest.device.type == "cuda":
             stream = run.streams[dest.device]
             with torch.cuda.stream(stream):
                 dest.copy_(src)
-            hostmem.record(stream).synchronize()  # ``rows`` is freed on return
+            hostmem.record(stream).synchronize()  # ``src`` is freed on return
         else:
             dest.copy_(src)
-    return stop - start
 
 
 def _into(out: memoryview, start: int) -> Callable[[int, memoryview], None]:

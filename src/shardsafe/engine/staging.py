@@ -76,7 +76,6 @@ class Staged:
         self.nbytes = sum(c.nbytes for c in self.chunks)
         self.streams: dict[torch.device, Any] = {}  # CUDA device -> side stream, ordered after its producer
         self.slab: hostmem.HostBuffer | None = None
-        self._pool_held = False
         self._gen: Generator[memoryview, None, None] | None = None
 
     def pinned(self) -> bool:
@@ -181,12 +180,14 @@ def _fill_slab(staged: Staged) -> None:
     staged.slab = slab = _take_slab(staged.nbytes, staged.pinned())
     keep: list[torch.Tensor] = []
     pos = 0
-    for c in staged.chunks:
-        n = c.nbytes
-        if n:
-            copy_piece(slab.view(pos, pos + n), _source(staged, c, keep), staged.streams.get(c.data.device))
-        pos += n
-    wait_done(record_done(list(staged.streams.values())))
+    try:
+        for c in staged.chunks:
+            n = c.nbytes
+            if n:
+                copy_piece(slab.view(pos, pos + n), _source(staged, c, keep), staged.streams.get(c.data.device))
+            pos += n
+    finally:  # also after a failure: no copy may still be landing in a slab that goes back to the list
+        wait_done(record_done(list(staged.streams.values())))
     del keep
 
 
