@@ -109,11 +109,12 @@ def test_sync_save_through_the_pool_holds_at_most_the_pool(tmp_path: Path, small
     state = _state()
     source = sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
     assert source > 3 * small_pool
+    held = hostmem.held_bytes()  # buffers of earlier operations that the garbage collector has yet to free
     hostmem.reset_peak()
     with _CpuAllocations() as allocs:
         shardsafe.save(tmp_path / "pooled", state)
     # every byte went through the pool, and nothing else of any size was allocated on the host
-    assert hostmem.peak_bytes() == small_pool
+    assert hostmem.peak_bytes() - held == small_pool
     big = [n for n in allocs.sizes if n > 64 * 1024]
     assert sum(big) <= small_pool, big
     loaded = shardsafe.load(tmp_path / "pooled")
@@ -170,6 +171,7 @@ def test_sync_and_async_save_run_one_pipeline(tmp_path: Path, small_pool: int) -
     with _calls(names) as sync_calls:
         shardsafe.save(tmp_path / "sync", state)
     staging.free_idle()
+    held = hostmem.held_bytes()
     hostmem.reset_peak()
     before = hostmem.allocations()
     with _calls(names) as async_calls:
@@ -177,7 +179,7 @@ def test_sync_and_async_save_run_one_pipeline(tmp_path: Path, small_pool: int) -
     assert set(sync_calls) == set(async_calls) == set(names)
     share = sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
     assert hostmem.allocations() == before + 1  # one slab for the whole share
-    assert hostmem.peak_bytes() == share
+    assert hostmem.peak_bytes() - held == share
     assert _data_files(tmp_path / "sync") == _data_files(tmp_path / "async")
 
 
@@ -227,7 +229,7 @@ def test_reader_threads_finish_before_load_raises(four_blocks: Path, monkeypatch
         shardsafe.load(four_blocks, {"w": w, "v": torch.zeros(BLOCK // 4)})
     assert not _reader_threads()
     after = w.clone()
-    time.sleep(1.5)
+    time.sleep(0.8)  # more than two slow reads
     assert torch.equal(w, after)  # no thread wrote into it after load raised
 
 
