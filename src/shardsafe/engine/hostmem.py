@@ -98,15 +98,18 @@ class HostBuffer:
         self.pinned = False
         if pinned and nbytes > 0 and torch.cuda.is_available():
             self.tensor.fill_(0)  # fault the pages in on every intra-op thread before locking them
-            err = int(_cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 1))  # 1: portable
+            try:
+                err: int | str = int(_cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 1))  # portable
+            except (AttributeError, RuntimeError) as exc:  # a build without the runtime binding
+                err = f"{type(exc).__name__}: {exc}"
             if err == 0:
                 self.pinned = True
             else:  # still correct (copies become synchronous), only slower: say so once per buffer
                 logger.warning(
-                    "shardsafe: could not page-lock %.1f MiB of host memory (CUDA error %d); device copies will "
-                    "be synchronous. Check the memory-lock limit (ulimit -l) or lower SHARDSAFE_STAGING_POOL_BYTES",
+                    "shardsafe: could not page-lock %.1f MiB of host memory (%s); device copies will be "
+                    "synchronous. Check the memory-lock limit (ulimit -l) or lower SHARDSAFE_STAGING_POOL_BYTES",
                     nbytes / 2**20,
-                    err,
+                    f"CUDA error {err}" if isinstance(err, int) else err,
                 )
         _account(nbytes, self.pinned)
         self._finalizer = weakref.finalize(self, _release, self.tensor, nbytes, self.pinned)
