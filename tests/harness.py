@@ -48,6 +48,7 @@ def _entry(
     env: dict[str, str],
     q: Any,
 ) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks (gloo): a visible GPU must not be picked up
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),

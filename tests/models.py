@@ -32,6 +32,15 @@ class Net(nn.Module):
         return self.head(x)
 
 
+def cpu_mesh() -> Any:
+    """The world as a CPU mesh. Named explicitly: left to choose, FSDP2 and DTensor pick the
+    accelerator when one is visible (every rank the same GPU, or one that does not exist)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
 def build(strategy: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model: nn.Module = Net()
@@ -40,9 +49,10 @@ def build(strategy: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimize
     elif strategy == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
+        mesh = cpu_mesh()
         for b in model.blocks:  # type: ignore[union-attr]
-            fully_shard(b)
-        fully_shard(model)
+            fully_shard(b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     return model, opt
 

@@ -61,8 +61,15 @@ def checksum_block_bytes() -> int:
 
 
 def write_piece_bytes() -> int:
-    """Bytes per write() call on the save path (hashing runs per piece, while memory is hot)."""
+    """Bytes per write() call on the save path (hashing runs per piece, while memory is hot); also the
+    slot size of the staging pool."""
     return int(_float("WRITE_PIECE_BYTES", 8 * 1024 * 1024))
+
+
+def staging_pool_bytes() -> int:
+    """Host memory of the pool a synchronous save streams accelerator tensors through (page-locked,
+    allocated once, reused): the most extra host memory such a save holds, whatever the state's size."""
+    return int(_float("STAGING_POOL_BYTES", 256 * 1024 * 1024))
 
 
 def split_replicated_bytes() -> int:

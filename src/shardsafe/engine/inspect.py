@@ -14,7 +14,7 @@ from shardsafe.engine.guard import mapped_errors
 from shardsafe.engine.memory import available_memory
 from shardsafe.engine.read import read_manifest
 from shardsafe.errors import CheckpointError, CorruptCheckpointError
-from shardsafe.format.datafile import read_verified, verify_header
+from shardsafe.format.datafile import read_blocks, verify_header
 from shardsafe.format.manifest import Chunk
 from shardsafe.format.values import decode, dtype_name
 from shardsafe.storage import get_storage
@@ -86,11 +86,8 @@ def verify(
             try:
                 dtypes = [manifest.tensors[t].dtype for t, _ in chunks]
                 verify_header(storage, fpath, fentry, [c for _, c in chunks], dtypes)
-                for tname, c in chunks:
-                    buf = bytearray(min(c.end - c.begin, manifest.block_bytes))
-                    for start in range(0, c.end - c.begin, manifest.block_bytes):
-                        view = memoryview(buf)[: min(manifest.block_bytes, c.end - c.begin - start)]
-                        read_verified(storage, fpath, c, manifest.block_bytes, start, view, tname)
+                for tname, c in chunks:  # one block buffer per chunk, verified in place (nothing delivered)
+                    read_blocks(storage, fpath, c, manifest.block_bytes, 0, c.end - c.begin, tname, None, None)
                     total += c.end - c.begin
             except (FileNotFoundError, EOFError) as err:
                 raise CorruptCheckpointError(f"{fpath}: {type(err).__name__}: {err}") from err

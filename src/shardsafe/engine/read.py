@@ -1,5 +1,6 @@
 """Reading tensors out of a checkpoint: only the byte ranges a destination box needs, verified block
-by block, copied straight into the destination when it is a contiguous CPU tensor of the saved dtype.
+by block in a bounce buffer, then copied straight into the destination when it takes the saved bytes
+as they are (contiguous, the saved dtype, whole rows; on CPU, or on CUDA through page-locked buffers).
 
 A destination is a tensor (this rank's local data) and its global offsets; it may cut across the
 saved chunks in any way (resharding between any world sizes).
@@ -7,21 +8,28 @@ saved chunks in any way (resharding between any world sizes).
 
 from __future__ import annotations
 
+import logging
 import math
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from shardsafe import knobs
+from shardsafe.engine import hostmem
 from shardsafe.engine.memory import available_memory
 from shardsafe.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from shardsafe.format.datafile import read_verified, tensor_bytes
+from shardsafe.format.datafile import read_blocks, tensor_bytes
 from shardsafe.format.manifest import Chunk, Manifest, TensorEntry, parse_manifest
 from shardsafe.storage import MANIFEST_NAME, Storage
+
+logger = logging.getLogger(__name__)
 
 
 def read_manifest(storage: Storage, path: str) -> Manifest:
@@ -124,17 +132,27 @@ def run_tasks(
     on_first: Callable[[], None],
     timeout: float,
 ) -> int:
-    """Execute the reads on a few threads (each raises through its future) within ``timeout``
-    seconds; returns the bytes read. A read still running at the deadline (a hung network
-    filesystem) raises instead of blocking: the pool is abandoned, its threads end with their reads."""
+    """(the loading rank, the caller's thread) Execute the reads on a few threads within ``timeout``
+    seconds; returns the bytes read. Every block is read into a bounce buffer of the reading thread and
+    verified there before it is copied into a destination, so a corrupt block never lands in the
+    caller's tensors. For CUDA destinations the bounce buffers are page-locked and the copies run
+    asynchronously on a side stream of the destination's device (after the work queued on its current
+    stream), overlapped with the next reads; the caller's current stream waits for them.
+
+    When this returns or raises, no reader thread will touch the caller's tensors again: the threads
+    have finished, or (a read hung past the deadline: raises) are fenced off from the destinations and
+    end with their reads into their own buffers; every device copy has landed."""
     if not tasks:
         return 0
     deadline = time.monotonic() + timeout
     threads = max(1, min(knobs.io_threads(), len(tasks)))
+    run = _Run(storage, path, manifest, tasks, threads)
     pool = ThreadPoolExecutor(threads, thread_name_prefix="shardsafe-read")
+    futures: list[Future[int]] = []
     total = 0
+    ok = False
     try:
-        futures = [pool.submit(_run, storage, path, manifest, t) for t in tasks]
+        futures = [pool.submit(run.task, t) for t in tasks]
         for i, f in enumerate(futures):
             try:
                 total += f.result(timeout=max(0.0, deadline - time.monotonic()))
@@ -145,36 +163,208 @@ def run_tasks(
                 ) from None
             if i == 0:
                 on_first()
+        ok = True
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        run.finish(futures, pool, deadline, ok)
     return total
 
 
-def _run(storage: Storage, path: str, manifest: Manifest, t: Task) -> int:
+class _Cancelled(Exception):
+    """A reader thread met the closed fence: the load is over, its copy is refused."""
+
+
+class _Fence:
+    """Copies into the caller's tensors run inside the fence. :meth:`close` refuses every later copy
+    and waits for those in progress, so a thread that outlives its load can never write into them."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self.closed = False
+
+    def __enter__(self) -> None:
+        with self._cond:
+            if self.closed:
+                raise _Cancelled()
+            self._active += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._active -= 1
+            self._cond.notify_all()
+
+    def close(self, deadline: float) -> bool:
+        """Close; True once no copy is in progress (a copy is a memcpy or an enqueue: it ends)."""
+        with self._cond:
+            self.closed = True
+            return self._cond.wait_for(lambda: self._active == 0, max(1.0, deadline - time.monotonic()))
+
+
+class _Bounce:
+    """A reading thread's buffer for one block (two halves when page-locked, so a block is read while
+    the previous one is still being copied to the device)."""
+
+    def __init__(self, size: int, pinned: bool) -> None:
+        self.halves = 2 if pinned else 1
+        self.size = size
+        self.buf = hostmem.HostBuffer(size * self.halves, pinned=pinned)
+        self.events: list[Any] = [None] * self.halves
+        self.turn = 0
+
+    def take(self, n: int) -> memoryview:
+        self.turn = (self.turn + 1) % self.halves
+        self.settle(self.turn)
+        return self.buf.memory(self.turn * self.size, self.turn * self.size + n)
+
+    def copied(self, event: Any) -> None:
+        """The half just taken is being copied to a device until ``event``."""
+        self.events[self.turn] = event
+
+    def settle(self, half: int | None = None) -> None:
+        for h in range(self.halves) if half is None else (half,):
+            if self.events[h] is not None:
+                self.events[h].synchronize()
+                self.events[h] = None
+
+
+class _Run:
+    """One :func:`run_tasks` call: the fence, the bounce buffers, the devices' side streams."""
+
+    def __init__(self, storage: Storage, path: str, manifest: Manifest, tasks: Sequence[Task], threads: int) -> None:
+        self.storage, self.path, self.manifest = storage, path, manifest
+        self.fence = _Fence()
+        self.streams: dict[torch.device, Any] = {}
+        for t in tasks:
+            dev = t.dest.device
+            if dev.type == "cuda" and dev not in self.streams:
+                self.streams[dev] = hostmem.side_stream(dev, "h2d")
+                hostmem.after_current(dev, self.streams[dev])  # the destinations may still be in use
+        longest = max((t.chunk.end - t.chunk.begin for t in tasks), default=0)
+        size = max(1, min(manifest.block_bytes, longest))
+        pinned = bool(self.streams)
+        self.free: queue.SimpleQueue[_Bounce] = queue.SimpleQueue()
+        for _ in range(threads):
+            self.free.put(_Bounce(size, pinned))
+
+    def task(self, t: Task) -> int:
+        bounce = self.free.get_nowait()  # one per thread
+        try:
+            return _run(self, t, bounce)
+        except _Cancelled:
+            return 0
+        finally:
+            bounce.settle()
+            self.free.put(bounce)
+
+    def finish(self, futures: Sequence[Future[int]], pool: ThreadPoolExecutor, deadline: float, ok: bool) -> None:
+        """Close the fence, stop what has not started, wait (until the deadline) for the threads, then
+        for every device copy; on success order the callers' streams after those copies."""
+        drained = self.fence.close(deadline)
+        for f in futures:
+            f.cancel()
+        _, running = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+        pool.shutdown(wait=not running, cancel_futures=True)
+        if running:
+            logger.warning(
+                "shardsafe: load of %s: %d read(s) still hung at the deadline; their threads can no longer write "
+                "into the destination tensors and end with their reads",
+                self.path,
+                len(running),
+            )
+        if not drained:
+            logger.error("shardsafe: load of %s: a copy into a destination did not end at the deadline", self.path)
+        for dev, stream in self.streams.items():
+            done = hostmem.record(stream)
+            done.synchronize()  # copies already enqueued: they land before load returns or raises
+            if ok:
+                hostmem.current_waits_for(dev, stream)
+
+
+def _run(run: _Run, t: Task, bounce: _Bounce) -> int:
+    """(a reader thread) Fill ``t.dest`` from its chunk; returns the bytes read."""
     c = t.chunk
-    file = storage.join(path, c.file)
-    dtype = manifest.tensors[t.name].dtype
+    file = run.storage.join(run.path, c.file)
+    dtype = run.manifest.tensors[t.name].dtype
     if not c.sizes:  # a 0-d tensor
         tmp = torch.empty((), dtype=dtype)
-        _read(storage, file, c, manifest.block_bytes, 0, tmp, t.name)
-        t.dest.copy_(tmp)
+        _read(run, file, c, 0, dtype.itemsize, t.name, bounce, _into(tensor_bytes(tmp), 0))
+        _copy_into(run, t.dest, tmp)
         return dtype.itemsize
     row = math.prod(c.sizes[1:]) * dtype.itemsize
     full_rows = t.box_lo[1:] == (0,) * (len(c.sizes) - 1) and t.box_hi[1:] == tuple(c.sizes[1:])
     start, stop = t.box_lo[0] * row, t.box_hi[0] * row
-    direct = full_rows and t.dest.dtype == dtype and t.dest.device.type == "cpu" and t.dest.is_contiguous()
-    if direct:
-        _read(storage, file, c, manifest.block_bytes, start, t.dest, t.name)
+    dest = t.dest
+    if full_rows and dest.dtype == dtype and dest.is_contiguous() and dest.device.type in ("cpu", "cuda"):
+        dest_bytes = dest.detach().reshape(-1).view(torch.uint8)
+        if dest.device.type == "cpu":
+
+            def deliver(off: int, data: memoryview) -> None:
+                src = torch.frombuffer(data, dtype=torch.uint8)  # the bounce buffer, no copy
+                with run.fence:
+                    dest_bytes[off - start : off - start + len(data)].copy_(src)  # without the GIL
+
+        else:
+            stream = run.streams[dest.device]
+
+            def deliver(off: int, data: memoryview) -> None:
+                src = torch.frombuffer(data, dtype=torch.uint8)  # the page-locked bounce half, no copy
+                with run.fence, torch.cuda.stream(stream):
+                    dest_bytes[off - start : off - start + len(data)].copy_(src, non_blocking=True)
+                    bounce.copied(hostmem.record(stream))
+
+        _read(run, file, c, start, stop, t.name, bounce, deliver)
         return stop - start
+    # a column range, another dtype, a strided or non-CPU/CUDA destination: verified rows, then copy_
     rows = torch.empty((t.box_hi[0] - t.box_lo[0], *c.sizes[1:]), dtype=dtype)
-    _read(storage, file, c, manifest.block_bytes, start, rows, t.name)
-    src = rows[(slice(None), *(slice(a, b) for a, b in zip(t.box_lo[1:], t.box_hi[1:], strict=True)))]
-    t.dest.copy_(src)
+    _read(run, file, c, start, stop, t.name, bounce, _into(tensor_bytes(rows), start))
+    _copy_into(run, dest, rows[(slice(None), *(slice(a, b) for a, b in zip(t.box_lo[1:], t.box_hi[1:], strict=True)))])
     return stop - start
 
 
-def _read(storage: Storage, file: str, c: Chunk, block: int, start: int, out: torch.Tensor, name: str) -> None:
+def _copy_into(run: _Run, dest: torch.Tensor, src: torch.Tensor) -> None:
+    """Verified bytes in a private CPU tensor into the caller's ``dest`` (any layout, dtype or device),
+    inside the fence; a CUDA copy runs on the side stream and has landed when this returns."""
+    with run.fence:
+        if dest.device.type == "cuda":
+            stream = run.streams[dest.device]
+            with torch.cuda.stream(stream):
+                dest.copy_(src)
+            hostmem.record(stream).synchronize()  # ``src`` is freed on return
+        else:
+            dest.copy_(src)
+
+
+def _into(out: memoryview, start: int) -> Callable[[int, memoryview], None]:
+    """Deliver verified bytes into a private buffer (no fence: the caller's tensors are not touched)."""
+
+    def deliver(off: int, data: memoryview) -> None:
+        out[off - start : off - start + len(data)] = data
+
+    return deliver
+
+
+def _read(
+    run: _Run,
+    file: str,
+    c: Chunk,
+    start: int,
+    stop: int,
+    name: str,
+    bounce: _Bounce,
+    deliver: Callable[[int, memoryview], None],
+) -> None:
     try:
-        read_verified(storage, file, c, block, start, tensor_bytes(out), name)
+        read_blocks(
+            run.storage,
+            file,
+            c,
+            run.manifest.block_bytes,
+            start,
+            stop,
+            name,
+            bounce.take,
+            deliver,
+            lambda: run.fence.closed,
+        )
     except (EOFError, FileNotFoundError) as err:
         raise CorruptCheckpointError(f"{file}: cannot read tensor {name!r}: {err}") from err

@@ -2,7 +2,8 @@
 inline, an asynchronous one runs :meth:`SaveJob.finish` on a background thread.
 
 (all ranks) ``begin``: rendezvous; rank 0 checks the target, picks the save id, creates staging and
-    broadcasts them; plan locally; stage (async: copy this rank's share into reusable buffers).
+    broadcasts them; plan locally; stage (:mod:`shardsafe.engine.staging`; async: copy this rank's
+    share into one reusable slab).
 (all ranks) ``finish``: write this rank's data file (checksums while writing, fsync), report to the
     store; (rank 0) wait for every report, write the manifest last, publish atomically, broadcast the
     commit record; (other ranks) wait for that record. On any failure every rank raises and rank 0
@@ -26,7 +27,6 @@ from shardsafe import knobs
 from shardsafe.coord import Coordinator, Deadlines, fault_point
 from shardsafe.engine import staging
 from shardsafe.engine.plan import plan_writes
-from shardsafe.engine.staging import stage_chunks
 from shardsafe.errors import CheckpointError, CheckpointExistsError, CoordinationError, UnsafeValueError
 from shardsafe.format.datafile import PendingChunk, write_file
 from shardsafe.format.manifest import Chunk, FileEntry, Manifest, TensorEntry
@@ -68,7 +68,7 @@ class SaveJob:
         self.flat: FlatState | None = None
         self.metadata_json: Any = None
         self.chunks: list[PendingChunk] = []
-        self.staged: staging.BufferSet | None = None
+        self.staged: staging.Staged | None = None
         self.started = time.monotonic()
         self.blocking_seconds = 0.0
 
@@ -96,7 +96,8 @@ class SaveJob:
             self.chunks = plan_writes(self.flat.items, coord.rank, coord.world_size) + per_rank.own_chunks(self.flat)
             fault_point("save.plan", coord.global_rank)
             self.phase = "stage"
-            self.chunks, self.staged = stage_chunks(self.chunks, copy=copy)
+            self.staged = staging.stage(self.chunks, snapshot=copy, wait=self.deadlines.io)
+            self.chunks = self.staged.chunks  # after a snapshot, no reference to the caller's tensors
             if copy:
                 fault_point("save.stage", coord.global_rank)
         except BaseException as err:
@@ -137,12 +138,14 @@ class SaveJob:
             if self.chunks:
                 name = f"data-{coord.rank:05d}-{self.save_id}.safetensors"
                 writer = self.storage.open_writer(self.storage.join(self.staging, name))
+                assert self.staged is not None
                 entry, records = write_file(
                     writer,
                     name,
                     self.chunks,
                     knobs.checksum_block_bytes(),
                     lambda: fault_point("save.write", coord.global_rank),
+                    staging.windows(self.staged),
                 )
                 w, writer = writer, None
                 w.close()
@@ -173,7 +176,7 @@ class SaveJob:
     def _release(self) -> None:
         self.chunks = []
         if self.staged is not None:
-            staging.release(self.staged)
+            self.staged.close()
             self.staged = None
 
     def _commit(self, coord: Coordinator, flat: FlatState, reports: list[dict[str, Any]]) -> None:

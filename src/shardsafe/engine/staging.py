@@ -1,77 +1,311 @@
-"""Staging for asynchronous saves: this rank's share (only the chunks it writes, after replicated
-tensors were deduplicated) is copied into CPU buffers that are allocated once and reused by later
-saves with the same chunk boxes (pinned when the source is on an accelerator).
+"""The save pipeline: this rank's chunks (only those it writes) reach the writer as windows of host
+memory, in file order. One pipeline serves synchronous and asynchronous saves; they differ only in
+where the copies land and when the writer runs.
 
-Each save in flight holds one buffer set; a finished save returns its set to a pool the next save
-reuses. The API admits at most ``SHARDSAFE_MAX_INFLIGHT_SAVES`` (default 1) saves in flight and the
-pool keeps at most that many sets, each trimmed to the chunks of its latest save, so staging memory
-stays within that many times this rank's share, and a buffer is never overwritten while a background
-write still reads it.
+- A CPU tensor in a synchronous save is written straight from its memory: no copy.
+- Any other chunk is copied into host buffers by :func:`copy_piece`; an accelerator source is copied on
+  a side stream of its own device, after an event recorded on that device's current stream (the
+  producer), and the writer waits for the copy's own event. Nothing synchronises a whole device.
+
+  - Synchronous save: through a bounded pool of reused buffers (one slab of
+    ``SHARDSAFE_STAGING_POOL_BYTES``, page-locked for accelerators, carved into slots of
+    ``SHARDSAFE_WRITE_PIECE_BYTES``). The copies of the next slots run while the writer hashes and
+    writes the current one; a chunk larger than a slot is split across slots, small ones share one.
+    Extra host memory: at most the pool, whatever the size of the share.
+  - Asynchronous save: into one slab holding exactly this rank's share, laid out as the file's data
+    section, filled before ``async_save`` returns. A finished save returns its slab to a list the next
+    save reuses when the share has (nearly) the same size; at most ``SHARDSAFE_MAX_INFLIGHT_SAVES``
+    slabs are kept, so staging memory stays within that many times the share.
+
+``Writer.write`` consumes its argument before returning (every backend copies or writes it), so a
+window's memory is reused as soon as the writer asks for the next one.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
+from collections.abc import Generator, Iterator, Sequence
+from typing import Any
 
 import torch
 
 from shardsafe import knobs
-from shardsafe.format.datafile import PendingChunk
+from shardsafe.engine import hostmem
+from shardsafe.errors import CheckpointError
+from shardsafe.format.datafile import PendingChunk, tensor_bytes
 
-_Key = tuple[str, tuple[int, ...], tuple[int, ...], torch.dtype]
-BufferSet = dict[_Key, torch.Tensor]
-_idle: list[BufferSet] = []  # sets no save holds, reused first
-_busy: list[BufferSet] = []  # sets of saves in flight
+copy_cpu_sources = False  # tests: send the CPU sources of synchronous saves through the pool too
+
 _lock = threading.Lock()
+_idle: list[hostmem.HostBuffer] = []  # slabs no save holds, reused first
+_busy: list[hostmem.HostBuffer] = []  # slabs of asynchronous saves in flight
+_pool: hostmem.HostBuffer | None = None  # the synchronous saves' pool, kept for the next save
+_pool_lock = threading.Lock()  # one streaming save at a time per process holds the pool
 
 
 def staged_bytes() -> int:
-    """Bytes currently held in staging buffers by this process (idle and in use)."""
+    """Bytes held by this process's staging memory: slabs (idle and in use) and the pool."""
     with _lock:
-        return sum(b.numel() * b.element_size() for bufs in (*_idle, *_busy) for b in bufs.values())
+        return sum(b.nbytes for b in (*_idle, *_busy)) + (_pool.nbytes if _pool is not None else 0)
 
 
-def release(bufs: BufferSet) -> None:
-    """(the save that staged into ``bufs``, once its data is written or abandoned) Return the set."""
+def free_idle() -> None:
+    """Give back the staging memory no save holds: the synchronous saves' pool and idle slabs (the
+    next save that needs them allocates them again)."""
+    global _pool
+    with _pool_lock:
+        if _pool is not None:
+            _pool.close()
+            _pool = None
     with _lock:
-        if any(b is bufs for b in _busy):
-            _busy[:] = [b for b in _busy if b is not bufs]
-            _idle.append(bufs)
-        del _idle[: max(0, len(_idle) + len(_busy) - knobs.max_inflight_saves())]
+        idle, _idle[:] = list(_idle), []
+    for s in idle:
+        s.close()
 
 
-def stage_chunks(chunks: list[PendingChunk], *, copy: bool) -> tuple[list[PendingChunk], BufferSet | None]:
-    """(every rank, caller's thread) Chunks whose ``data`` is a contiguous CPU tensor. Without ``copy``
-    the data may still alias the caller's tensors (synchronous save: written before we return); with
-    ``copy`` it is a private snapshot in a buffer set the caller must :func:`release`, so the caller
-    may change its tensors at once."""
-    if not copy:
-        return [_plain(c) for c in chunks], None
-    with _lock:
-        old = _idle.pop() if _idle else {}
-    out = []
-    bufs: BufferSet = {}
-    for c in chunks:
-        key = (c.name, c.offsets, c.sizes, c.data.dtype)
-        buf = old.get(key)
-        if buf is None:
-            pin = c.data.device.type != "cpu" and torch.cuda.is_available()
-            buf = torch.empty(c.sizes, dtype=c.data.dtype, pin_memory=pin)
-        buf.copy_(c.data.reshape(c.sizes), non_blocking=c.data.device.type != "cpu")
-        bufs[key] = buf
-        out.append(PendingChunk(c.name, c.offsets, c.sizes, buf))
-    del old  # buffers no longer planned are freed here
-    if any(c.data.device.type == "cuda" for c in chunks):
-        torch.cuda.synchronize()
-    with _lock:
-        _busy.append(bufs)
-    return out, bufs
+class Staged:
+    """This rank's chunks on their way to the writer; see the module docstring. Produced by
+    :func:`stage`, consumed by :func:`windows`, released by :meth:`close` (exactly once)."""
+
+    def __init__(self, chunks: Sequence[PendingChunk], *, snapshot: bool, wait: float) -> None:
+        self.chunks = list(chunks)
+        self.snapshot = snapshot
+        self.wait = wait  # seconds to wait for the pool, held by another save of this process
+        self.copy = [snapshot or copy_cpu_sources or c.data.device.type != "cpu" for c in self.chunks]
+        self.nbytes = sum(c.nbytes for c in self.chunks)
+        self.streams: dict[torch.device, Any] = {}  # CUDA device -> side stream, ordered after its producer
+        self.slab: hostmem.HostBuffer | None = None
+        self._gen: Generator[memoryview, None, None] | None = None
+
+    def pinned(self) -> bool:
+        return any(c.data.device.type != "cpu" for c, copy in zip(self.chunks, self.copy, strict=True) if copy)
+
+    def close(self) -> None:
+        """(the save, once its data is written or abandoned) Wait for copies in flight, then give the
+        pool or the slab back."""
+        if self._gen is not None:
+            self._gen.close()  # waits for the copies it enqueued and releases the pool
+            self._gen = None
+        if self.slab is not None:
+            _return_slab(self.slab)
+            self.slab = None
+        self.chunks = []
 
 
-def _plain(c: PendingChunk) -> PendingChunk:
+def stage(chunks: Sequence[PendingChunk], *, snapshot: bool, wait: float) -> Staged:
+    """(every rank, the caller's thread, before its tensors may change) Prepare the chunks for the
+    writer. With ``snapshot`` (asynchronous save) every chunk is copied into one slab before this
+    returns, so the caller may change its tensors at once; otherwise the copies happen while writing.
+    Accelerator copies are ordered after the work queued so far on each source device's current
+    stream."""
+    staged = Staged(chunks, snapshot=snapshot, wait=wait)
+    for c, copy in zip(staged.chunks, staged.copy, strict=True):
+        dev = c.data.device
+        if dev.type == "meta":
+            raise CheckpointError(
+                f"tensor {c.name!r} is on the meta device (it has no data); materialise the model (to_empty and "
+                "initialise, or load a checkpoint) before saving it"
+            )
+        if copy and dev.type == "cuda" and dev not in staged.streams:
+            staged.streams[dev] = hostmem.side_stream(dev, "d2h")
+            hostmem.after_current(dev, staged.streams[dev])
+    if snapshot:
+        try:
+            _fill_slab(staged)
+        except BaseException:
+            staged.close()
+            raise
+        # the bytes live in the slab now: keep only the chunks' metadata, not the caller's tensors
+        staged.chunks = [
+            PendingChunk(c.name, c.offsets, c.sizes, torch.empty(c.sizes, dtype=c.data.dtype, device="meta"))
+            for c in staged.chunks
+        ]
+    return staged
+
+
+def copy_piece(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+    """Copy the bytes ``src`` (a flat ``uint8`` view of a source) into the host bytes ``dst``: on
+    ``stream`` (the source device's side stream) for CUDA, asynchronously; synchronously otherwise."""
+    if stream is not None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+    else:
+        dst.copy_(src)
+
+
+def record_done(streams: Sequence[Any]) -> list[Any]:
+    """Events marking the copies queued so far on ``streams`` (none for synchronous copies)."""
+    return [hostmem.record(s) for s in streams]
+
+
+def wait_done(events: Sequence[Any]) -> None:
+    """Block until the copies behind ``events`` have landed in host memory."""
+    for e in events:
+        e.synchronize()
+
+
+def windows(staged: Staged) -> Iterator[memoryview]:
+    """(the writing thread) The bytes of ``staged``'s chunks in file order, as windows of host memory
+    ready to hash and write. Ask for the next window only once the current one is written."""
+    assert staged._gen is None, "windows() is consumed once"
+    staged._gen = _windows(staged)
+    return staged._gen
+
+
+# ------------------------------------------------------------------------------------ internals
+
+
+def _source(staged: Staged, c: PendingChunk, keep: list[torch.Tensor]) -> torch.Tensor:
+    """The chunk's bytes as a flat ``uint8`` tensor on its device (a contiguous copy first when the
+    chunk is strided: on the side stream for CUDA, kept alive in ``keep`` until its copies land)."""
     data = c.data.detach()
-    if data.device.type != "cpu":
-        data = data.cpu()
     if not data.is_contiguous():
-        data = data.contiguous()
-    return PendingChunk(c.name, c.offsets, c.sizes, data)
+        stream = staged.streams.get(data.device)
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                data = data.contiguous()
+        else:
+            data = data.contiguous()
+        keep.append(data)
+    return data.reshape(-1).view(torch.uint8)
+
+
+def _cut(data: memoryview, piece: int) -> Iterator[memoryview]:
+    for start in range(0, len(data), piece):
+        yield data[start : start + piece]
+
+
+def _fill_slab(staged: Staged) -> None:
+    staged.slab = slab = _take_slab(staged.nbytes, staged.pinned())
+    keep: list[torch.Tensor] = []
+    pos = 0
+    try:
+        for c in staged.chunks:
+            n = c.nbytes
+            if n:
+                copy_piece(slab.view(pos, pos + n), _source(staged, c, keep), staged.streams.get(c.data.device))
+            pos += n
+    finally:  # also after a failure: no copy may still be landing in a slab that goes back to the list
+        wait_done(record_done(list(staged.streams.values())))
+    del keep
+
+
+def _windows(staged: Staged) -> Generator[memoryview, None, None]:
+    piece = max(1, knobs.write_piece_bytes())
+    if staged.snapshot:
+        assert staged.slab is not None
+        yield from _cut(staged.slab.memory(0, staged.nbytes), piece)
+        return
+    i, n = 0, len(staged.chunks)
+    while i < n:
+        if not staged.copy[i]:
+            data = staged.chunks[i].data.detach()
+            yield from _cut(tensor_bytes(data if data.is_contiguous() else data.contiguous()), piece)
+            i += 1
+            continue
+        j = i
+        while j < n and staged.copy[j]:
+            j += 1
+        yield from _stream(staged, staged.chunks[i:j])
+        i = j
+
+
+def _acquire_pool(staged: Staged) -> hostmem.HostBuffer:
+    global _pool
+    if not _pool_lock.acquire(timeout=staged.wait):
+        raise CheckpointError(
+            f"save: the staging pool stayed busy for {staged.wait:.0f}s (another synchronous save of this process "
+            "holds it); save from one thread at a time, or raise the timeout"
+        )
+    try:
+        size = max(2, knobs.staging_pool_bytes())
+        pinned = staged.pinned()
+        if _pool is not None and (_pool.nbytes != size or (pinned and not _pool.pinned)):
+            _pool.close()
+            _pool = None
+        if _pool is None:
+            _pool = hostmem.HostBuffer(size, pinned=pinned)
+        return _pool
+    except BaseException:
+        _pool_lock.release()
+        raise
+
+
+def _stream(staged: Staged, chunks: Sequence[PendingChunk]) -> Iterator[memoryview]:
+    """Chunks that need a copy, through the pool: fill every free slot (the copies run ahead on the
+    side streams), hand out the oldest once its copies landed, refill it when the writer is done."""
+    pool = _acquire_pool(staged)
+    slot = min(max(1, knobs.write_piece_bytes()), pool.nbytes // 2)
+    free = collections.deque(range(0, pool.nbytes - slot + 1, slot))
+    pending: collections.deque[tuple[int, int, list[Any], list[torch.Tensor]]] = collections.deque()
+    k, off = 0, 0  # next byte to copy: chunk k, offset off
+    current: torch.Tensor | None = None  # chunk k's bytes
+    current_keep: list[torch.Tensor] = []
+    try:
+        while True:
+            while free and k < len(chunks):
+                start = free.popleft()
+                fill, streams, keep = 0, [], []
+                while fill < slot and k < len(chunks):
+                    c = chunks[k]
+                    if off == c.nbytes:
+                        k, off, current, current_keep = k + 1, 0, None, []
+                        continue
+                    if current is None:
+                        current = _source(staged, c, current_keep)
+                    take = min(slot - fill, c.nbytes - off)
+                    stream = staged.streams.get(c.data.device)
+                    copy_piece(pool.view(start + fill, start + fill + take), current[off : off + take], stream)
+                    if stream is not None and stream not in streams:
+                        streams.append(stream)
+                    keep += [current, *current_keep]
+                    fill, off = fill + take, off + take
+                if fill:
+                    pending.append((start, fill, record_done(streams), keep))
+                else:
+                    free.append(start)
+            if not pending:
+                return
+            start, fill, events, _keep = pending.popleft()
+            wait_done(events)
+            yield pool.memory(start, start + fill)
+            free.append(start)  # written: the writer consumed the window before asking for the next
+    finally:
+        for _, _, events, _ in pending:  # abandoned (a write failed): let the copies land first
+            wait_done(events)
+        pending.clear()
+        _pool_lock.release()
+
+
+def _take_slab(nbytes: int, pinned: bool) -> hostmem.HostBuffer:
+    """A slab of at least ``nbytes`` (at most 5% more): an idle one, else a new one (idle slabs that do
+    not fit are freed first, so memory stays within the limit of saves in flight)."""
+
+    def fits(s: hostmem.HostBuffer) -> bool:
+        return nbytes <= s.nbytes <= nbytes + nbytes // 20 and (s.pinned or not pinned)
+
+    with _lock:
+        fit = next((s for s in _idle if fits(s)), None)
+        drop = [s for s in _idle if not fits(s)]
+        _idle[:] = [s for s in _idle if fits(s) and s is not fit]
+        if fit is not None:
+            _busy.append(fit)
+    for s in drop:
+        s.close()
+    if fit is None:
+        fit = hostmem.HostBuffer(nbytes, pinned=pinned)
+        with _lock:
+            _busy.append(fit)
+    return fit
+
+
+def _return_slab(slab: hostmem.HostBuffer) -> None:
+    with _lock:
+        if any(b is slab for b in _busy):
+            _busy[:] = [b for b in _busy if b is not slab]
+            _idle.append(slab)
+        extra = max(0, len(_idle) + len(_busy) - knobs.max_inflight_saves())
+        drop, _idle[:] = _idle[:extra], _idle[extra:]
+    for s in drop:
+        s.close()

@@ -2,7 +2,8 @@
 spaces to a multiple of 8, then the raw bytes of each chunk, back to back, in header order).
 
 Checksums are xxh3-64 over fixed-size blocks of each chunk, computed while the bytes are written (no
-read-back pass) and verified for every block read, so a partial read is verified on its own.
+read-back pass) and verified for every block read, so a partial read is verified on its own. A block is
+verified in a buffer of the reader's before any of its bytes reach a destination.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import json
 import math
 import struct
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import xxhash
@@ -79,53 +81,138 @@ def write_file(
     chunks: Sequence[PendingChunk],
     block: int,
     on_first_piece: Callable[[], None],
+    windows: Iterable[memoryview] | None = None,
 ) -> tuple[FileEntry, list[Chunk]]:
     """(a writing rank) Stream ``chunks`` into ``writer`` as one safetensors file, hashing each block as
-    it goes. The caller closes (makes durable) or aborts the writer."""
+    it goes. ``windows`` are the chunks' bytes in order, cut anywhere (the save pipeline's staging
+    windows); by default each chunk's own memory (contiguous CPU tensors). A window is hashed, then
+    written, before the next is asked for. The caller closes (makes durable) or aborts the writer."""
     header = build_header(chunks)
     writer.write(memoryview(header))
-    pos = len(header)
+    if windows is None:
+        windows = _own_memory(chunks, block)
+    hasher = _BlockHasher([c.nbytes for c in chunks], block)
     first = True
+    for view in windows:
+        hasher.feed(view)
+        if len(view):
+            writer.write(view)
+        if first:
+            first = False
+            on_first_piece()
+    sums = hasher.finish(file)
+    if first:
+        on_first_piece()
     records: list[Chunk] = []
+    pos = len(header)
+    for c, chunk_sums in zip(chunks, sums, strict=True):
+        records.append(Chunk(c.offsets, c.sizes, file, c.key, pos, pos + c.nbytes, tuple(chunk_sums)))
+        pos += c.nbytes
+    return FileEntry(size=pos, header_bytes=len(header), header_checksum=digest(header)), records
+
+
+def _own_memory(chunks: Sequence[PendingChunk], piece: int) -> Iterator[memoryview]:
     for c in chunks:
         data = tensor_bytes(c.data)
-        sums = []
-        for start in range(0, max(len(data), 1), block):
-            piece = data[start : start + block]
-            sums.append(digest(piece))
-            if len(piece):
-                writer.write(piece)
-            if first:
-                first = False
-                on_first_piece()
-        records.append(Chunk(c.offsets, c.sizes, file, c.key, pos, pos + len(data), tuple(sums)))
-        pos += len(data)
-    return FileEntry(size=pos, header_bytes=len(header), header_checksum=digest(header)), records
+        for start in range(0, len(data), piece):
+            yield data[start : start + piece]
+
+
+class _BlockHasher:
+    """Checksums per block of each chunk (format v1), over bytes that arrive in windows cut anywhere:
+    a block inside one window is hashed in one call, one split across windows incrementally (the same
+    xxh3-64 value). An empty chunk has one checksum, of no bytes."""
+
+    def __init__(self, sizes: Sequence[int], block: int) -> None:
+        self.sizes = list(sizes)
+        self.block = block
+        self.sums: list[list[str]] = [[] for _ in sizes]
+        self.k = 0  # current chunk
+        self.off = 0  # bytes of it hashed so far
+        self.partial: Any = None  # running hash of a block split across windows
+        self._skip_empty()
+
+    def _skip_empty(self) -> None:
+        while self.k < len(self.sizes) and self.off == self.sizes[self.k]:
+            if self.sizes[self.k] == 0:
+                self.sums[self.k].append(digest(b""))
+            self.k, self.off = self.k + 1, 0
+
+    def feed(self, view: memoryview) -> None:
+        pos = 0
+        while pos < len(view):
+            if self.k >= len(self.sizes):
+                raise RuntimeError("shardsafe: the save pipeline produced more bytes than the chunks hold")
+            size, block = self.sizes[self.k], self.block
+            in_block = self.off % block
+            take = min(len(view) - pos, block - in_block, size - self.off)
+            part = view[pos : pos + take]
+            ends = in_block + take == block or self.off + take == size
+            if in_block == 0 and ends:
+                self.sums[self.k].append(digest(part))
+            else:
+                if self.partial is None:
+                    self.partial = xxhash.xxh3_64()
+                self.partial.update(part)
+                if ends:
+                    self.sums[self.k].append(self.partial.hexdigest())
+                    self.partial = None
+            pos += take
+            self.off += take
+            self._skip_empty()
+
+    def finish(self, file: str) -> list[list[str]]:
+        if self.k != len(self.sizes):
+            raise RuntimeError(f"shardsafe: the save pipeline ended early while writing {file} (chunk {self.k})")
+        return self.sums
 
 
 def read_verified(
     storage: Storage, path: str, chunk: Chunk, block: int, start: int, out: memoryview, tensor: str
 ) -> None:
-    """Fill ``out`` with the chunk's bytes at ``[start, start + len(out))`` (relative to the chunk),
-    verifying every checksum block those bytes touch. Whole blocks land directly in ``out``; the
-    edge blocks of a partial read go through a small buffer."""
-    stop = start + len(out)
+    """Fill ``out`` with the chunk's bytes at ``[start, start + len(out))`` (relative to the chunk). Each
+    block those bytes touch is read into a private buffer and verified before any of it reaches ``out``."""
+
+    def deliver(lo: int, data: memoryview) -> None:
+        out[lo - start : lo - start + len(data)] = data
+
+    read_blocks(storage, path, chunk, block, start, start + len(out), tensor, None, deliver)
+
+
+def read_blocks(
+    storage: Storage,
+    path: str,
+    chunk: Chunk,
+    block: int,
+    start: int,
+    stop: int,
+    tensor: str,
+    bounce: Callable[[int], memoryview] | None,
+    deliver: Callable[[int, memoryview], None] | None,
+    cancelled: Callable[[], bool] = lambda: False,
+) -> None:
+    """Read the chunk's bytes ``[start, stop)`` block by block, each into ``bounce(n)`` (a private buffer
+    of ``n`` bytes; by default one allocated here), verify it, and only then hand the part of it in range
+    to ``deliver(offset, bytes)`` (offset relative to the chunk; ``deliver=None`` only verifies). Stops,
+    delivering nothing more, once ``cancelled()`` is true. Raises :class:`CorruptCheckpointError` naming
+    the file and tensor."""
     length = chunk.end - chunk.begin
     if length == 0:
         _check(path, chunk, 0, block, b"", tensor)
         return
+    if bounce is None:
+        own = memoryview(bytearray(min(block, length)))
+        bounce = lambda n: own[:n]  # noqa: E731
     for k in range(start // block, -(-stop // block)):
+        if cancelled():
+            return
         lo, hi = k * block, min((k + 1) * block, length)
-        if start <= lo and hi <= stop:
-            view = out[lo - start : hi - start]
-            storage.read_into(path, chunk.begin + lo, view)
-            _check(path, chunk, k, block, view, tensor)
-        else:
-            buf = bytearray(hi - lo)
-            storage.read_into(path, chunk.begin + lo, memoryview(buf))
-            _check(path, chunk, k, block, buf, tensor)
+        view = bounce(hi - lo)
+        storage.read_into(path, chunk.begin + lo, view)
+        _check(path, chunk, k, block, view, tensor)
+        if deliver is not None:
             a, b = max(lo, start), min(hi, stop)
-            out[a - start : b - start] = memoryview(buf)[a - lo : b - lo]
+            deliver(a, view[a - lo : b - lo])
 
 
 def _check(path: str, chunk: Chunk, k: int, block: int, data: memoryview | bytearray | bytes, tensor: str) -> None:

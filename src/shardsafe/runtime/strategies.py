@@ -4,9 +4,12 @@
 - ``"single"``: the model moves to the device; nothing else.
 - ``"ddp"``: the model moves to the device and is wrapped in ``DistributedDataParallel`` (which broadcasts
   rank 0's weights). Optimizers keep their parameters (DDP does not replace them).
-- ``"fsdp"``: rank 0's weights are broadcast (as DDP does), then FSDP2 ``fully_shard`` is applied to each
-  *block* and finally to the root. Blocks are, by default, the modules held in an ``nn.ModuleList`` (where
-  transformer blocks live); ``Runtime(block_types=[MyBlock])`` names the classes instead. ``fully_shard``
+- ``"fsdp"``: the model is never materialised whole on the device: it becomes meta tensors, FSDP2
+  ``fully_shard`` is applied to each *block* and finally to the root, the local shards get memory
+  (``to_empty``) and are filled with rank 0's values (as DDP starts from rank 0's weights), one tensor
+  at a time. A model built on the meta device is sharded as it is, for the user to initialise. Blocks
+  are, by default, the modules held in an ``nn.ModuleList`` (where transformer blocks live);
+  ``Runtime(block_types=[MyBlock])`` names the classes instead. ``fully_shard``
   replaces every parameter by a sharded DTensor parameter, so each optimizer's param groups are rebuilt
   to point at the new parameters, by parameter name, keeping every hyperparameter.
 """
@@ -23,6 +26,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import (
     BatchSampler,
@@ -62,7 +67,7 @@ def setup_module(
             _to(model, device), device_ids=[device.index] if device.type == "cuda" else None
         )
     elif plan.strategy == "fsdp":
-        wrapped = _fully_shard(_to(model, device), device, block_types)
+        wrapped = _fully_shard(model, device, block_types)
     else:
         raise AssertionError(f"unresolved strategy {plan.strategy!r}")
     inner = wrapped.module if isinstance(wrapped, DistributedDataParallel) else wrapped
@@ -92,21 +97,75 @@ def fsdp_blocks(model: nn.Module, block_types: tuple[type[nn.Module], ...] | Non
 
 
 def _fully_shard(model: nn.Module, device: torch.device, block_types: tuple[type[nn.Module], ...] | None) -> nn.Module:
-    _broadcast_from_rank0(model)
+    """Shard without ever holding the whole model on ``device``: keep rank 0's values where the user
+    built them, turn the model into meta tensors, shard it, give memory to the local shards only
+    (``to_empty``), then fill them from rank 0, one tensor at a time. A model with meta tensors is
+    sharded as it is and materialised by the user afterwards (``to_empty`` and initialisation)."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    tensors = list(itertools.chain(model.parameters(), model.buffers()))
+    deferred = any(t.is_meta for t in tensors)
+    rank0: dict[str, torch.Tensor] = {}
+    if deferred:
+        _broadcast_from_rank0(model)
+    else:
+        if dist.get_rank() == 0:  # the values every rank starts from (as DDP does): kept, not copied
+            rank0 = {n: t.detach() for n, t in itertools.chain(model.named_parameters(), model.named_buffers())}
+        del tensors
+        _to_meta(model)  # frees this rank's own full copy (rank 0's lives on in ``rank0``)
     blocks = fsdp_blocks(model, block_types)
     kinds = sorted({type(b).__name__ for b in blocks})
     for block in blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if not deferred:
+        model.to_empty(device=device)  # memory for the local shards (and the buffers) only
+        _fill_from_rank0(model, rank0, device)
     logger.info(
         "shardsafe runtime: fsdp sharded %d block(s) %s and the root over %d ranks", len(blocks), kinds, mesh.size()
     )
     return model
 
 
+def _to_meta(model: nn.Module) -> None:
+    """``model.to("meta")``, keeping tied parameters (and shared buffers) tied: moving to another kind of
+    device makes a new tensor for every module that holds one."""
+    shared: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    for module in model.modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, t in getattr(module, kind).items():
+                if t is not None:
+                    shared.setdefault(id(t), []).append((module, kind, name))
+    model.to(torch.device("meta"))
+    for places in shared.values():
+        first_module, kind, first_name = places[0]
+        first = getattr(first_module, kind)[first_name]
+        for module, kind, name in places[1:]:
+            getattr(module, kind)[name] = first
+
+
+def _fill_from_rank0(model: nn.Module, rank0: dict[str, torch.Tensor], device: torch.device) -> None:
+    """(every rank, in the same order) Broadcast each parameter and buffer from rank 0, one at a time,
+    and keep this rank's box of it: at most one whole tensor is on ``device`` beside the shards."""
+    with torch.no_grad():
+        for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+            if name in rank0:
+                full = rank0.pop(name).to(device).contiguous()
+            else:
+                full = torch.empty(t.shape, dtype=t.dtype, device=device)
+            dist.broadcast(full, src=0)
+            if isinstance(t, DTensor):
+                _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+                local = t.to_local()
+                box = tuple(slice(o, o + n) for o, n in zip(offsets, local.shape, strict=True))
+                local.copy_(full[box])
+            else:
+                t.copy_(full)
+            del full
+
+
 def _broadcast_from_rank0(model: nn.Module) -> None:
-    """Make every rank start from rank 0's weights before sharding: FSDP shards each rank's own copy."""
+    """Make every rank start from rank 0's weights before sharding a model with meta tensors: the
+    tensors that have data are broadcast in place; the meta ones are the user's to initialise."""
     with torch.no_grad():
         for t in itertools.chain(model.parameters(), model.buffers()):
             if t.is_meta:
