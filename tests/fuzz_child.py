@@ -13,7 +13,11 @@ that stays on one case past its deadline). Violations:
 - ``silent``: a load that succeeded on a damaged checkpoint (``verify`` refuses it, or its bytes or
   files were damaged) and gave anything but the original tensor bytes (and values, for byte-level
   damage);
-- ``state``: ``load(state)`` raised and the state is not bitwise as it was;
+- ``state``: ``load(state)`` raised and the state is not as it was, except that tensors filled in
+  place (the model's, ``x``) may hold some of the checkpoint's correct bytes: every byte of those
+  that changed equals the byte a successful load gives (a damaged block found while reading stops
+  the load after the blocks verified before it landed, never a damaged or misplaced byte; values,
+  optimizer and scheduler change only after every read succeeded);
 - ``write``: anything in the case directory or the scratch directory (cwd, TMPDIR, HOME) changed.
 """
 
@@ -96,6 +100,7 @@ class Runner:
         state = fresh_state()
         shardsafe.load(base, state)
         self.ref_state = loaded_view(state)
+        self.ref_snap = state_snapshot(state)
         with open("/proc/self/statm") as f:
             used = int(f.read().split()[0]) * resource.getpagesize()
         resource.setrlimit(resource.RLIMIT_AS, (used + self.memory, resource.RLIM_INFINITY))
@@ -135,9 +140,10 @@ class Runner:
             violations.append(
                 {"kind": "silent", "op": "load(state)", "detail": "a damaged checkpoint loaded other data"}
             )
-        if not ok and state_snapshot(state) != snap:
-            changed = [k for k, v in state_snapshot(state).items() if snap[k] != v]
-            violations.append({"kind": "state", "op": "load(state)", "detail": f"changed: {changed}"})
+        if not ok:
+            wrong = self._wrongly_changed(snap, state_snapshot(state))
+            if wrong:
+                violations.append({"kind": "state", "op": "load(state)", "detail": f"changed: {wrong}"})
         self._cli(path, ok_verify, violations)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         if rss - self.rss0 > self.memory // 2:
@@ -146,6 +152,22 @@ class Runner:
         if (snapshot(Path(case["dir"])), snapshot(self.scratch)) != before:
             violations.append({"kind": "write", "op": "any", "detail": "the case or scratch directory changed"})
         return {"outcomes": outcomes, "violations": violations}
+
+    def _wrongly_changed(self, before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+        """What a failed ``load(state)`` changed beyond landing correct bytes in tensors filled in place."""
+        wrong = [k for k in before if k not in ("model", "tensors") and before[k] != after[k]]
+        for group in ("model", "tensors"):
+            for name, old in before[group].items():
+                new, ref = after[group].get(name), self.ref_snap[group].get(name)
+                if new == old:
+                    continue
+                if new is None or ref is None or not (len(new) == len(old) == len(ref)):
+                    wrong.append(f"{group}{name}")
+                    continue
+                a, b, c = (np.frombuffer(x, dtype=np.uint8) for x in (old, new, ref))
+                if not np.all((b == a) | (b == c)):
+                    wrong.append(f"{group}{name}: bytes that are neither the old nor the checkpoint's")
+        return wrong
 
     @staticmethod
     def _same(got: Any, want: Any, values_too: bool) -> bool:

@@ -178,3 +178,31 @@ def test_resume_verify_mode_changes_nothing_unless_the_checkpoint_verified(tmp_p
         mgr.resume(fresh)
     assert all(f"step-{s:08d}" in str(info.value) for s in (1, 2, 3))
     assert all(torch.equal(before[k], v) for k, v in fresh["model"].state_dict().items()) and fresh["step"] == 0
+
+
+def test_optimizer_state_the_optimizer_refuses_is_found_before_anything_changes(tmp_path: Path) -> None:
+    """Well-formed typed JSON that the optimizer itself rejects (Adam's ``step`` as a string) is found
+    by a trial load while planning, not after the model was filled."""
+    from shardsafe.format.manifest import seal_manifest
+
+    def state(seed: int) -> dict[str, Any]:
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(4, 3)
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        return {"model": model, "optimizer": opt}
+
+    shardsafe.save(tmp_path / "c", state(0))
+    manifest = tmp_path / "c" / "MANIFEST.json"
+    doc = json.loads(manifest.read_text())
+    params = dict(dict(doc["objects"]["optimizer"]["value"]["items"])["state"]["items"])
+    _set_item(params["weight"], "step", "V1")
+    manifest.write_text(json.dumps(seal_manifest(doc)))
+    target = state(1)
+    before = {k: v.clone() for k, v in target["model"].state_dict().items()}
+    opt_before = repr(target["optimizer"].state_dict())
+    with pytest.raises(CorruptCheckpointError, match=r"the optimizer \(Adam\) refuses the saved state"):
+        shardsafe.load(tmp_path / "c", target)
+    assert all(torch.equal(before[k], v) for k, v in target["model"].state_dict().items())
+    assert repr(target["optimizer"].state_dict()) == opt_before

@@ -23,7 +23,7 @@ import torch
 
 from shardsafe.coord import Coordinator, Deadlines, fault_point
 from shardsafe.engine.read import check_allocation, check_sizes, read_manifest, run_tasks
-from shardsafe.errors import CheckpointError, CoordinationError, MissingKeysError
+from shardsafe.errors import CheckpointError, CoordinationError, CorruptCheckpointError, MissingKeysError
 from shardsafe.format.manifest import Manifest
 from shardsafe.state.restore import Op, Restorer
 from shardsafe.storage import get_storage
@@ -78,7 +78,17 @@ def load(
             coord.barrier("go", timeout=deadlines.io)
         phase = "read"
         first = (lambda: fault_point("load.read", coord.global_rank)) if coord else (lambda: None)
-        nbytes = run_tasks(storage, path, manifest, tasks, first, deadlines.io)
+        try:
+            nbytes = run_tasks(storage, path, manifest, tasks, first, deadlines.io)
+        except CorruptCheckpointError as err:
+            if not r.fills_in_place():
+                raise
+            raise CorruptCheckpointError(
+                f"{err} Tensors of the state filled before the damage was found may already hold the "
+                "checkpoint's values (no damaged byte was copied; nothing else changed). To change nothing "
+                "unless the whole checkpoint verifies, call shardsafe.verify(path) first or use "
+                "CheckpointManager.resume(state, verify=True)."
+            ) from err
         phase = "restore"
         try:
             r.apply()

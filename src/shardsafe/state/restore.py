@@ -326,6 +326,10 @@ class Restorer:
         """Every manifest tensor this plan reads (for the size checks before :meth:`prepare`)."""
         return list(dict.fromkeys([n for n, _ in self._fills] + list(self._fresh)))
 
+    def fills_in_place(self) -> bool:
+        """Whether this plan reads into tensors of the caller's state (not only into new ones)."""
+        return bool(self._fills)
+
     def fresh_names(self) -> list[str]:
         """The manifest tensors this plan allocates anew (not filled into the caller's tensors)."""
         return list(self._fresh)

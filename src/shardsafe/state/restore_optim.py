@@ -9,12 +9,15 @@ tensors. After the reads, ``load_optimizer_state`` hands it all to the optimizer
 
 from __future__ import annotations
 
+import copy
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from shardsafe.errors import CorruptCheckpointError
+from shardsafe.format.values import decode, has_per_rank
 from shardsafe.state.flatten import load_optimizer_state, optimizer_current, optimizer_names, param_names
 from shardsafe.state.restore import Op, Restorer
 
@@ -65,9 +68,51 @@ def plan_optimizer(r: Restorer, key: str, opt: torch.optim.Optimizer, node: Json
     saved_state, saved_groups = parse_optimizer(node, where)
     r.cpu_only = True  # torch's load_state_dict places state by its parameter (``step`` stays on CPU)
     try:
-        _plan(r, key, opt, saved_state, saved_groups, state)
+        index = _plan(r, key, opt, saved_state, saved_groups, state)
     finally:
         r.cpu_only = False
+    if index is not None and type(opt).load_state_dict is torch.optim.Optimizer.load_state_dict:
+        _trial(r, where, opt, saved_state, saved_groups, index)
+
+
+def _trial(
+    r: Restorer,
+    where: str,
+    opt: torch.optim.Optimizer,
+    saved_state: list[tuple[str, list[tuple[str, Json]]]],
+    saved_groups: list[tuple[list[str], list[tuple[str, Json]]]],
+    index: dict[str, int],
+) -> None:
+    """(planning, before anything changes) Hand the saved entry to ``load_state_dict`` of a shallow copy
+    of ``opt`` (its own ``__dict__``, no hooks), tensors stood in by empty ones of the saved dtype: a
+    well-formed entry the optimizer refuses (a string where it needs a number) is then found before
+    the go/no-go, not after the model was filled."""
+
+    def stand_in(ref: str) -> torch.Tensor:
+        return torch.empty(0, dtype=r.manifest.tensors[ref].dtype)
+
+    def value(node: Json, here: str) -> Any:
+        return decode(node, here, stand_in, allow_pickle=r.allow_pickle)
+
+    if any(has_per_rank(v) for _, entries in saved_state for _, v in entries):
+        return  # per-rank optimizer state: its rank's value is chosen at restore; nothing to try here
+    trial = {
+        "state": {index[p]: {k: value(v, f"{where}/state/{p}/{k}") for k, v in entries} for p, entries in saved_state},
+        "param_groups": [
+            {**{k: value(v, f"{where}/param_groups/{k}") for k, v in entries}, "params": [index[n] for n in names]}
+            for names, entries in saved_groups
+        ],
+    }
+    shadow = copy.copy(opt)
+    shadow._optimizer_load_state_dict_pre_hooks = OrderedDict()
+    shadow._optimizer_load_state_dict_post_hooks = OrderedDict()
+    try:
+        shadow.load_state_dict(trial)
+    except Exception as err:
+        raise CorruptCheckpointError(
+            f"{where}: the optimizer ({type(opt).__name__}) refuses the saved state ({type(err).__name__}: "
+            f"{str(err)[:200]}); nothing was loaded. The checkpoint was damaged, or saved from another optimizer."
+        ) from err
 
 
 def _plan(
@@ -77,18 +122,20 @@ def _plan(
     saved_state: list[tuple[str, list[tuple[str, Json]]]],
     saved_groups: list[tuple[list[str], list[tuple[str, Json]]]],
     state: Mapping[str, Any],
-) -> None:
+) -> dict[str, int] | None:
+    """Plan the restore; returns parameter name -> index, or ``None`` when the optimizer's parameters
+    differ from the saved ones (recorded as missing)."""
     group_names = optimizer_names(opt, param_names(state))
     if len(saved_groups) != len(group_names) or any(
         sorted(s) != sorted(g) for (s, _), g in zip(saved_groups, group_names, strict=False)
     ):
         r.missing.append(f"{key}: parameter groups differ (saved {[s for s, _ in saved_groups]}, now {group_names})")
-        return
+        return None
     index = {n: i for i, n in enumerate(n for g in group_names for n in g)}
     unknown = [n for n, _ in saved_state if n not in index]
     if unknown:
         r.missing.append(f"{key}: state for parameters the optimizer does not have: {unknown}")
-        return
+        return None
     params = [p for g in opt.param_groups for p in g["params"]]
     current = optimizer_current(opt)
     state_ops: dict[int, list[tuple[str, Op]]] = {}
@@ -130,6 +177,7 @@ def _plan(
         )
 
     r.steps.append(apply)
+    return index
 
 
 def _like(param: torch.Tensor, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
