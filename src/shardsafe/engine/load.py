@@ -21,7 +21,9 @@ from shardsafe.engine.read import Task, check_sizes, plan_reads, read_manifest, 
 from shardsafe.errors import CheckpointError, CoordinationError, MissingKeysError
 from shardsafe.format.manifest import Manifest
 from shardsafe.format.values import decode, tensor_refs, validate
-from shardsafe.state.flatten import kind_of, local_box, optimizer_names, param_names, unwrap
+from shardsafe.state import fsdp1_load
+from shardsafe.state.flatten import kind_of, modules_of, optimizer_names, param_names, unwrap
+from shardsafe.state.layout import Layout, layout_of
 from shardsafe.storage import get_storage
 
 logger = logging.getLogger(__name__)
@@ -132,7 +134,7 @@ def _plan(manifest: Manifest, state: MutableMapping[str, Any], strict: bool, all
         if kind == "module":
             missing += _plan_module(plan, manifest, key, obj, path)
         elif kind == "optimizer":
-            missing += _plan_optimizer(plan, manifest, key, obj, names, path)
+            missing += _plan_optimizer(plan, manifest, key, obj, names, path, modules_of(state))
         else:
             _plan_value(plan, manifest, key, obj, state, allow_pickle, path)
     if missing and strict:
@@ -164,17 +166,36 @@ def _saved_tensors(manifest: Manifest, key: str) -> dict[str, str]:
 
 
 def _dest(plan: _Plan, manifest: Manifest, name: str, tensor: torch.Tensor, where: str) -> None:
+    _read_into(plan, manifest, name, layout_of(tensor), where)
+
+
+def _read_into(plan: _Plan, manifest: Manifest, name: str, layout: Layout, where: str) -> None:
+    """Plan filling every box of ``layout`` (this rank's part of a destination) from tensor ``name``."""
     entry = manifest.tensors[name]
-    local, shape, offsets, _, _ = local_box(tensor)
-    if shape != entry.shape:
+    if layout.shape != entry.shape:
         raise CheckpointError(
-            f"{where}: shape mismatch: the checkpoint holds {list(entry.shape)}, the destination is {list(shape)}. "
-            "Build the model with the same configuration as the saved one."
+            f"{where}: shape mismatch: the checkpoint holds {list(entry.shape)}, the destination is "
+            f"{list(layout.shape)}. Build the model with the same configuration as the saved one."
         )
-    plan.tasks += plan_reads(name, entry, local, offsets)
+    for offsets, local in layout.boxes:
+        plan.tasks += plan_reads(name, entry, local, offsets)
+
+
+def _plan_fsdp1_module(plan: _Plan, manifest: Manifest, key: str, dests: dict[str, Layout], path: str) -> list[str]:
+    """FSDP1 hook (state/fsdp1_load.py): reads go straight into views of each rank's flat shard."""
+    saved = _saved_tensors(manifest, key)
+    missing = [f"{key}/{n}" for n in dests if n not in saved]
+    missing += [f"{key}: unexpected {n}" for n in saved if n not in dests]
+    for n, layout in dests.items():
+        if n in saved:
+            _read_into(plan, manifest, saved[n], layout, f"{path}: {key}/{n}")
+    return missing
 
 
 def _plan_module(plan: _Plan, manifest: Manifest, key: str, module: nn.Module, path: str) -> list[str]:
+    fsdp1_dests = fsdp1_load.module_destinations(unwrap(module))  # FSDP1 hook: None for other modules
+    if fsdp1_dests is not None:
+        return _plan_fsdp1_module(plan, manifest, key, fsdp1_dests, path)
     target = unwrap(module)
     sd = target.state_dict()
     saved = _saved_tensors(manifest, key)
@@ -191,9 +212,29 @@ def _plan_module(plan: _Plan, manifest: Manifest, key: str, module: nn.Module, p
 
 
 def _plan_optimizer(
-    plan: _Plan, manifest: Manifest, key: str, opt: torch.optim.Optimizer, names: dict[int, str], path: str
+    plan: _Plan,
+    manifest: Manifest,
+    key: str,
+    opt: torch.optim.Optimizer,
+    names: dict[int, str],
+    path: str,
+    modules: list[tuple[str, nn.Module]],
 ) -> list[str]:
     saved = decode(manifest.objects[key]["value"], key, lambda ref: ref)  # tensors stay as their names
+    fsdp1_plan = fsdp1_load.plan_optimizer_load(  # FSDP1 hook: None unless opt holds FSDP1 parameters
+        opt,
+        saved,
+        {n: (t.shape, t.dtype) for n, t in manifest.tensors.items()},
+        dict(modules),
+        names,
+        lambda ref, layout, where: _read_into(plan, manifest, ref, layout, f"{path}: {where}"),
+        key,
+    )
+    if fsdp1_plan is not None:
+        problems, apply_fsdp1 = fsdp1_plan
+        if not problems:
+            plan.apply.append(apply_fsdp1)
+        return problems
     group_names = optimizer_names(opt, names)
     flat_params = [p for g in opt.param_groups for p in g["params"]]
     index = {n: i for i, n in enumerate(n for g in group_names for n in g)}

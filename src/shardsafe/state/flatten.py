@@ -1,6 +1,7 @@
 """User state <-> what the format stores: one object per top-level key (module, optimizer, stateful,
 value), each as typed JSON whose tensors are named items. Strategies are detected from the objects:
-a DDP wrapper is unwrapped, FSDP2 parameters are sharded DTensors, anything else is a plain tensor,
+a DDP wrapper is unwrapped, FSDP2 parameters are sharded DTensors (any mesh: see state/layout.py),
+FSDP1 modules are read from their flat shards (state/fsdp1.py), anything else is a plain tensor,
 assumed identical on every rank (the library writes it once).
 
 Optimizer state is keyed by parameter name (found through the modules of the same state), so it
@@ -10,7 +11,7 @@ reshards and survives a change of wrapping.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,10 +21,11 @@ from torch import nn
 from shardsafe.errors import UnsafeValueError
 from shardsafe.format.manifest import SAFETENSORS_DTYPES
 from shardsafe.format.values import encode
+from shardsafe.state import fsdp1
+from shardsafe.state.layout import Box, Layout, layout_of
 
 try:
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
@@ -33,15 +35,30 @@ class TensorItem:
     """A tensor of the state as this rank holds it."""
 
     name: str
-    local: torch.Tensor  # this rank's data (a DTensor's local shard)
+    local: torch.Tensor  # this rank's data (a DTensor's local shard); for several boxes, the first (or empty)
     shape: tuple[int, ...]  # global shape
     offsets: tuple[int, ...]  # global offsets of ``local``
     replicated: bool  # every rank holds the same whole tensor
     owner: bool  # for sharded tensors: this rank writes its box (replicas on other mesh dims do not)
+    pieces: list[Box] | None = None  # this rank's boxes when it holds other than one (FSDP1, strided DTensors)
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.local.dtype.itemsize
+
+    def boxes(self) -> list[Box]:
+        """(global offsets, data) of every box this rank holds."""
+        return self.pieces if self.pieces is not None else [(self.offsets, self.local)]
+
+
+@dataclass(frozen=True)
+class Filtered:
+    """A state entry saved with only the items of its state dict that ``keep(name, value)`` accepts
+    (Lightning Fabric's ``filter=``). A module stays a module entry (with fewer tensors); an optimizer
+    becomes a plain value; an entry left empty is not saved at all."""
+
+    obj: Any
+    keep: Callable[[str, Any], bool]
 
 
 @dataclass
@@ -71,29 +88,32 @@ def is_sharded(t: torch.Tensor) -> bool:
 
 
 def local_box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], bool, bool]:
-    """(local data, global shape, global offsets, replicated, owner) of a tensor or DTensor."""
-    if not is_sharded(t):
-        return t.detach(), tuple(t.shape), (0,) * t.dim(), True, True
-    assert DTensor is not None
-    dt: Any = t
-    if any(isinstance(p, Partial) for p in dt.placements):
-        raise UnsafeValueError("a DTensor with Partial placement must be reduced before saving")
-    shape = tuple(dt.shape)
-    _, offsets = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
-    coord = dt.device_mesh.get_coordinate() or []
-    replicate_dims = [i for i, p in enumerate(dt.placements) if isinstance(p, Replicate)]
-    owner = all(coord[i] == 0 for i in replicate_dims) if coord else False
-    replicated = len(replicate_dims) == len(dt.placements)
-    return dt.to_local().detach(), shape, tuple(int(o) for o in offsets), replicated, owner
+    """(local data, global shape, global offsets, replicated, owner) of a tensor held as one box."""
+    layout = layout_of(t)
+    if len(layout.boxes) != 1:
+        raise UnsafeValueError(f"a tensor held as {len(layout.boxes)} boxes on this rank where one was expected")
+    offsets, local = layout.boxes[0]
+    return local, layout.shape, offsets, layout.replicated, layout.owner
+
+
+def modules_of(state: Mapping[str, Any]) -> list[tuple[str, nn.Module]]:
+    """The modules of ``state`` by key, unwrapped (also inside :class:`Filtered`)."""
+    out = []
+    for k, v in state.items():
+        v = v.obj if isinstance(v, Filtered) else v
+        if isinstance(v, nn.Module):
+            out.append((k, unwrap(v)))
+    return out
 
 
 def param_names(state: Mapping[str, Any]) -> dict[int, str]:
     """id(parameter) -> stable name, from every module in ``state``. One module: its parameter names;
-    several: ``<key>.<name>``."""
-    modules = [(k, unwrap(v)) for k, v in state.items() if isinstance(v, nn.Module)]
+    several: ``<key>.<name>``. FSDP1 and activation-checkpoint wrapper parts are left out of names."""
+    modules = modules_of(state)
     names: dict[int, str] = {}
     for key, module in modules:
         for name, p in module.named_parameters(remove_duplicate=False):
+            name = fsdp1.clean_name(name)
             names.setdefault(id(p), name if len(modules) == 1 else f"{key}.{name}")
     return names
 
@@ -128,11 +148,19 @@ def kind_of(obj: Any) -> str:
     return "value"
 
 
-def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False) -> FlatState:
-    """(every rank, locally) Typed JSON per key plus the tensors, in a deterministic order."""
+def flatten(
+    state: Mapping[str, Any],
+    *,
+    allow_pickle: bool = False,
+    gather: fsdp1.Gather | None = None,
+) -> FlatState:
+    """(every rank, locally) Typed JSON per key plus the tensors, in a deterministic order.
+    ``gather`` (every rank's payload, through the rendezvous store) is used only for FSDP1 optimizers
+    with ``use_orig_params=True`` (state/fsdp1.py); without it, one process is assumed."""
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a dict of str -> object, not {type(state).__name__}")
     names = param_names(state)
+    fsdp = _fsdp1_state(state, gather)  # FSDP1 hook: None unless the state holds an FSDP1 module
     items: list[TensorItem] = []
     taken: set[str] = set()
     strategies: set[str] = set()
@@ -146,27 +174,64 @@ def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False) -> FlatStat
         taken.add(name)
         if t.dtype not in SAFETENSORS_DTYPES:
             raise UnsafeValueError(f"{path!r}: tensors of dtype {t.dtype} cannot be stored in format v1")
-        local, shape, offsets, replicated, owner = local_box(t)
-        if not replicated:
+        layout = fsdp.layouts.get(id(t)) if fsdp is not None else None
+        items.append(_item(name, layout or layout_of(t)))
+        if not items[-1].replicated:
             strategies.add("fsdp")
-        items.append(TensorItem(name, local, shape, offsets, replicated, owner))
         return name
 
     objects: dict[str, dict[str, Any]] = {}
-    for key, obj in state.items():
+    for key, entry in state.items():
         if not isinstance(key, str) or not key or "/" in key:
             raise UnsafeValueError(f"state key {key!r}: top-level keys must be non-empty str without '/'")
+        obj, keep = (entry.obj, entry.keep) if isinstance(entry, Filtered) else (entry, None)
         kind = kind_of(obj)
         if kind == "module":
             if isinstance(obj, nn.parallel.DistributedDataParallel):
                 strategies.add("ddp")
-            value: Any = unwrap(obj).state_dict()
+            value: Any = fsdp.module_value(key) if fsdp is not None and key in fsdp.roots else unwrap(obj).state_dict()
         elif kind == "optimizer":
-            value = optimizer_state(obj, names)
+            if fsdp is not None and fsdp.touches(obj):
+                value = fsdp.optimizer_value(obj, names)
+            else:
+                value = optimizer_state(obj, names)
         elif kind == "stateful":
             value = obj.state_dict()
         else:
             value = obj
+        if keep is not None and isinstance(value, Mapping):
+            value = {k: v for k, v in value.items() if keep(k, v)}
+            if not value:
+                continue
+            if kind == "optimizer":
+                kind = "value"
         objects[key] = {"kind": kind, "value": encode(value, key, on_tensor, allow_pickle=allow_pickle)}
     strategy = "fsdp" if "fsdp" in strategies else ("ddp" if "ddp" in strategies else "plain")
     return FlatState(objects=objects, items=items, strategy=strategy)
+
+
+def _item(name: str, layout: Layout) -> TensorItem:
+    if layout.replicated:
+        (offsets, local), *_ = layout.boxes
+        return TensorItem(name, local, layout.shape, offsets, True, True)
+    if len(layout.boxes) == 1:
+        offsets, local = layout.boxes[0]
+        return TensorItem(name, local, layout.shape, offsets, False, layout.owner)
+    first = layout.boxes[0][1] if layout.boxes else torch.empty(0, dtype=layout.dtype)
+    offsets = layout.boxes[0][0] if layout.boxes else (0,) * len(layout.shape)
+    return TensorItem(name, first, layout.shape, offsets, False, layout.owner, list(layout.boxes))
+
+
+def _fsdp1_state(state: Mapping[str, Any], gather: fsdp1.Gather | None) -> fsdp1.Fsdp1State | None:
+    """FSDP1 hook (state/fsdp1.py): the FSDP1 modules of ``state`` and, for optimizers over their
+    original parameters, the state structure exchanged through ``gather``."""
+    modules = modules_of(state)
+    roots = {k: m for k, m in modules if fsdp1.is_fsdp1(m)}
+    if not roots:
+        return None
+    fsdp = fsdp1.Fsdp1State(roots, multi=len(modules) > 1)
+    optimizers = [v.obj if isinstance(v, Filtered) else v for v in state.values()]
+    optimizers = [o for o in optimizers if isinstance(o, torch.optim.Optimizer) and fsdp.touches(o)]
+    if any(id(p) in fsdp.by_orig for o in optimizers for g in o.param_groups for p in g["params"]):
+        fsdp.exchange(optimizers, gather or (lambda _phase, payload: [payload]))
+    return fsdp
