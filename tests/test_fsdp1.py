@@ -1,0 +1,137 @@
+"""FSDP1 (FullyShardedDataParallel, Lightning Fabric's ``strategy="fsdp"``) on CPU ranks (gloo), with
+``use_orig_params`` True and False: save/load bitwise, reshards to and from plain, FSDP2 and FSDP1 on other
+world sizes, optimizer state included; each rank writes only its own shard and no collective runs; a
+weights-only checkpoint loaded with an optimizer asks is refused by name, or loads the model only."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import pytest
+import torch
+
+import shardsafe
+from shardsafe.state.fsdp1 import flat_boxes
+from test_no_collectives import _no_collectives
+
+from harness import check_ok, run_ranks
+from models import assert_same, build, full_state, train
+
+FSDP1 = ["fsdp1", "fsdp1-flat"]  # use_orig_params=True (Fabric's default) / False
+
+
+def test_flat_ranges_become_boxes_that_tile_them_in_order() -> None:
+    rng = random.Random(0)
+    shapes = [(), (7,), (5, 7), (3, 4, 5), (2, 1, 3, 4), (4, 0)]
+    for shape in shapes:
+        numel = math.prod(shape)
+        for _ in range(40):
+            lo = rng.randrange(numel + 1)
+            hi = rng.randrange(lo, numel + 1)
+            flat = torch.arange(numel)
+            full = flat.view(shape)
+            got = torch.full((numel,), -1)
+            pos = 0
+            for offsets, sizes, start in flat_boxes(shape, lo, hi):
+                assert start == pos  # in order, contiguous
+                n = math.prod(sizes)
+                box = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
+                assert torch.equal(box.reshape(-1), flat[lo + start : lo + start + n]), (shape, lo, hi)
+                got[lo + start : lo + start + n] = box.reshape(-1)
+                pos += n
+            assert pos == hi - lo and torch.equal(got[lo:hi], flat[lo:hi]), (shape, lo, hi)
+            assert len(flat_boxes(shape, lo, hi)) <= 2 * max(1, len(shape)) - 1 if hi > lo else True
+
+
+def _save_then_reload(rank: int, world: int, path: str, strategy: str) -> dict[str, Any]:
+    model, opt = build(strategy, seed=0)
+    train(model, opt, 2)
+    state = {"model": model, "optimizer": opt, "step": 2}
+    model2, opt2 = build(strategy, seed=123)
+    loaded: dict[str, Any] = {"model": model2, "optimizer": opt2, "step": 0}
+    with _no_collectives():  # no gather of the state, no collective at all
+        shardsafe.save(path, state, timeout=60)
+        shardsafe.load(path, loaded, timeout=60)
+    train(model, opt, 1, start=2)  # both go on identically
+    train(model2, opt2, 1, start=2)
+    return {"saved": full_state(model, opt), "loaded": full_state(model2, opt2), "step": loaded["step"]}
+
+
+def _load(rank: int, world: int, path: str, strategy: str) -> dict[str, Any]:
+    model, opt = build(strategy, seed=123)
+    shardsafe.load(path, {"model": model, "optimizer": opt}, timeout=60)
+    return full_state(model, opt)
+
+
+@pytest.mark.parametrize("strategy", FSDP1)
+def test_fsdp1_round_trip_and_reshards_to_plain_and_fsdp2(tmp_path: Any, strategy: str) -> None:
+    path = str(tmp_path / "ckpt")
+    results = check_ok(run_ranks(_save_then_reload, 2, path, strategy, timeout=180))
+    assert results[0]["step"] == 2
+    assert_same(results[0]["saved"], results[0]["loaded"])
+    shardsafe.verify(path)
+    info = shardsafe.inspect(path)
+    assert info.world_size == 2 and info.strategy == "fsdp"
+    assert {f.split("-")[1] for f in info.files} == {"00000", "00001"}  # both ranks wrote their shard
+    # Every parameter and state tensor is stored once (no replica, no gathered copy): the bytes
+    # stored equal the bytes of the model and optimizer state.
+    tensors = [e for e in info.entries if e.kind == "tensor"]
+    model_bytes = sum(e.nbytes for e in tensors if e.name.startswith("model/"))
+    assert model_bytes == sum(p.numel() * 4 for p in build("plain")[0].state_dict().values())
+    # the state of the training run before the extra step, as saved
+    saved = check_ok(run_ranks(_load, 3, path, "fsdp", timeout=180))[0]  # FSDP1 2 -> FSDP2 3
+    model, opt = build("plain", seed=5)  # FSDP1 2 -> one plain process
+    shardsafe.load(path, {"model": model, "optimizer": opt})
+    assert_same(saved, full_state(model, opt))
+    assert len(opt.state) == 6 and all(int(s["step"]) == 2 for s in opt.state.values())
+
+
+def _fsdp2_save_fsdp1_load(rank: int, world: int, path: str) -> dict[str, Any]:
+    model, opt = build("fsdp", seed=0)
+    train(model, opt, 2)
+    shardsafe.save(path, {"model": model, "optimizer": opt}, timeout=60)
+    out = {"fsdp": full_state(model, opt)}
+    for strategy in FSDP1:
+        m, o = build(strategy, seed=9)
+        shardsafe.load(path, {"model": m, "optimizer": o}, timeout=60)
+        out[strategy] = full_state(m, o)
+    return out
+
+
+def test_fsdp2_checkpoint_loads_into_fsdp1(tmp_path: Any) -> None:
+    results = check_ok(run_ranks(_fsdp2_save_fsdp1_load, 2, str(tmp_path / "ckpt"), timeout=180))
+    for strategy in FSDP1:
+        assert_same(results[0]["fsdp"], results[0][strategy])
+
+
+def _weights_only(rank: int, world: int, path: str) -> dict[str, Any]:
+    model, opt = build("fsdp1", seed=0)
+    train(model, opt, 1)
+    shardsafe.save(path, {"model": model}, timeout=60)  # weights only
+    saved = full_state(model, opt)
+    model2, opt2 = build("fsdp1", seed=4)
+    train(model2, opt2, 1)
+    before = full_state(model2, opt2)
+    out: dict[str, Any] = {}
+    try:
+        shardsafe.load(path, {"model": model2, "optimizer": opt2}, timeout=60)
+    except shardsafe.MissingKeysError as err:
+        out["error"] = (str(err), err.missing, err.available, isinstance(err, KeyError))
+    out["untouched"] = all(torch.equal(before[k], v) for k, v in full_state(model2, opt2).items())
+    shardsafe.load(path, {"model": model2, "optimizer": opt2}, strict=False, timeout=60)
+    after = full_state(model2, opt2)
+    out["model_loaded"] = all(torch.equal(saved[k], after[k]) for k in saved if k.startswith("model/"))
+    out["optimizer_kept"] = all(torch.equal(before[k], after[k]) for k in before if k.startswith("opt/"))
+    return out
+
+
+def test_fsdp1_weights_only_checkpoint_with_optimizer_requested(tmp_path: Any) -> None:
+    """The seed scenario: Fabric's FSDP weights-only checkpoint crashed with KeyError: 'optimizer_states'."""
+    path = str(tmp_path / "weights")
+    r = check_ok(run_ranks(_weights_only, 2, path, timeout=180))[0]
+    message, missing, available, is_key_error = r["error"]
+    assert missing == ["optimizer"] and available == ["model"] and is_key_error
+    assert "lacks ['optimizer']" in message and "holds ['model']" in message and "strict=False" in message
+    assert r["untouched"] and r["model_loaded"] and r["optimizer_kept"]
