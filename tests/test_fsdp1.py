@@ -88,22 +88,51 @@ def test_fsdp1_round_trip_and_reshards_to_plain_and_fsdp2(tmp_path: Any, strateg
     assert len(opt.state) == 6 and all(int(s["step"]) == 2 for s in opt.state.values())
 
 
+def _other_sharding(strategy: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """FSDP1 with SHARD_GRAD_OP (use_orig_params=False) or NO_SHARD (True), one unit per block."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from models import Block, Net
+
+    torch.manual_seed(seed)
+    model = FullyShardedDataParallel(
+        Net(),
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        sharding_strategy=ShardingStrategy.SHARD_GRAD_OP if strategy == "zero2" else ShardingStrategy.NO_SHARD,
+        use_orig_params=strategy == "noshard",
+        device_id=torch.device("cpu"),
+    )
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
 def _fsdp2_save_fsdp1_load(rank: int, world: int, path: str) -> dict[str, Any]:
     model, opt = build("fsdp", seed=0)
     train(model, opt, 2)
     shardsafe.save(path, {"model": model, "optimizer": opt}, timeout=60)
     out = {"fsdp": full_state(model, opt)}
-    for strategy in FSDP1:
-        m, o = build(strategy, seed=9)
+    for strategy in [*FSDP1, "zero2", "noshard"]:
+        m, o = build(strategy, seed=9) if strategy in FSDP1 else _other_sharding(strategy, 9)
         shardsafe.load(path, {"model": m, "optimizer": o}, timeout=60)
         out[strategy] = full_state(m, o)
+        if strategy == "noshard":  # and a NO_SHARD save: every rank holds everything, written once
+            train(m, o, 1, start=2)
+            shardsafe.save(f"{path}-noshard", {"model": m, "optimizer": o}, timeout=60)
+            out["noshard-trained"] = full_state(m, o)
     return out
 
 
 def test_fsdp2_checkpoint_loads_into_fsdp1(tmp_path: Any) -> None:
-    results = check_ok(run_ranks(_fsdp2_save_fsdp1_load, 2, str(tmp_path / "ckpt"), timeout=180))
-    for strategy in FSDP1:
+    """Into FSDP1 with either use_orig_params, and with SHARD_GRAD_OP and NO_SHARD."""
+    path = str(tmp_path / "ckpt")
+    results = check_ok(run_ranks(_fsdp2_save_fsdp1_load, 2, path, timeout=180))
+    for strategy in [*FSDP1, "zero2", "noshard"]:
         assert_same(results[0]["fsdp"], results[0][strategy])
+    model, opt = build("plain", seed=5)
+    shardsafe.load(f"{path}-noshard", {"model": model, "optimizer": opt})
+    assert_same(results[0]["noshard-trained"], full_state(model, opt))
+    info = shardsafe.inspect(f"{path}-noshard")
+    assert all(e.chunks == 1 for e in info.entries if e.kind == "tensor")  # replicated: written once
 
 
 def _weights_only(rank: int, world: int, path: str) -> dict[str, Any]:
@@ -124,6 +153,14 @@ def _weights_only(rank: int, world: int, path: str) -> dict[str, Any]:
     after = full_state(model2, opt2)
     out["model_loaded"] = all(torch.equal(saved[k], after[k]) for k in saved if k.startswith("model/"))
     out["optimizer_kept"] = all(torch.equal(before[k], after[k]) for k in before if k.startswith("opt/"))
+    # FSDP1's own sharded state dict (ShardedTensors, local shards with global offsets) as a plain entry
+    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sharded = model.state_dict()
+    assert type(sharded["blocks.0.lin.weight"]).__name__ == "ShardedTensor"
+    shardsafe.save(f"{path}-sharded-sd", {"sd": sharded}, timeout=60)
+    out["saved"] = saved
     return out
 
 
@@ -135,3 +172,6 @@ def test_fsdp1_weights_only_checkpoint_with_optimizer_requested(tmp_path: Any) -
     assert missing == ["optimizer"] and available == ["model"] and is_key_error
     assert "lacks ['optimizer']" in message and "holds ['model']" in message and "strict=False" in message
     assert r["untouched"] and r["model_loaded"] and r["optimizer_kept"]
+    whole = shardsafe.load(f"{path}-sharded-sd")["sd"]
+    assert {f"model/{k}" for k in whole} == {k for k in r["saved"] if k.startswith("model/")}
+    assert all(torch.equal(v, r["saved"][f"model/{k}"]) for k, v in whole.items())
