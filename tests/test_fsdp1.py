@@ -175,3 +175,61 @@ def test_fsdp1_weights_only_checkpoint_with_optimizer_requested(tmp_path: Any) -
     whole = shardsafe.load(f"{path}-sharded-sd")["sd"]
     assert {f"model/{k}" for k in whole} == {k for k in r["saved"] if k.startswith("model/")}
     assert all(torch.equal(v, r["saved"][f"model/{k}"]) for k, v in whole.items())
+
+
+class Tied(torch.nn.Module):
+    """Tied embedding/output weights, and a layer FSDP1 is told to ignore (a plain parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(7, 5)
+        self.mid = torch.nn.Linear(5, 5)
+        self.out = torch.nn.Linear(5, 7, bias=False)
+        self.out.weight = self.emb.weight
+        self.side = torch.nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.side(self.mid(self.emb(x))))
+
+
+def _tied_state(uop: bool, seed: int) -> dict[str, Any]:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    torch.manual_seed(seed)
+    base = Tied()
+    model = FullyShardedDataParallel(
+        base, use_orig_params=uop, device_id=torch.device("cpu"), ignored_modules=[base.side]
+    )
+    ema = torch.nn.Linear(3, 3)  # a second module: parameter names become <key>.<name>
+    opt = torch.optim.AdamW([*model.parameters(), *ema.parameters()], lr=0.01)
+    return {"model": model, "ema": ema, "optim": opt}
+
+
+def _tied_round_trips(rank: int, world: int, root: str) -> None:
+    for uop in (True, False):
+        state = _tied_state(uop, 0)
+        state["model"](torch.arange(7) % 5).pow(2).mean().backward()
+        state["ema"](torch.ones(2, 3)).sum().backward()
+        state["optim"].step()
+        shardsafe.save(f"{root}/{uop}-a", state, timeout=60)
+        again = _tied_state(uop, 1)
+        shardsafe.load(f"{root}/{uop}-a", again, timeout=60)
+        shardsafe.save(f"{root}/{uop}-b", again, timeout=60)  # what was loaded, saved again
+
+
+def test_fsdp1_tied_weights_ignored_modules_and_two_modules(tmp_path: Any) -> None:
+    check_ok(run_ranks(_tied_round_trips, 2, str(tmp_path), timeout=180))
+    for uop in (True, False):
+        a, b = shardsafe.load(tmp_path / f"{uop}-a"), shardsafe.load(tmp_path / f"{uop}-b")
+        assert sorted(a["model"]) == ["emb.weight", "mid.bias", "mid.weight", "out.weight", "side.bias", "side.weight"]
+        assert torch.equal(a["model"]["emb.weight"], a["model"]["out.weight"])
+        assert sorted(a["optim"]["state"]) == sorted(b["optim"]["state"]) and len(a["optim"]["state"]) == 7
+        for name, st in a["optim"]["state"].items():
+            for k, v in st.items():
+                assert torch.equal(v, b["optim"]["state"][name][k]), (uop, name, k)
+        for k, v in a["model"].items():
+            assert torch.equal(v, b["model"][k]), (uop, k)
+        model, ema = Tied(), torch.nn.Linear(3, 3)  # and into plain modules
+        opt = torch.optim.AdamW([*model.parameters(), *ema.parameters()], lr=0.01)
+        shardsafe.load(tmp_path / f"{uop}-a", {"model": model, "ema": ema, "optim": opt})
+        assert all(torch.equal(v, a["model"][k]) for k, v in model.state_dict().items())

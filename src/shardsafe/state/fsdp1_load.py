@@ -65,6 +65,7 @@ def plan_optimizer_load(
     saved_state: dict[str, Any] = saved.get("state", {})
     saved_groups: list[dict[str, Any]] = saved.get("param_groups", [])
     group_names: list[list[str]] = []
+    plain_names: dict[int, str] = {}  # parameters FSDP1 does not manage, by id
     for g, group in enumerate(opt.param_groups):
         gnames: list[str] = []
         for i, p in enumerate(group["params"]):
@@ -74,6 +75,7 @@ def plan_optimizer_load(
                 gnames.append(ctx.by_orig[id(p)][0])
             else:
                 gnames.append(names.get(id(p), f"group{g}.{i}"))
+                plain_names[id(p)] = gnames[-1]
         group_names.append(gnames)
     if len(saved_groups) != len(group_names) or any(
         sorted(s["params"]) != sorted(g) for s, g in zip(saved_groups, group_names, strict=False)
@@ -104,7 +106,7 @@ def plan_optimizer_load(
                 for k, v in st.items()
             }
         else:
-            st = saved_state.get(group_names_flat(group_names)[index])
+            st = saved_state.get(plain_names[id(p)])
             if st is None:
                 continue
             entry = {k: _plain(v, p, shapes, read, f"{where}/{k}") if _is_ref(v, shapes) else v for k, v in st.items()}
@@ -127,10 +129,6 @@ def plan_optimizer_load(
         opt.load_state_dict({"state": new_state, "param_groups": groups})
 
     return [], apply
-
-
-def group_names_flat(group_names: list[list[str]]) -> list[str]:
-    return [n for g in group_names for n in g]
 
 
 def _dtype(v: str, shapes: Shapes) -> torch.dtype:
