@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -137,6 +138,7 @@ def _spans_world(mesh: Any) -> bool:
     return int(mesh.mesh.numel()) >= world
 
 
+@functools.lru_cache(maxsize=256)  # once per mesh, not once per tensor (meshes live as long as the model)
 def _first_slice(mesh: Any) -> bool:
     """Whether ``mesh`` is, among the slices of its root mesh that hold the same data, the one at
     coordinate 0 on every root dimension it does not cover. A mesh over every rank is its own root."""
