@@ -127,7 +127,7 @@ SCRIPT = textwrap.dedent(
                 try:
                     fabric.save(f"{root}/guarded", {"model": model})
                 except shardsafe.RankTimeoutError as err:
-                    out["guard"] = err.missing_ranks
+                    out["guard"] = [err.missing_ranks, str(err)]
         with open(f"{root}/rank{rank}.json", "w") as f:
             json.dump(out, f)
 
@@ -159,7 +159,8 @@ def _run(tmp_path: Path, kind: str, accelerator: str, devices: int) -> list[dict
         assert out["missing"] == [["optim"], ["model"]], out
         assert out["weights_only"] and out["no_optimizer_state"], out
     if devices > 1:
-        assert results[0]["guard"] == [1] and "guard" not in results[1]
+        assert results[0]["guard"][0] == [1] and "guard" not in results[1]
+        assert "waited 4s for every rank to arrive" in results[0]["guard"][1]
     return results
 
 

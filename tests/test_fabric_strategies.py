@@ -137,7 +137,8 @@ def test_fabric_ddp_strategy_makes_fabric_save_and_load_safe(tmp_path: Path) -> 
         assert out["raw"] and out["pickle_refused"]
         assert out["whole"] == [["extra", "model", "optim", "step"], 3, ["0.bias", "0.weight", "2.bias", "2.weight"]]
     kind, missing, message = r[0]["guard"]
-    assert kind == "RankTimeoutError" and missing == [1] and "rank" in message and "1" in message, r[0]["guard"]
+    assert kind == "RankTimeoutError" and missing == [1], r[0]["guard"]
+    assert "waited 4s for every rank to arrive, but ranks [1] never arrived" in message, message  # the short deadline
     assert "guard" not in r[1]
     info = shardsafe.inspect(root / "full")
     assert info.world_size == 2 and {f.split("-")[1] for f in info.files} == {"00000", "00001"}

@@ -42,14 +42,23 @@ class _ShardsafeCheckpoints:
     _checkpoint_overwrite: bool
 
     def _init_checkpoints(self, timeout: float | Deadlines | None, overwrite: bool) -> None:
-        if not (
-            timeout is None or isinstance(timeout, Deadlines) or (isinstance(timeout, (int, float)) and timeout > 0)
-        ):
-            raise ValueError(f"checkpoint_timeout must be a positive number of seconds or None, not {timeout!r}")
         if not isinstance(overwrite, bool):
             raise TypeError(f"checkpoint_overwrite must be True or False, not {overwrite!r}")
-        self._checkpoint_timeout = timeout
+        self.checkpoint_timeout = timeout
         self._checkpoint_overwrite = overwrite
+
+    @property
+    def checkpoint_timeout(self) -> float | Deadlines | None:
+        """Seconds each checkpoint wait may take (ranks arriving, writes, commit); None: the
+        ``SHARDSAFE_TIMEOUT``/``SHARDSAFE_IO_TIMEOUT`` defaults. May be changed between saves."""
+        return self._checkpoint_timeout
+
+    @checkpoint_timeout.setter
+    def checkpoint_timeout(self, timeout: float | Deadlines | None) -> None:
+        seconds = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
+        if not (timeout is None or isinstance(timeout, Deadlines) or seconds):
+            raise ValueError(f"checkpoint_timeout must be a positive number of seconds or None, not {timeout!r}")
+        self._checkpoint_timeout = timeout
 
     def save_checkpoint(
         self,
