@@ -2,10 +2,10 @@
 parallel) inside real Lightning Fabric scripts that use only ``fabric.save``/``fabric.load``.
 
 Fabric runs these strategies on GPUs: the GPU test (world size 1) runs where CUDA is visible and is
-skipped elsewhere. On CPU, ModelParallelStrategy runs as is; Fabric's FSDPStrategy passes
-``device_id=None``, which FSDP1 refuses without an accelerator, so the CPU run gives FSDP1
-``device_id=cpu`` (a test shim, nothing else changes). The CPU runs (2 processes) are opt-in, as each
-Fabric launch costs ~15 s: ``SHARDSAFE_FABRIC_CPU=1``.
+skipped elsewhere. They also run on 2 CPU processes: ModelParallelStrategy as is (tensor parallel over
+both ranks); Fabric's FSDPStrategy passes ``device_id=None``, which FSDP1 refuses without an
+accelerator, so the CPU run gives FSDP1 ``device_id=cpu`` (a test shim, nothing else changes). Each
+Fabric launch costs ~12 s; ``SHARDSAFE_SKIP_FABRIC_CPU=1`` skips the CPU runs.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def test_fabric_sharded_strategy_on_one_gpu(tmp_path: Path, kind: str) -> None:
     _run(tmp_path, kind, "cuda", 1)
 
 
-@pytest.mark.skipif(os.environ.get("SHARDSAFE_FABRIC_CPU") != "1", reason="opt-in (SHARDSAFE_FABRIC_CPU=1): ~15 s each")
+@pytest.mark.skipif(os.environ.get("SHARDSAFE_SKIP_FABRIC_CPU") == "1", reason="SHARDSAFE_SKIP_FABRIC_CPU=1")
 @pytest.mark.parametrize("kind", ["fsdp", "model_parallel"])
 def test_fabric_sharded_strategy_on_two_cpu_processes(tmp_path: Path, kind: str) -> None:
     _run(tmp_path, kind, "cpu", 2)
