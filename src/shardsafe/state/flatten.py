@@ -154,9 +154,10 @@ def flatten(
     allow_pickle: bool = False,
     gather: fsdp1.Gather | None = None,
 ) -> FlatState:
-    """(every rank, locally) Typed JSON per key plus the tensors, in a deterministic order.
-    ``gather`` (every rank's payload, through the rendezvous store) is used only for FSDP1 optimizers
-    with ``use_orig_params=True`` (state/fsdp1.py); without it, one process is assumed."""
+    """(every rank) Typed JSON per key plus the tensors, in a deterministic order. Local, except for
+    FSDP1 optimizers with ``use_orig_params=True``: their state structure is exchanged through
+    ``gather`` (every rank's payload, through the rendezvous store; state/fsdp1.py), which waits for
+    every rank. Without ``gather``, one process is assumed."""
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a dict of str -> object, not {type(state).__name__}")
     names = param_names(state)

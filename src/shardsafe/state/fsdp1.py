@@ -41,11 +41,13 @@ Read = Callable[[str, Layout, str], None]
 """(load) fill ``layout``'s boxes from the checkpoint tensor named by the first argument; the third names
 the destination in errors"""
 
-_WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+# Wrapper parts that never appear in state-dict keys (their wrappers strip them); ``_orig_mod`` of a
+# compiled submodule does appear there, so it stays.
+_WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
 
 def clean_name(name: str) -> str:
-    """A parameter or module name without FSDP1, activation-checkpoint and torch.compile wrappers."""
+    """A parameter or module name as state dicts spell it: without FSDP1 and activation-checkpoint wrappers."""
     return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
 
 
