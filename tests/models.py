@@ -53,6 +53,16 @@ def build(strategy: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimize
         for b in model.blocks:  # type: ignore[union-attr]
             fully_shard(b, mesh=mesh)
         fully_shard(model, mesh=mesh)
+    elif strategy in ("fsdp1", "fsdp1-flat"):  # FSDP1 with use_orig_params=True / False, one unit per block
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        model = FullyShardedDataParallel(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            use_orig_params=strategy == "fsdp1",
+            device_id=torch.device("cpu"),
+        )
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     return model, opt
 
@@ -77,6 +87,17 @@ def _full(v: Any) -> Any:
 
 def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """Every parameter, buffer and optimizer state tensor, whole, keyed by name (uses collectives: test only)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(model, FullyShardedDataParallel):  # FSDP1: torch's own full state dicts
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+        out = {f"model/{k}": _full(v) for k, v in msd.items()}
+        for name, st in osd["state"].items():
+            for k, v in st.items():
+                out[f"opt/{name}/{k}"] = _full(v)
+        return out
     m = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     out = {f"model/{k}": _full(v) for k, v in m.state_dict().items()}
     names = {id(p): n for n, p in m.named_parameters()}

@@ -75,6 +75,9 @@ FUNCTIONAL = ["all_reduce", "all_gather_tensor", "all_gather_tensor_autograd", "
 DISPATCH_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 
 
+_MISSING = object()
+
+
 class CollectiveCalled(RuntimeError):
     """A collective ran on the process group while shardsafe had the floor."""
 
@@ -109,14 +112,20 @@ def _no_collectives() -> Iterator[None]:
     for owner, names, label in targets:
         for name in names:
             if hasattr(owner, name):
-                patched.append((owner, name, getattr(owner, name)))
+                # a class's own attribute as stored (getattr would give a bound or unwrapped object that
+                # does not behave the same once set back, e.g. pybind methods of ProcessGroup)
+                own = vars(owner).get(name, _MISSING)
+                patched.append((owner, name, own))
                 setattr(owner, name, _forbidden(f"{label}.{name}"))
     try:
         with _NoCollectiveOps():  # type: ignore[no-untyped-call]
             yield
     finally:
         for owner, name, original in reversed(patched):
-            setattr(owner, name, original)
+            if original is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
 
 
 def _controls(model: torch.nn.Module) -> dict[str, str]:

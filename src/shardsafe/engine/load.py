@@ -72,7 +72,10 @@ def load(
         check_sizes(storage, path, manifest, r.names())  # before allocating what the manifest sizes
         if device is None or device.type == "cpu":  # new host tensors must fit in the memory available
             check_allocation(storage, path, manifest, r.fresh_names())
-        tasks = r.prepare()
+        early, tasks = r.prepare()
+        if early:  # new tensors whose values the plan must compare before the go (FSDP1 optimizer state)
+            run_tasks(storage, path, manifest, early, lambda: None, deadlines.io)
+        r.check()
         if coord is not None:
             phase = "go"  # every rank planned and validated: only now may anything change
             coord.barrier("go", timeout=deadlines.io)

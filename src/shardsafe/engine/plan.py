@@ -1,7 +1,7 @@
 """Who writes which bytes. The plan is a pure function of the state's metadata (names, shapes, dtypes,
 placements) and the world size, so every rank computes the same assignment without exchanging data.
 
-- Sharded tensors (DTensor with a Shard placement): each owner writes its own box.
+- Sharded tensors (DTensor with a Shard placement, FSDP1 flat shards): each owner writes its own boxes.
 - Replicated tensors (plain tensors, DDP parameters, fully replicated DTensors): written once. A large
   one is split into row ranges so several ranks share it; pieces go to the rank with the fewest
   assigned bytes so far, largest first (ties: lowest rank), which balances the bytes written.
@@ -28,8 +28,9 @@ def plan_writes(items: Sequence[TensorItem], rank: int, world_size: int) -> list
     split = knobs.split_replicated_bytes()
     for item in items:
         if not item.replicated:
-            if item.owner and item.local.numel() > 0:
-                mine.append(PendingChunk(item.name, item.offsets, tuple(item.local.shape), item.local))
+            for offsets, data in item.boxes() if item.owner else []:
+                if data.numel() > 0:
+                    mine.append(PendingChunk(item.name, offsets, tuple(data.shape), data))
             continue
         rows = item.shape[0] if item.shape else 1
         parts = min(world_size, rows, max(1, item.nbytes // split)) if item.shape else 1

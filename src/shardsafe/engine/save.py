@@ -90,7 +90,15 @@ class SaveJob:
             if "exists" in record:
                 raise CheckpointExistsError(record["exists"])
             self.save_id, self.staging = record["save_id"], record["staging"]
-            self.flat = flatten(self.state, allow_pickle=self.allow_pickle)
+            # gather: FSDP1 hook (state/fsdp1.py), every rank's payload through the store, used only for
+            # FSDP1 optimizers with use_orig_params=True (a rank may hold no state for some parameters)
+            self.flat = flatten(
+                self.state,
+                allow_pickle=self.allow_pickle,
+                gather=lambda phase, payload: coord.barrier(
+                    phase, payload, timeout=self.deadlines.arrive, collect=True
+                ),
+            )
             per_rank.find_per_rank(self.flat, coord, self.deadlines)
             self.metadata_json = encode(self.metadata, "metadata", _no_tensors)
             self.chunks = plan_writes(self.flat.items, coord.rank, coord.world_size) + per_rank.own_chunks(self.flat)

@@ -1,6 +1,7 @@
 """User state <-> what the format stores: one object per top-level key (module, optimizer, stateful,
 value), each as typed JSON whose tensors are named items. Strategies are detected from the objects:
-a DDP wrapper is unwrapped, FSDP2 parameters are sharded DTensors, anything else is a plain tensor,
+a DDP wrapper is unwrapped, FSDP2 parameters are sharded DTensors (any mesh: see state/layout.py),
+FSDP1 modules are read from their flat shards (state/fsdp1.py), anything else is a plain tensor,
 assumed identical on every rank (the library writes it once).
 
 Optimizer state is keyed by parameter name (found through the modules of the same state), so it
@@ -10,7 +11,7 @@ reshards and survives a change of wrapping.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,10 +21,11 @@ from torch import nn
 from shardsafe.errors import UnsafeValueError
 from shardsafe.format.manifest import SAFETENSORS_DTYPES
 from shardsafe.format.values import PerRank, encode
+from shardsafe.state import fsdp1
+from shardsafe.state.layout import Box, Layout, is_sharded_tensor, layout_of
 
 try:
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
@@ -33,16 +35,31 @@ class TensorItem:
     """A tensor of the state as this rank holds it."""
 
     name: str
-    local: torch.Tensor  # this rank's data (a DTensor's local shard)
+    local: torch.Tensor  # this rank's data (a DTensor's local shard); for several boxes, the first (or empty)
     shape: tuple[int, ...]  # global shape
     offsets: tuple[int, ...]  # global offsets of ``local``
     replicated: bool  # every rank holds the same whole tensor
     owner: bool  # for sharded tensors: this rank writes its box (replicas on other mesh dims do not)
-    dtensor: bool = False  # a DTensor (its placements say who holds what), not a plain tensor
+    dtensor: bool = False  # placed by a strategy (DTensor, ShardedTensor, FSDP1 shard), not a plain tensor
+    pieces: list[Box] | None = None  # this rank's boxes when it holds other than one (FSDP1, strided DTensors)
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.local.dtype.itemsize
+
+    def boxes(self) -> list[Box]:
+        """(global offsets, data) of every box this rank holds."""
+        return self.pieces if self.pieces is not None else [(self.offsets, self.local)]
+
+
+@dataclass(frozen=True)
+class Filtered:
+    """A state entry saved with only the items of its state dict that ``keep(name, value)`` accepts
+    (Lightning Fabric's ``filter=``). A module stays a module entry (with fewer tensors); an optimizer
+    becomes a plain value; an entry left empty is not saved at all."""
+
+    obj: Any
+    keep: Callable[[str, Any], bool]
 
 
 @dataclass
@@ -75,14 +92,21 @@ def unwrap(module: nn.Module) -> nn.Module:
 def module_state(module: nn.Module) -> dict[str, Any]:
     """(every rank, locally) The state dict a module is saved from and loaded into: its own names, and
     tensors that share storage with its parameters and buffers (DTensor shards under FSDP2), so that
-    filling them in place loads the module."""
-    return unwrap(module).state_dict()
+    filling them in place loads the module. A module holding FSDP1 units gives a :class:`Layout` per
+    FSDP1-managed parameter instead: the boxes of this rank's range of it, views of its flat shard
+    (state/fsdp1.py; FSDP1's own ``state_dict()`` would gather)."""
+    inner = unwrap(module)
+    sharded = fsdp1.module_state(inner)
+    return inner.state_dict() if sharded is None else sharded
 
 
 def load_module_state(module: nn.Module, sd: dict[str, Any]) -> None:
     """(every rank, after the reads) Hand a state dict filled from :func:`module_state` back to the
-    module through its own load path (hooks, extra state)."""
-    unwrap(module).load_state_dict(sd, strict=False)
+    module through its own load path (hooks, extra state). FSDP1: nothing to hand back, every
+    destination was the module's own storage (its ``load_state_dict`` would gather)."""
+    inner = unwrap(module)
+    if not fsdp1.is_fsdp1(inner):
+        inner.load_state_dict(sd, strict=False)
 
 
 def optimizer_current(opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -101,30 +125,24 @@ def is_sharded(t: torch.Tensor) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
 
-def local_box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], bool, bool]:
-    """(local data, global shape, global offsets, replicated, owner) of a tensor or DTensor."""
-    if not is_sharded(t):
-        return t.detach(), tuple(t.shape), (0,) * t.dim(), True, True
-    assert DTensor is not None
-    dt: Any = t
-    if any(isinstance(p, Partial) for p in dt.placements):
-        raise UnsafeValueError("a DTensor with Partial placement must be reduced before saving")
-    shape = tuple(dt.shape)
-    _, offsets = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
-    coord = dt.device_mesh.get_coordinate() or []
-    replicate_dims = [i for i, p in enumerate(dt.placements) if isinstance(p, Replicate)]
-    owner = all(coord[i] == 0 for i in replicate_dims) if coord else False
-    replicated = len(replicate_dims) == len(dt.placements)
-    return dt.to_local().detach(), shape, tuple(int(o) for o in offsets), replicated, owner
+def modules_of(state: Mapping[str, Any]) -> list[tuple[str, nn.Module]]:
+    """The modules of ``state`` by key, unwrapped (also inside :class:`Filtered`)."""
+    out = []
+    for k, v in state.items():
+        v = v.obj if isinstance(v, Filtered) else v
+        if isinstance(v, nn.Module):
+            out.append((k, unwrap(v)))
+    return out
 
 
 def param_names(state: Mapping[str, Any]) -> dict[int, str]:
     """id(parameter) -> stable name, from every module in ``state``. One module: its parameter names;
-    several: ``<key>.<name>``."""
-    modules = [(k, unwrap(v)) for k, v in state.items() if isinstance(v, nn.Module)]
+    several: ``<key>.<name>``. FSDP1 and activation-checkpoint wrapper parts are left out of names."""
+    modules = modules_of(state)
     names: dict[int, str] = {}
     for key, module in modules:
         for name, p in module.named_parameters(remove_duplicate=False):
+            name = fsdp1.clean_name(name)
             names.setdefault(id(p), name if len(modules) == 1 else f"{key}.{name}")
     return names
 
@@ -164,12 +182,22 @@ def kind_of(obj: Any) -> str:
     return "value"
 
 
-def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False) -> FlatState:
-    """(every rank, locally) Typed JSON per key plus the tensors, in a deterministic order."""
+def flatten(
+    state: Mapping[str, Any],
+    *,
+    allow_pickle: bool = False,
+    gather: fsdp1.Gather | None = None,
+) -> FlatState:
+    """(every rank) Typed JSON per key plus the tensors, in a deterministic order. Local, except for
+    FSDP1 optimizers with ``use_orig_params=True``: their state structure is exchanged through
+    ``gather`` (every rank's payload, through the rendezvous store; state/fsdp1.py), which waits for
+    every rank. Without ``gather``, one process is assumed."""
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a dict of str -> object, not {type(state).__name__}")
     names = param_names(state)
+    fsdp = _fsdp1_state(state, gather)  # FSDP1 hook: None unless the state holds an FSDP1 module
     items: list[TensorItem] = []
+    shards: dict[int, tuple[Layout, torch.Tensor]] = {}  # stand-in id -> (FSDP1 layout, stand-in)
     taken: set[str] = set()
     strategies: set[str] = set()
 
@@ -182,16 +210,18 @@ def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False) -> FlatStat
         taken.add(name)
         if t.dtype not in SAFETENSORS_DTYPES:
             raise UnsafeValueError(f"{path!r}: tensors of dtype {t.dtype} cannot be stored in format v1")
-        local, shape, offsets, replicated, owner = local_box(t)
-        if not replicated:
+        shard = shards.get(id(t))
+        placed = shard is not None or is_sharded(t) or is_sharded_tensor(t)
+        items.append(_item(name, shard[0] if shard is not None else layout_of(t), placed))
+        if not items[-1].replicated:
             strategies.add("fsdp")
-        items.append(TensorItem(name, local, shape, offsets, replicated, owner, dtensor=is_sharded(t)))
         return name
 
     objects: dict[str, dict[str, Any]] = {}
-    for key, obj in state.items():
+    for key, entry in state.items():
         if not isinstance(key, str) or not key or "/" in key:
             raise UnsafeValueError(f"state key {key!r}: top-level keys must be non-empty str without '/'")
+        obj, keep = (entry.obj, entry.keep) if isinstance(entry, Filtered) else (entry, None)
         kind = kind_of(obj)
         if isinstance(obj, PerRank) and kind != "value":
             if kind != "stateful":
@@ -203,13 +233,65 @@ def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False) -> FlatStat
         elif kind == "module":
             if isinstance(obj, nn.parallel.DistributedDataParallel):
                 strategies.add("ddp")
-            value = module_state(obj)
+            value = _stand_ins(module_state(obj), shards)
         elif kind == "optimizer":
-            value = optimizer_state(obj, names)
+            if fsdp is not None and fsdp.touches(obj):
+                value = _stand_ins(fsdp.optimizer_value(obj, names), shards)
+            else:
+                value = optimizer_state(obj, names)
         elif kind == "stateful":
             value = obj.state_dict()
         else:
             value = obj
+        if keep is not None and isinstance(value, Mapping):
+            value = {k: v for k, v in value.items() if keep(k, v)}
+            if not value:
+                continue
+            if kind == "optimizer":
+                kind = "value"
         objects[key] = {"kind": kind, "value": encode(value, key, on_tensor, allow_pickle=allow_pickle)}
     strategy = "fsdp" if "fsdp" in strategies else ("ddp" if "ddp" in strategies else "plain")
     return FlatState(objects=objects, items=items, strategy=strategy)
+
+
+def _item(name: str, layout: Layout, placed: bool) -> TensorItem:
+    if layout.replicated:
+        (offsets, local), *_ = layout.boxes
+        return TensorItem(name, local, layout.shape, offsets, True, True, placed)
+    if len(layout.boxes) == 1:
+        offsets, local = layout.boxes[0]
+        return TensorItem(name, local, layout.shape, offsets, False, layout.owner, placed)
+    first = layout.boxes[0][1] if layout.boxes else torch.empty(0, dtype=layout.dtype)
+    offsets = layout.boxes[0][0] if layout.boxes else (0,) * len(layout.shape)
+    return TensorItem(name, first, layout.shape, offsets, False, layout.owner, placed, list(layout.boxes))
+
+
+def _stand_ins(value: dict[str, Any], shards: dict[int, tuple[Layout, torch.Tensor]]) -> dict[str, Any]:
+    """FSDP1 layouts in a module or optimizer value (nested dicts) replaced by empty stand-in tensors,
+    which the typed-JSON encoder hands to ``on_tensor`` like any tensor; ``shards`` maps them back."""
+
+    def swap(v: Any) -> Any:
+        if isinstance(v, Layout):
+            token = torch.empty(0, dtype=v.dtype)
+            shards[id(token)] = (v, token)  # holding the stand-in keeps its id unique
+            return token
+        if isinstance(v, dict) and any(isinstance(x, (Layout, dict)) for x in v.values()):
+            return {k: swap(x) for k, x in v.items()}
+        return v
+
+    return swap(value)  # type: ignore[no-any-return]
+
+
+def _fsdp1_state(state: Mapping[str, Any], gather: fsdp1.Gather | None) -> fsdp1.Fsdp1State | None:
+    """FSDP1 hook (state/fsdp1.py): the FSDP1 modules of ``state`` and, for optimizers over their
+    original parameters, the state structure exchanged through ``gather``."""
+    modules = modules_of(state)
+    roots = {k: m for k, m in modules if fsdp1.is_fsdp1(m)}
+    if not roots:
+        return None
+    fsdp = fsdp1.Fsdp1State(roots, multi=len(modules) > 1)
+    optimizers = [v.obj if isinstance(v, Filtered) else v for v in state.values()]
+    optimizers = [o for o in optimizers if isinstance(o, torch.optim.Optimizer) and fsdp.touches(o)]
+    if any(id(p) in fsdp.by_orig for o in optimizers for g in o.param_groups for p in g["params"]):
+        fsdp.exchange(optimizers, gather or (lambda _phase, payload: [payload]))
+    return fsdp

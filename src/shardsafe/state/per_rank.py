@@ -263,8 +263,8 @@ def _own(node: Any, path: Path, rank: int, items: dict[str, TensorItem], moved: 
         item = items[node["ref"]]
         if item.dtensor:
             raise UnsafeValueError(
-                f"{where!r}: differs between ranks (or is marked per_rank()) and holds a DTensor "
-                f"{item.name!r}; a DTensor is already placed by its mesh. Keep DTensors out of per-rank values."
+                f"{where!r}: differs between ranks (or is marked per_rank()) and holds a DTensor or sharded tensor "
+                f"{item.name!r}, which its strategy already places. Keep such tensors out of per-rank values."
             )
         moved.add(item.name)
         return {"$": tag, "ref": f"/rank{rank}/{item.name}"}

@@ -2,8 +2,10 @@
 principle 11). (every rank, locally) A :class:`Restorer` walks the caller's state beside the
 checkpoint's typed JSON and plans; it modifies nothing until :meth:`Restorer.apply`:
 
-- a tensor (a DTensor: its local shard) that meets a ``tensor`` node is filled in place: same object,
-  storage, device and dtype. A shape mismatch, or a dtype mismatch without ``cast=True``, raises;
+- a tensor (a DTensor: its local shard; a ShardedTensor: its local shards) that meets a ``tensor``
+  node is filled in place: same object, storage, device and dtype; so is a :class:`Layout`, a tensor
+  held as several boxes (an FSDP1 parameter: views of this rank's flat shard, state/fsdp1.py). A
+  shape mismatch, or a dtype mismatch without ``cast=True``, raises;
 - a dict, list or tuple that meets a node of the same kind is matched entry by entry (a tuple is
   rebuilt, being immutable); a key of the state that the checkpoint lacks is *missing*, a key only
   the checkpoint has is added;
@@ -16,8 +18,9 @@ checkpoint's typed JSON and plans; it modifies nothing until :meth:`Restorer.app
   another world size the value is missing (docs/format.md, "Per-rank values").
 
 Call order: ``plan_entry``/``extra`` for each entry; then (after the size checks of :meth:`names`)
-:meth:`prepare`, which allocates the new tensors and returns the reads; then, after the reads,
-:meth:`apply`.
+:meth:`prepare`, which allocates the new tensors and returns the reads, early ones apart; after the
+early reads (into new tensors only) :meth:`check`, which may still refuse the load; then the go/no-go;
+then, after the other reads, :meth:`apply`.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from shardsafe.engine.read import Task, plan_reads
 from shardsafe.errors import CheckpointError, CorruptCheckpointError
 from shardsafe.format.manifest import Manifest
 from shardsafe.format.values import PerRank, decode, dtype_name, has_per_rank
-from shardsafe.state.flatten import kind_of, load_module_state, local_box, module_state
+from shardsafe.state.flatten import kind_of, load_module_state, module_state
+from shardsafe.state.layout import Layout, layout_of
 from shardsafe.state.nodes import align, cpu_alloc, describe, describe_value, holds_tensor, refs, tag_of
 
 Op = Callable[[], Any]
@@ -76,11 +80,15 @@ class Restorer:
         self.allow_pickle = allow_pickle
         self.missing: list[str] = []
         self.steps: list[Callable[[], None]] = []
-        self._fills: list[tuple[str, torch.Tensor]] = []  # (manifest name, destination) in the caller's state
+        self._fills: list[tuple[str, Layout]] = []  # (manifest name, this rank's boxes of the destination)
+        self._in_place = False  # some destination belongs to the caller's state
         self._fresh: dict[str, Callable[[], torch.Tensor]] = {}  # manifest name -> allocator (after size checks)
+        self._early: set[str] = set()  # new tensors read before the go/no-go, for :attr:`checks`
         self._decodes: list[_Decode] = []
         self.tensors: dict[str, torch.Tensor] = {}  # allocated by prepare()
         self.cpu_only = False  # new tensors on CPU whatever ``device`` says (optimizer state)
+        self.checks: list[Callable[[], None]] = []
+        """Run by :meth:`check` after the early reads, before the go/no-go: raise to refuse the load."""
 
     # ------------------------------------------------------------------------------- entries
 
@@ -164,6 +172,14 @@ class Restorer:
 
             return put_inner
         tag = tag_of(node)
+        if isinstance(dest, Layout):  # a tensor held as boxes (FSDP1 parameters: views of the flat shard)
+            if tag != "tensor":
+                raise CheckpointError(
+                    f"{self.path}: {where}: the state holds a tensor here, the checkpoint {describe(node)}; "
+                    "the state and the checkpoint have different structures"
+                )
+            self.fill(node["ref"], dest, where)
+            return lambda: dest
         if isinstance(dest, torch.Tensor):
             if tag in ("tensor", "ndarray"):
                 entry = self.manifest.tensors[node["ref"]]
@@ -232,35 +248,40 @@ class Restorer:
 
         return put
 
-    def fill(self, name: str, dest: torch.Tensor, where: str) -> None:
-        """Plan reading tensor ``name`` into ``dest`` (its local shard for a DTensor), in place."""
+    def fill(self, name: str, dest: torch.Tensor | Layout, where: str, *, private: bool = False) -> None:
+        """Plan reading tensor ``name`` into ``dest`` in place: a tensor (a DTensor: its local shard; a
+        ShardedTensor: its local shards), or a :class:`Layout`, this rank's boxes of a tensor held in
+        pieces (FSDP1). ``private``: ``dest`` is new, not the caller's."""
         entry = self.manifest.tensors[name]
-        _, shape, _, _, _ = local_box(dest)
-        if shape != entry.shape:
+        layout = dest if isinstance(dest, Layout) else layout_of(dest, roles=False)
+        if layout.shape != entry.shape:
             raise CheckpointError(
                 f"{self.path}: {where}: shape mismatch: the checkpoint holds {list(entry.shape)}, the destination is "
-                f"{list(shape)}. Build the model with the same configuration as the saved one."
+                f"{list(layout.shape)}. Build the model with the same configuration as the saved one."
             )
-        if dest.dtype != entry.dtype and not self.cast:
+        if layout.dtype != entry.dtype and not self.cast:
             raise CheckpointError(
                 f"{self.path}: {where}: dtype mismatch: the checkpoint holds {dtype_name(entry.dtype)}, the "
-                f"destination is {dtype_name(dest.dtype)}. Pass cast=True to convert while loading, or load into "
+                f"destination is {dtype_name(layout.dtype)}. Pass cast=True to convert while loading, or load into "
                 "a tensor of the saved dtype."
             )
-        if dest.device.type == "meta":
-            raise CheckpointError(
-                f"{self.path}: {where}: the destination is on the meta device (no storage to fill); "
-                "materialise the model first (e.g. model.to_empty(device=...)) and load again"
-            )
-        if dest.is_inference() or any(s == 0 and n > 1 for s, n in zip(dest.stride(), dest.shape, strict=True)):
-            raise CheckpointError(
-                f"{self.path}: {where}: the destination cannot be written in place (an inference tensor, or an "
-                "expanded view whose elements share memory); put a plain tensor there"
-            )
-        self._fills.append((name, dest))
+        for _, data in layout.boxes:
+            if data.device.type == "meta":
+                raise CheckpointError(
+                    f"{self.path}: {where}: the destination is on the meta device (no storage to fill); "
+                    "materialise the model first (e.g. model.to_empty(device=...)) and load again"
+                )
+            if data.is_inference() or any(s == 0 and n > 1 for s, n in zip(data.stride(), data.shape, strict=True)):
+                raise CheckpointError(
+                    f"{self.path}: {where}: the destination cannot be written in place (an inference tensor, or an "
+                    "expanded view whose elements share memory); put a plain tensor there"
+                )
+        self._fills.append((name, layout))
+        self._in_place = self._in_place or not private
 
-    def fresh(self, name: str, alloc: Callable[[], torch.Tensor] | None = None) -> Op:
-        """Plan reading tensor ``name`` into a new tensor (``alloc``, default: CPU or ``device``)."""
+    def fresh(self, name: str, alloc: Callable[[], torch.Tensor] | None = None, *, early: bool = False) -> Op:
+        """Plan reading tensor ``name`` into a new tensor (``alloc``, default: CPU or ``device``);
+        ``early``: read before the go/no-go, so that :attr:`checks` can look at it."""
         if alloc is None:
             entry = self.manifest.tensors[name]
 
@@ -268,17 +289,21 @@ class Restorer:
                 return torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
 
         self._fresh[name] = alloc
+        if early:
+            self._early.add(name)
         return lambda: self.tensors[name]
 
-    def replace(self, node: Any, where: str, *, whole: bool = False) -> Op | None:
-        """Plan decoding ``node`` into new objects (its tensors read into new tensors); ``None`` when it
-        holds a per-rank value this rank has none of (recorded as missing)."""
+    def replace(self, node: Any, where: str, *, whole: bool = False, early: bool = False) -> Op | None:
+        """Plan decoding ``node`` into new objects (its tensors read into new tensors, before the
+        go/no-go if ``early``); ``None`` when it holds a per-rank value this rank has none of
+        (recorded as missing)."""
         node = self._select_all(node, where, whole)
         if node is _ABSENT:
             return None
         todo = _Decode(node, where)
         for tag, ref in refs(node):  # numpy needs CPU tensors, and so does optimizer state (torch moves it)
-            self.fresh(ref, cpu_alloc(self.manifest, ref) if tag == "ndarray" or self.cpu_only else None)
+            cpu = tag == "ndarray" or self.cpu_only
+            self.fresh(ref, cpu_alloc(self.manifest, ref) if cpu else None, early=early)
         self._decodes.append(todo)
         return lambda: todo.value
 
@@ -328,14 +353,15 @@ class Restorer:
 
     def fills_in_place(self) -> bool:
         """Whether this plan reads into tensors of the caller's state (not only into new ones)."""
-        return bool(self._fills)
+        return self._in_place
 
     def fresh_names(self) -> list[str]:
         """The manifest tensors this plan allocates anew (not filled into the caller's tensors)."""
         return list(self._fresh)
 
-    def prepare(self) -> list[Task]:
-        """Allocate the new tensors, decode the new values and return the reads. Still modifies
+    def prepare(self) -> tuple[list[Task], list[Task]]:
+        """Allocate the new tensors, decode the new values and return the reads: ``(early, rest)``.
+        ``early`` reads only into new tensors, for :meth:`check` before the go/no-go. Still modifies
         nothing of the caller's state."""
         for name, alloc in self._fresh.items():
             self.tensors[name] = alloc()
@@ -343,11 +369,18 @@ class Restorer:
             todo.value = decode(
                 todo.node, f"{self.path}: {todo.where}", self.tensors.__getitem__, allow_pickle=self.allow_pickle
             )
-        tasks: list[Task] = []
-        for name, dest in [*self._fills, *self.tensors.items()]:
-            local, _, offsets, _, _ = local_box(dest)
-            tasks += plan_reads(name, self.manifest.tensors[name], local, offsets)
-        return tasks
+        early: list[Task] = []
+        rest: list[Task] = []
+        fresh = [(name, layout_of(t, roles=False), name in self._early) for name, t in self.tensors.items()]
+        for name, layout, first in [*((n, lay, False) for n, lay in self._fills), *fresh]:
+            for offsets, local in layout.boxes:
+                (early if first else rest).extend(plan_reads(name, self.manifest.tensors[name], local, offsets))
+        return early, rest
+
+    def check(self) -> None:
+        """(after the early reads, before the go/no-go) Run :attr:`checks`."""
+        for check in self.checks:
+            check()
 
     def apply(self) -> None:
         """(after every read succeeded) Put the new values in place and hand state dicts back."""

@@ -4,7 +4,8 @@ anything changes); its state is keyed by parameter name, so it maps onto the opt
 whatever the wrapping and the world size. Tensors of the optimizer's current state are filled in place
 when shape and dtype agree; the others are read into new tensors shaped like their parameter (a DTensor
 shard under FSDP2) or as saved. Tensors in ``param_groups`` (``lr=torch.tensor(...)``) come back as
-tensors. After the reads, ``load_optimizer_state`` hands it all to the optimizer.
+tensors. An optimizer over FSDP1 parameters has its state placed by state/fsdp1_load.py (this rank's
+range of each parameter). After the reads, ``load_optimizer_state`` hands it all to the optimizer.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import torch
 
 from shardsafe.errors import CorruptCheckpointError
 from shardsafe.format.values import decode, has_per_rank
-from shardsafe.state.flatten import load_optimizer_state, optimizer_current, optimizer_names, param_names
+from shardsafe.state import fsdp1_load
+from shardsafe.state.flatten import load_optimizer_state, optimizer_current, param_names
+from shardsafe.state.fsdp1 import Fsdp1State
 from shardsafe.state.restore import Op, Restorer
 
 Json = Any
@@ -68,11 +71,11 @@ def plan_optimizer(r: Restorer, key: str, opt: torch.optim.Optimizer, node: Json
     saved_state, saved_groups = parse_optimizer(node, where)
     r.cpu_only = True  # torch's load_state_dict places state by its parameter (``step`` stays on CPU)
     try:
-        index = _plan(r, key, opt, saved_state, saved_groups, state)
+        planned = _plan(r, key, opt, saved_state, saved_groups, state)
     finally:
         r.cpu_only = False
-    if index is not None and type(opt).load_state_dict is torch.optim.Optimizer.load_state_dict:
-        _trial(r, where, opt, saved_state, saved_groups, index)
+    if planned is not None and type(opt).load_state_dict is torch.optim.Optimizer.load_state_dict:
+        _trial(r, where, opt, saved_state, saved_groups, *planned)
 
 
 def _trial(
@@ -82,11 +85,13 @@ def _trial(
     saved_state: list[tuple[str, list[tuple[str, Json]]]],
     saved_groups: list[tuple[list[str], list[tuple[str, Json]]]],
     index: dict[str, int],
+    group_params: list[list[int]],
 ) -> None:
     """(planning, before anything changes) Hand the saved entry to ``load_state_dict`` of a shallow copy
     of ``opt`` (its own ``__dict__``, no hooks), tensors stood in by empty ones of the saved dtype: a
     well-formed entry the optimizer refuses (a string where it needs a number) is then found before
-    the go/no-go, not after the model was filled."""
+    the go/no-go, not after the model was filled. State is keyed by the optimizer's own parameter
+    indices (``index``: saved name -> index; several names share the index of an FSDP1 flat parameter)."""
 
     def stand_in(ref: str) -> torch.Tensor:
         return torch.empty(0, dtype=r.manifest.tensors[ref].dtype)
@@ -99,8 +104,8 @@ def _trial(
     trial = {
         "state": {index[p]: {k: value(v, f"{where}/state/{p}/{k}") for k, v in entries} for p, entries in saved_state},
         "param_groups": [
-            {**{k: value(v, f"{where}/param_groups/{k}") for k, v in entries}, "params": [index[n] for n in names]}
-            for names, entries in saved_groups
+            {**{k: value(v, f"{where}/param_groups/{k}") for k, v in entries}, "params": params}
+            for (_, entries), params in zip(saved_groups, group_params, strict=True)
         ],
     }
     shadow = copy.copy(opt)
@@ -115,6 +120,18 @@ def _trial(
         ) from err
 
 
+def _names(opt: torch.optim.Optimizer, names: dict[int, str], fsdp: Fsdp1State | None) -> list[list[str]]:
+    """Per parameter of ``opt`` (in order), the names its saved state goes by: its name (positional
+    ``group<g>.<i>`` when unknown), or those of the original parameters of an FSDP1 parameter."""
+    out = []
+    for g, group in enumerate(opt.param_groups):
+        for i, p in enumerate(group["params"]):
+            out.append(
+                fsdp.names_of(p) if fsdp is not None and fsdp.manages(p) else [names.get(id(p), f"group{g}.{i}")]
+            )
+    return out
+
+
 def _plan(
     r: Restorer,
     key: str,
@@ -122,38 +139,40 @@ def _plan(
     saved_state: list[tuple[str, list[tuple[str, Json]]]],
     saved_groups: list[tuple[list[str], list[tuple[str, Json]]]],
     state: Mapping[str, Any],
-) -> dict[str, int] | None:
-    """Plan the restore; returns parameter name -> index, or ``None`` when the optimizer's parameters
-    differ from the saved ones (recorded as missing)."""
-    group_names = optimizer_names(opt, param_names(state))
+) -> tuple[dict[str, int], list[list[int]]] | None:
+    """Plan the restore; returns (saved name -> parameter index, the indices of each group), or
+    ``None`` when the optimizer's parameters differ from the saved ones (recorded as missing)."""
+    fsdp = fsdp1_load.context(state, opt)  # None unless ``opt`` holds FSDP1 parameters
+    per_param = _names(opt, param_names(state), fsdp)
+    group_params: list[list[int]] = []
+    for group in opt.param_groups:
+        start = sum(len(g) for g in group_params)
+        group_params.append(list(range(start, start + len(group["params"]))))
+    group_names = [[n for i in g for n in per_param[i]] for g in group_params]
     if len(saved_groups) != len(group_names) or any(
         sorted(s) != sorted(g) for (s, _), g in zip(saved_groups, group_names, strict=False)
     ):
         r.missing.append(f"{key}: parameter groups differ (saved {[s for s, _ in saved_groups]}, now {group_names})")
         return None
-    index = {n: i for i, n in enumerate(n for g in group_names for n in g)}
+    index = {n: i for i, ns in enumerate(per_param) for n in ns}
     unknown = [n for n, _ in saved_state if n not in index]
     if unknown:
         r.missing.append(f"{key}: state for parameters the optimizer does not have: {unknown}")
         return None
     params = [p for g in opt.param_groups for p in g["params"]]
+    saved = dict(saved_state)
     current = optimizer_current(opt)
     state_ops: dict[int, list[tuple[str, Op]]] = {}
-    for pname, entries in saved_state:
-        i = index[pname]
+    for i, p in enumerate(params):
         now = current["state"].get(i, {})
-        ops = []
-        for k, v in entries:
-            here = f"{key}/state/{pname}/{k}"
-            if k in now:
-                ops.append((k, r.merge(now[k], v, here, lenient=True)))
-            elif _tag(v) == "tensor" and r.manifest.tensors[v["ref"]].shape == tuple(params[i].shape):
-                ops.append((k, r.fresh(v["ref"], _like(params[i], r.manifest.tensors[v["ref"]].dtype))))
-            else:
-                new = r.replace(v, here)
-                if new is not None:
-                    ops.append((k, new))
-        state_ops[i] = ops
+        if fsdp is not None and fsdp.manages(p):
+            ops = fsdp1_load.plan_state(r, fsdp, p, now, saved, f"{key}/state")
+        elif per_param[i][0] in saved:
+            ops = _state(r, p, now, saved[per_param[i][0]], f"{key}/state/{per_param[i][0]}")
+        else:
+            ops = None
+        if ops is not None:
+            state_ops[i] = ops
     group_ops = []
     for (_, entries), now_group in zip(saved_groups, current["param_groups"], strict=True):
         ops = []
@@ -163,7 +182,6 @@ def _plan(
             if new is not None:
                 ops.append((k, new))
         group_ops.append(ops)
-    gnames = [[index[n] for n in g] for g in group_names]
 
     def apply() -> None:
         load_optimizer_state(
@@ -171,13 +189,31 @@ def _plan(
             {
                 "state": {i: {k: op() for k, op in ops} for i, ops in state_ops.items()},
                 "param_groups": [
-                    {**{k: op() for k, op in ops}, "params": p} for ops, p in zip(group_ops, gnames, strict=True)
+                    {**{k: op() for k, op in ops}, "params": p} for ops, p in zip(group_ops, group_params, strict=True)
                 ],
             },
         )
 
     r.steps.append(apply)
-    return index
+    return index, group_params
+
+
+def _state(
+    r: Restorer, param: torch.Tensor, now: Mapping[str, Any], entries: list[tuple[str, Json]], where: str
+) -> list[tuple[str, Op]]:
+    """One parameter's state: into its current state in place where it agrees, else new."""
+    ops = []
+    for k, v in entries:
+        here = f"{where}/{k}"
+        if k in now:
+            ops.append((k, r.merge(now[k], v, here, lenient=True)))
+        elif _tag(v) == "tensor" and r.manifest.tensors[v["ref"]].shape == tuple(param.shape):
+            ops.append((k, r.fresh(v["ref"], _like(param, r.manifest.tensors[v["ref"]].dtype))))
+        else:
+            new = r.replace(v, here)
+            if new is not None:
+                ops.append((k, new))
+    return ops
 
 
 def _like(param: torch.Tensor, dtype: torch.dtype) -> Callable[[], torch.Tensor]:

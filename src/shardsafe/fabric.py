@@ -1,0 +1,191 @@
+"""Lightning Fabric strategies whose checkpoints go through shardsafe (docs/fabric.md).
+
+``L.Fabric(strategy=shardsafe.fabric.DDPStrategy(...))`` (or ``FSDPStrategy``, ``ModelParallelStrategy``)
+makes ``fabric.save(path, state)``, ``fabric.load(path, state)`` and ``fabric.load_raw(path, obj)``
+shardsafe saves and loads, with no other change to the script: every rank writes its share, the commit is
+all-or-nothing, every byte is checksummed, nothing is unpickled, a checkpoint loads on any world size and
+strategy, and a ``fabric.save`` under ``if fabric.global_rank == 0:`` raises :class:`RankTimeoutError`
+naming the missing ranks instead of hanging.
+
+Each class takes exactly the arguments of the Fabric strategy it extends, plus two keyword-only ones:
+``checkpoint_timeout`` (seconds every checkpoint wait may take; default ``SHARDSAFE_TIMEOUT``) and
+``checkpoint_overwrite`` (default True, as ``fabric.save`` overwrites: an existing checkpoint at the path
+is replaced atomically; anything that is not a shardsafe checkpoint is refused untouched).
+
+This module imports ``lightning``; ``import shardsafe`` does not import it (install ``shardsafe[fabric]``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from lightning.fabric.strategies.ddp import DDPStrategy as _FabricDDPStrategy
+from lightning.fabric.strategies.fsdp import FSDPStrategy as _FabricFSDPStrategy
+from lightning.fabric.strategies.model_parallel import ModelParallelStrategy as _FabricModelParallelStrategy
+from torch import nn
+from torch.optim import Optimizer
+
+from shardsafe.coord import Deadlines
+from shardsafe.engine import api
+from shardsafe.errors import CheckpointError, CheckpointNotFoundError
+from shardsafe.state.flatten import Filtered
+
+__all__ = ["DDPStrategy", "FSDPStrategy", "ModelParallelStrategy"]
+
+
+class _ShardsafeCheckpoints:
+    """Replaces a Fabric strategy's checkpoint methods; mixed in before the strategy class."""
+
+    _checkpoint_timeout: float | Deadlines | None
+    _checkpoint_overwrite: bool
+
+    def _init_checkpoints(self, timeout: float | Deadlines | None, overwrite: bool) -> None:
+        if not isinstance(overwrite, bool):
+            raise TypeError(f"checkpoint_overwrite must be True or False, not {overwrite!r}")
+        self.checkpoint_timeout = timeout
+        self._checkpoint_overwrite = overwrite
+
+    @property
+    def checkpoint_timeout(self) -> float | Deadlines | None:
+        """Seconds each checkpoint wait may take (ranks arriving, writes, commit); None: the
+        ``SHARDSAFE_TIMEOUT``/``SHARDSAFE_IO_TIMEOUT`` defaults. May be changed between saves."""
+        return self._checkpoint_timeout
+
+    @checkpoint_timeout.setter
+    def checkpoint_timeout(self, timeout: float | Deadlines | None) -> None:
+        seconds = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
+        if not (timeout is None or isinstance(timeout, Deadlines) or seconds):
+            raise ValueError(f"checkpoint_timeout must be a positive number of seconds or None, not {timeout!r}")
+        self._checkpoint_timeout = timeout
+
+    def save_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        state: dict[str, nn.Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """(every rank) ``fabric.save``: one shardsafe checkpoint (a directory) at ``path``.
+
+        ``filter`` keeps, per state key, the items of that entry's state dict it accepts (as Fabric
+        does); a filtered module stays loadable into a module with ``strict=False``. ``storage_options``
+        go to the storage backend (fsspec options for ``s3://...`` paths)."""
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(f"storage_options must be a dict of storage backend options, not {storage_options!r}")
+        entries: dict[str, Any] = dict(state)
+        for key, keep in (filter or {}).items():
+            if key in entries:
+                entries[key] = Filtered(entries[key], keep)
+        api.save(
+            path,
+            entries,
+            overwrite=self._checkpoint_overwrite,
+            timeout=self._checkpoint_timeout,
+            storage_options=storage_options,
+        )
+
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """(every rank) ``fabric.load`` / ``fabric.load_raw``. With a dict: restores its objects in place and
+        returns the checkpoint's entries it did not ask for. With nothing: the whole checkpoint, CPU
+        tensors. With a module (``load_raw``): the checkpoint's only module entry, or a checkpoint saved
+        from a bare state dict. ``weights_only`` is accepted and moot: shardsafe never unpickles."""
+        _refuse_pickle_file(path)
+        if not state:
+            return api.load(path)
+        if isinstance(state, nn.Module):
+            self._load_raw_module(path, state, strict)
+            return {}
+        if isinstance(state, Optimizer):
+            raise NotImplementedError(
+                "fabric.load_raw(path, optimizer) is not supported with shardsafe strategies: optimizer state is "
+                "keyed by parameter name, which only the model knows. Load it with its model: "
+                'fabric.load(path, {"model": model, "optimizer": optimizer}).'
+            )
+        return api.load(path, state, strict=strict, timeout=self._checkpoint_timeout)
+
+    def _load_raw_module(self, path: str | os.PathLike[str], module: nn.Module, strict: bool) -> None:
+        info = api.inspect(path)
+        objects = [e for e in info.entries if e.kind != "tensor"]
+        modules = [e.name for e in objects if e.kind == "module"]
+        if len(modules) == 1:
+            api.load(path, {modules[0]: module}, strict=strict, timeout=self._checkpoint_timeout)
+            return
+        if modules or any(e.kind != "value" for e in objects):
+            raise CheckpointError(
+                f"fabric.load_raw({os.fspath(path)!r}, module): the checkpoint holds {len(modules)} modules "
+                f"({modules}); load_raw needs exactly one. Use fabric.load(path, {{name: module}}) instead."
+            )
+        from shardsafe.state.flatten import module_state
+
+        saved = {e.name for e in objects}
+        targets = dict(module_state(module))  # filled in place: the module's storage (FSDP1: its flat shards)
+        unexpected = sorted(saved - set(targets))
+        if strict and unexpected:
+            raise CheckpointError(
+                f"fabric.load_raw({os.fspath(path)!r}, module): the checkpoint holds {unexpected}, which the module "
+                "does not have; nothing was loaded. Pass strict=False to load the rest."
+            )
+        wanted = targets if strict else {k: v for k, v in targets.items() if k in saved}
+        api.load(path, wanted, strict=strict, timeout=self._checkpoint_timeout)
+
+
+def _refuse_pickle_file(path: str | os.PathLike[str]) -> None:
+    """A ``torch.save`` file is not a shardsafe checkpoint, and loading it would unpickle it."""
+    p = os.fspath(path)
+    if "://" not in p and os.path.isfile(p):
+        raise CheckpointNotFoundError(
+            f"{p} is a file, not a shardsafe checkpoint (a directory). shardsafe never unpickles; convert a "
+            "trusted torch.save file once with shardsafe.save(new_path, torch.load(path, weights_only=True))."
+        )
+
+
+class DDPStrategy(_ShardsafeCheckpoints, _FabricDDPStrategy):
+    """Fabric's :class:`~lightning.fabric.strategies.DDPStrategy`, checkpoints through shardsafe."""
+
+    def __init__(
+        self,
+        *args: Any,
+        checkpoint_timeout: float | Deadlines | None = None,
+        checkpoint_overwrite: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_checkpoints(checkpoint_timeout, checkpoint_overwrite)
+
+
+class FSDPStrategy(_ShardsafeCheckpoints, _FabricFSDPStrategy):
+    """Fabric's :class:`~lightning.fabric.strategies.FSDPStrategy` (FSDP1), checkpoints through shardsafe:
+    each rank writes its own flat shard, no state is gathered, whatever ``state_dict_type`` says."""
+
+    def __init__(
+        self,
+        *args: Any,
+        checkpoint_timeout: float | Deadlines | None = None,
+        checkpoint_overwrite: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_checkpoints(checkpoint_timeout, checkpoint_overwrite)
+
+
+class ModelParallelStrategy(_ShardsafeCheckpoints, _FabricModelParallelStrategy):
+    """Fabric's :class:`~lightning.fabric.strategies.ModelParallelStrategy` (FSDP2 and tensor parallelism on
+    a 2-D mesh), checkpoints through shardsafe, whatever ``save_distributed_checkpoint`` says."""
+
+    def __init__(
+        self,
+        *args: Any,
+        checkpoint_timeout: float | Deadlines | None = None,
+        checkpoint_overwrite: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_checkpoints(checkpoint_timeout, checkpoint_overwrite)
