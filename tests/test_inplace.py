@@ -218,3 +218,37 @@ def test_state_dict_pattern_ddp_and_fsdp2(tmp_path: Path, strategy: str) -> None
     kinds = {o["mismatch"][0] for o in outs}
     assert kinds <= {"CheckpointError", "RemoteRankError"} and "CheckpointError" in kinds
     assert any("shape mismatch" in o["mismatch"][1] for o in outs)
+
+
+def _fresh_optimizer_memory(rank: int, world: int, path: str) -> dict[str, Any]:
+    import shardsafe.engine.read as read
+
+    model, opt = build("fsdp", seed=0)
+    train(model, opt, steps=1)
+    shardsafe.save(path, {"model": model, "optim": opt})
+    state_bytes = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
+    local_bytes = sum(
+        t.to_local().numel() * t.element_size()
+        for s in opt.state.values()
+        for t in s.values()
+        if hasattr(t, "to_local")
+    )
+    model2, opt2 = build("fsdp", seed=1)  # a fresh optimizer: its state is allocated by the load
+    # Memory between this rank's shards of the optimizer state and the whole of it: the new tensors are
+    # shards, so the load fits (counting them at their global size would refuse it).
+    read.available_memory = lambda: (local_bytes + state_bytes) // 2  # type: ignore[assignment]
+    shardsafe.load(path, {"model": model2, "optim": opt2})
+    same = all(
+        torch.equal(a.to_local(), b.to_local())
+        for s1, s2 in zip(opt.state.values(), opt2.state.values(), strict=True)
+        for a, b in zip(s1.values(), s2.values(), strict=True)
+        if hasattr(a, "to_local")
+    )
+    return {"same": same, "local": local_bytes, "whole": state_bytes}
+
+
+def test_new_sharded_optimizer_state_is_counted_at_its_local_size(tmp_path: Path) -> None:
+    outs = check_ok(run_ranks(_fresh_optimizer_memory, 2, str(tmp_path / "c"), timeout=120))
+    for out in outs:
+        assert out["local"] < out["whole"]
+        assert out["same"]

@@ -71,7 +71,7 @@ def load(
                 raise _missing_error(path, manifest, r.missing)
         check_sizes(storage, path, manifest, r.names())  # before allocating what the manifest sizes
         if device is None or device.type == "cpu":  # new host tensors must fit in the memory available
-            check_allocation(storage, path, manifest, r.fresh_names())
+            check_allocation(storage, path, manifest, r.fresh_bytes())
         early, tasks = r.prepare()
         if early:  # new tensors whose values the plan must compare before the go (FSDP1 optimizer state)
             run_tasks(storage, path, manifest, early, lambda: None, deadlines.io)

@@ -13,7 +13,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
@@ -65,20 +65,23 @@ def check_sizes(storage: Storage, path: str, manifest: Manifest, tensors: Sequen
             )
 
 
-def check_allocation(storage: Storage, path: str, manifest: Manifest, tensors: Sequence[str]) -> None:
-    """(the process about to allocate) Before allocating ``tensors`` fresh from manifest shapes: the
-    files back them (:func:`check_sizes`) and their bytes fit in the memory available to this process
-    (a sparse file makes a forged shape look backed). Raises :class:`CheckpointError` naming the
-    largest tensor, before any allocation."""
-    check_sizes(storage, path, manifest, tensors)
-    wanted = set(tensors)
-    need = sum(manifest.tensors[t].nbytes for t in wanted)
+def check_allocation(
+    storage: Storage, path: str, manifest: Manifest, tensors: Sequence[str] | Mapping[str, int]
+) -> None:
+    """(the process about to allocate) Before allocating ``tensors`` fresh: the files back them
+    (:func:`check_sizes`) and their bytes fit in the memory available to this process (a sparse file
+    makes a forged shape look backed). ``tensors`` maps each name to the bytes its new tensor takes (a
+    local shard of it), or lists names allocated whole from their manifest shapes. Raises
+    :class:`CheckpointError` naming the largest tensor, before any allocation."""
+    sizes = dict(tensors) if isinstance(tensors, Mapping) else {t: manifest.tensors[t].nbytes for t in tensors}
+    check_sizes(storage, path, manifest, list(sizes))
+    need = sum(sizes.values())
     have = available_memory()
-    if wanted and need > have:
-        largest = max(wanted, key=lambda t: manifest.tensors[t].nbytes)
+    if sizes and need > have:
+        largest = max(sizes, key=lambda t: sizes[t])
         raise CheckpointError(
             f"load of {path!r}: its tensors need {need} bytes of memory (the largest, {largest!r}, "
-            f"{manifest.tensors[largest].nbytes}), but only {have} are available to this process. Load into a "
+            f"{sizes[largest]}), but only {have} are available to this process. Load into a "
             "state whose tensors already exist (filled in place), or on a machine with more memory."
         )
 

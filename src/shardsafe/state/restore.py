@@ -83,6 +83,7 @@ class Restorer:
         self._fills: list[tuple[str, Layout]] = []  # (manifest name, this rank's boxes of the destination)
         self._in_place = False  # some destination belongs to the caller's state
         self._fresh: dict[str, Callable[[], torch.Tensor]] = {}  # manifest name -> allocator (after size checks)
+        self._fresh_bytes: dict[str, int] = {}  # manifest name -> bytes its new tensor takes
         self._early: set[str] = set()  # new tensors read before the go/no-go, for :attr:`checks`
         self._decodes: list[_Decode] = []
         self.tensors: dict[str, torch.Tensor] = {}  # allocated by prepare()
@@ -187,7 +188,7 @@ class Restorer:
                     self.fill(node["ref"], dest, where)
                     return lambda: dest
                 # optimizer state of another dtype: a new tensor placed like the old one (DTensor too)
-                return self.fresh(node["ref"], lambda: torch.empty_like(dest, dtype=entry.dtype))
+                return self.fresh(node["ref"], lambda: torch.empty_like(dest, dtype=entry.dtype), like=dest)
             if not lenient:
                 raise CheckpointError(
                     f"{self.path}: {where}: the state holds a tensor here, the checkpoint {describe(node)}; "
@@ -279,9 +280,22 @@ class Restorer:
         self._fills.append((name, layout))
         self._in_place = self._in_place or not private
 
-    def fresh(self, name: str, alloc: Callable[[], torch.Tensor] | None = None, *, early: bool = False) -> Op:
+    def fresh(
+        self,
+        name: str,
+        alloc: Callable[[], torch.Tensor] | None = None,
+        *,
+        early: bool = False,
+        like: torch.Tensor | None = None,
+    ) -> Op:
         """Plan reading tensor ``name`` into a new tensor (``alloc``, default: CPU or ``device``);
-        ``early``: read before the go/no-go, so that :attr:`checks` can look at it."""
+        ``early``: read before the go/no-go, so that :attr:`checks` can look at it; ``like``: the tensor
+        ``alloc`` shapes the new one after (its local shard sizes the memory check, not the global shape)."""
+        entry_bytes = self.manifest.tensors[name].nbytes
+        if like is not None:
+            held = sum(data.numel() for _, data in layout_of(like, roles=False).boxes)
+            entry_bytes = held * self.manifest.tensors[name].dtype.itemsize
+        self._fresh_bytes[name] = entry_bytes
         if alloc is None:
             entry = self.manifest.tensors[name]
 
@@ -355,9 +369,10 @@ class Restorer:
         """Whether this plan reads into tensors of the caller's state (not only into new ones)."""
         return self._in_place
 
-    def fresh_names(self) -> list[str]:
-        """The manifest tensors this plan allocates anew (not filled into the caller's tensors)."""
-        return list(self._fresh)
+    def fresh_bytes(self) -> dict[str, int]:
+        """The manifest tensors this plan allocates anew (not filled into the caller's tensors), with
+        the bytes each new tensor takes (a DTensor shard's local size, not the global one)."""
+        return {name: self._fresh_bytes[name] for name in self._fresh}
 
     def prepare(self) -> tuple[list[Task], list[Task]]:
         """Allocate the new tensors, decode the new values and return the reads: ``(early, rest)``.

@@ -208,7 +208,7 @@ def _state(
         if k in now:
             ops.append((k, r.merge(now[k], v, here, lenient=True)))
         elif _tag(v) == "tensor" and r.manifest.tensors[v["ref"]].shape == tuple(param.shape):
-            ops.append((k, r.fresh(v["ref"], _like(param, r.manifest.tensors[v["ref"]].dtype))))
+            ops.append((k, r.fresh(v["ref"], _like(param, r.manifest.tensors[v["ref"]].dtype), like=param)))
         else:
             new = r.replace(v, here)
             if new is not None:
