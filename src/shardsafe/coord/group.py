@@ -20,8 +20,16 @@ Store layout under ``shardsafe/<group>/<channel>/`` (``status`` directly under `
     <seq>/<phase>/...          the same three keys for each barrier of the operation
     <seq>/<phase>/value        a broadcast value
     <seq>/abort                the first failure of the operation: rank, phase, error
+    <seq>/decision             the operation's outcome ("commit" or an abort record): first compare_set wins
+    <seq>/<name>               a value one rank posts for the others (e.g. ``published``)
+    <seq>/ack/<rank>           the rank has read the outcome (rank 0 returns only after every live one)
     <seq>/hb/<rank>            heartbeat counter of a rank inside the operation (save, load)
+    <seq>/done                 ranks that have left the operation (close)
     status/<rank>              where the rank is now (for stall and timeout reports)
+
+Store traffic goes through shardsafe's own connection to the store where it can
+(:mod:`shardsafe.coord.connection`), so another thread blocked in ``store.get`` on the process
+group's client never stalls a heartbeat or a wait.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
 from shardsafe import knobs
+from shardsafe.coord.connection import connection_for
 from shardsafe.errors import CoordinationError, RankDeadError, RankDesyncError, RankTimeoutError, RemoteRankError
 
 logger = logging.getLogger(__name__)
@@ -127,6 +136,10 @@ class Coordinator:
         self._hb_stop: threading.Event | None = None
         self._hb_seen: dict[int, tuple[int, float]] = {}
         self._hb_checked = 0.0
+        self._hb_error: BaseException | None = None
+        self._finishing = False  # the outcome is read: a store that vanishes now is no news
+        self._closed = False
+        self._shared: Store | None = store  # the process group's own client (heartbeat fallback)
         self.infos: list[dict[str, Any]] = []
 
     # ----------------------------------------------------------------------------------- joining
@@ -166,6 +179,11 @@ class Coordinator:
         assert rank is not None and world_size is not None
         self = cls(store, rank, world_size, ns, op, target, deadlines, global_rank)
         self.identity = identity
+        if store is not None and world_size > 1:
+            conn = connection_for(store, identity)
+            own = conn.store(wait=knobs.store_connect_wait()) if conn is not None else None
+            if own is not None:  # fixed for the whole operation: one connection keeps its requests in order
+                self.store = own
         site = call_site()
         info = {"op": op, "target": target, "site": site, "host": socket.gethostname(), "pid": os.getpid()}
         info.update(extra or {})
@@ -254,6 +272,7 @@ class Coordinator:
         warned = False
         delay = 0.002
         while not self._check(key):
+            self._raise_if_heartbeat_failed()
             failure = self.remote_failure()
             if failure is not None:
                 if self._check(key):  # the value came first (e.g. a commit record, then a later failure)
@@ -270,25 +289,140 @@ class Coordinator:
             delay = min(delay * 2, knobs.poll_seconds())
         return self._get(key)
 
-    def fail(self, phase: str, err: BaseException) -> None:
+    def fail(self, phase: str, err: BaseException, *, rank: int | None = None) -> None:
         """(the failing rank) Tell every rank of this operation that it failed, so their waits raise
-        :class:`RemoteRankError` at once instead of at the deadline. The caller re-raises ``err``."""
+        :class:`RemoteRankError` at once instead of at the deadline. The caller re-raises ``err``.
+        ``rank``: the rank to blame when it is not this one (a rank found dead)."""
         if self.store is None or self.world_size == 1 or self.seq == 0:
             return
-        record = {"rank": self.global_rank, "phase": phase, "error": f"{type(err).__name__}: {err}"}
+        who = self.global_rank if rank is None else rank
+        record = {"rank": who, "phase": phase, "error": f"{type(err).__name__}: {err}"}
         try:
             self._compare_set(self._k("abort"), json.dumps(record))
         except RankDeadError as dead:
             # The store is gone, so nobody can be told; the caller raises its own error anyway.
             logger.error("shardsafe: rank %d could not report its failure in %s: %s", self.rank, phase, dead)
 
+    # ----------------------------------------------------------------- decision and acknowledgement
+
+    def decide(self, value: str) -> str:
+        """(any rank) Propose ``value`` as the operation's outcome; return the outcome, which is the
+        first value ever proposed (one ``compare_set`` on the decision key): once decided, nobody can
+        change it. A save proposes ``"commit"`` (rank 0, before publishing) or an abort record (a
+        rank that failed or gave up waiting). Raises :class:`RankDeadError` if the store is gone."""
+        if self.store is None or self.world_size == 1:
+            return value
+        return self._compare_set(self._k("decision"), value)
+
+    def post(self, name: str, value: str) -> None:
+        """(one rank) Publish ``value`` under ``name`` for this operation (read with :meth:`await_value`)."""
+        if self.store is None or self.world_size == 1:
+            return
+        self._status(name)
+        self._use(name)
+        self._set(self._k(name), value)
+
+    def await_value(self, name: str, *, timeout: float, src: int = 0) -> str | None:
+        """(the ranks other than ``src``) Wait up to ``timeout`` seconds for the value ``src`` posts under
+        ``name`` (or for the decision, with ``name="decision"``); ``None`` at the deadline. Other ranks'
+        failures are not watched (the value may come after one). Raises :class:`RankDeadError` when
+        ``src``'s heartbeat stops, or (``store_lost``) when the store is gone."""
+        if self.store is None or self.world_size == 1:
+            return None
+        self._status(name)
+        self._use(name)
+        key = self._k(name)
+        started = time.monotonic()
+        warned = False
+        delay = 0.002
+        while not self._check(key):
+            self._raise_if_heartbeat_failed()
+            dead = self._dead([src])
+            if dead:
+                raise RankDeadError(
+                    f"{self.op} of {self.target!r}: rank {src} stopped responding while rank {self.rank} waited for "
+                    f"its {name!r} record (its heartbeat stopped for {knobs.dead_after():.0f}s: the process died or "
+                    "is frozen)."
+                )
+            elapsed = time.monotonic() - started
+            if elapsed > timeout:
+                return None
+            if not warned and elapsed > knobs.stall_fraction() * timeout:
+                warned = True
+                self._warn_stall(name, f"rank {src}'s {name} record", [src], elapsed, timeout)
+            time.sleep(delay)
+            delay = min(delay * 2, knobs.poll_seconds())
+        return self._get(key)
+
+    def acknowledge(self, *, timeout: float) -> list[int]:
+        """(every rank, once it has read the operation's outcome) Say so on the store. Rank 0 then
+        waits until every other rank has said so, or its heartbeat stopped (a dead rank is excused),
+        at most ``timeout`` seconds, and returns the ranks that did neither (after a WARNING): a
+        script that ends the process hosting the store right after the call strands nobody. The
+        other ranks return at once; a store that is gone by then is no news to them."""
+        if self.store is None or self.world_size == 1:
+            return []
+        self._finishing = self.rank != 0
+        if self.rank != 0:
+            try:
+                self._set(self._k("ack", str(self.rank)), "1")
+            except RankDeadError as err:
+                logger.debug("shardsafe: rank %d could not acknowledge %s: %s", self.rank, self.op, err)
+            return []
+        self._status("ack")
+        self._use("ack")
+        started = time.monotonic()
+        waiting = list(range(1, self.world_size))
+        delay = 0.002
+        while True:
+            waiting = [r for r in waiting if not self._check(self._k("ack", str(r)))]
+            waiting = [r for r in waiting if r not in self._dead(waiting)]
+            if not waiting:
+                self._finishing = True
+                return []
+            if time.monotonic() - started > timeout:
+                logger.warning(
+                    "shardsafe: %s of %s is done, but ranks %s did not confirm they read the outcome within %.0fs; "
+                    "returning anyway. If this process ends now and hosts the rendezvous store, those ranks may "
+                    "raise RankDeadError (their checkpoint is committed all the same).",
+                    self.op,
+                    self.target,
+                    waiting,
+                    timeout,
+                )
+                self._finishing = True
+                return waiting
+            time.sleep(delay)
+            delay = min(delay * 2, knobs.poll_seconds())
+
+    def _dead(self, ranks: list[int]) -> list[int]:
+        """Those of ``ranks`` that joined this operation and whose heartbeat has not moved for
+        ``SHARDSAFE_DEAD_AFTER`` seconds (checked at most once per heartbeat period)."""
+        if self._hb_stop is None or not ranks:
+            return []
+        now = time.monotonic()
+        dead = []
+        for r in ranks:
+            last = self._hb_seen.get(r)
+            if last is not None and now - last[1] < knobs.heartbeat_seconds():
+                continue  # seen moving lately: spare the store a request
+            count = self._add(self._k("hb", str(r)), 0)
+            if count == 0:
+                continue
+            if last is None or last[0] != count:
+                self._hb_seen[r] = (count, now)
+            elif now - last[1] > knobs.dead_after():
+                dead.append(r)
+        return dead
+
     # ------------------------------------------------------------------------------- internals
 
     def close(self) -> None:
         """(every rank that joined with ``heartbeat``) Stop ticking and record that the operation is
         over on this rank (rank 0 then may delete its keys). Idempotent."""
-        if self._hb_stop is None or self._hb_stop.is_set():
+        if self._hb_stop is None or self._closed:
             return
+        self._closed = self._finishing = True
         self._hb_stop.set()
         try:
             self._add(self._k("done"), 1)
@@ -299,21 +433,47 @@ class Coordinator:
         self._use("hb")  # tells rank 0's cleanup to wait for every rank's close()
         stop = self._hb_stop = threading.Event()
         key = self._k("hb", str(self.rank))
-        # The heartbeat shares the caller's store client: TCPStore serialises requests from several
-        # threads itself, and every shardsafe call is short (nothing blocks on a missing key), so
-        # ticks are never held up. A clone() would need a new connection, which can take seconds.
-        store = self._store()
         self._add(key, 1)
+        assert self._shared is not None
+        conn = connection_for(self._shared, self.identity)
+        fallback = self._store()
 
         def tick() -> None:
             while not stop.wait(knobs.heartbeat_seconds()):
+                # shardsafe's own connection as soon as it is up: never queued behind another thread's
+                # blocking get on the shared client
+                store = (conn.store() if conn is not None else None) or fallback
                 try:
                     store.add(key, 1)
-                except Exception as err:  # the store is gone: waits on this rank raise RankDeadError
-                    logger.debug("shardsafe: heartbeat of rank %d stopped: %s", self.rank, err)
+                except Exception as err:  # reported, and raised by this rank's next wait
+                    if stop.is_set() or self._finishing:
+                        logger.debug("shardsafe: heartbeat of rank %d ended with the store: %s", self.rank, err)
+                        return
+                    self._hb_error = err
+                    logger.warning(
+                        "shardsafe: the heartbeat of rank %d in %s of %s stopped: %s: %s. The other ranks will "
+                        "take this rank for dead after SHARDSAFE_DEAD_AFTER=%.0fs; this rank's %s raises.",
+                        self.rank,
+                        self.op,
+                        self.target,
+                        type(err).__name__,
+                        err,
+                        knobs.dead_after(),
+                        self.op,
+                    )
                     return
 
         threading.Thread(target=tick, name=f"shardsafe-heartbeat-{self.op}", daemon=True).start()
+
+    def _raise_if_heartbeat_failed(self) -> None:
+        err = self._hb_error
+        if err is not None:
+            raise RankDeadError(
+                f"{self.op} of {self.target!r}: the heartbeat of rank {self.rank} could not reach the rendezvous "
+                f"store ({type(err).__name__}: {err}); the other ranks take this rank for dead. Restart the job, it "
+                "resumes from the last committed checkpoint.",
+                store_lost=True,
+            ) from err
 
     def _check_alive(self, phase: str, ranks: list[int]) -> None:
         """Raise :class:`RankDeadError` (and abort the operation for all) if one of ``ranks`` joined
@@ -353,6 +513,7 @@ class Coordinator:
         warned = False
         delay = 0.002
         while not self._check(key):
+            self._raise_if_heartbeat_failed()
             if watch_abort:
                 self._raise_if_aborted()
                 if self._hb_stop is not None:
@@ -495,8 +656,10 @@ class Coordinator:
             phases = _phases_used.get((key, seq), {"arrive"})
             if "hb" in phases and self._add(f"{prefix}/done", 0) < self.world_size:
                 break
-            names = [f"{prefix}/abort", f"{prefix}/done"] + [f"{prefix}/hb/{r}" for r in range(self.world_size)]
-            for phase in phases - {"hb"}:
+            names = [f"{prefix}/abort", f"{prefix}/done", f"{prefix}/decision"]
+            names += [f"{prefix}/{w}/{r}" for w in ("hb", "ack") for r in range(self.world_size)]
+            for phase in phases - {"hb", "ack"}:
+                names += [f"{prefix}/{phase}"]  # a posted value
                 names += [f"{prefix}/{phase}/{leaf}" for leaf in ("count", "decision", "value")]
                 names += [f"{prefix}/{phase}/r/{r}" for r in range(self.world_size)]
             for name in names:
@@ -526,7 +689,8 @@ class Coordinator:
             raise RankDeadError(
                 f"{self.op} of {self.target!r}: rank {self.rank} lost the rendezvous store during {what} "
                 f"({err}). The process hosting it (rank 0 or the launcher) has most likely died; restart "
-                "the job, it will resume from the last committed checkpoint."
+                "the job, it will resume from the last committed checkpoint.",
+                store_lost=True,
             ) from err
 
     def _set(self, k: str, v: str) -> None:

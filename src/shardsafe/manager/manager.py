@@ -25,6 +25,7 @@ from shardsafe.manager.resume import newest_verified, resume_newest
 from shardsafe.manager.retention import RetentionPolicy
 from shardsafe.manager.rootfs import open_root
 from shardsafe.manager.schedule import PREEMPTION, Schedule
+from shardsafe.storage import get_storage
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class CheckpointManager:
             leftover_age=leftover_age,
         )
         self._fs = open_root(self.config.root)
+        self._storage = get_storage(self.config.root)  # deletes go through shardsafe.storage.delete
         store, self.rank, self.world_size, _, namespace, _ = resolve_group(None)
         self._deadlines = Deadlines.resolve(self.config.timeout)
         self._policy = RetentionPolicy(
@@ -274,9 +276,9 @@ class CheckpointManager:
                 for r in records
             ):
                 protect.add(resumed)
-            apply_retention(self._fs, records, self._policy, protect=protect, exclude=self._damaged)
+            apply_retention(self._storage, records, self._policy, protect=protect, exclude=self._damaged)
             busy = {self._pending.name} if self._pending is not None else set()
-            remove_leftovers(self._fs, records, min_age=self.config.leftover_age, busy=busy)
+            remove_leftovers(self._fs, self._storage, records, min_age=self.config.leftover_age, busy=busy)
         except OSError as err:
             logger.error(
                 "shardsafe: housekeeping of %s after committing %s failed: %s. The checkpoint is safe; old "
