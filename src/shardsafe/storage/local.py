@@ -18,6 +18,7 @@ import errno
 import os
 from collections.abc import Callable
 
+from shardsafe.coord.faults import fault_point
 from shardsafe.storage.base import MANIFEST_NAME
 from shardsafe.storage.bounded import IOThread, run_bounded
 from shardsafe.storage.names import DATA_FILE
@@ -75,8 +76,13 @@ class LocalWriter:
 
     def close(self) -> None:
         fd = self.fd
+
+        def sync() -> None:
+            fault_point("save.fsync")
+            os.fsync(fd)
+
         try:
-            self.io.call("fsync", lambda: os.fsync(fd))
+            self.io.call("fsync", sync)
         finally:
             try:
                 if not self.io.hung:
