@@ -41,8 +41,6 @@ import socket
 import sys
 import threading
 import time
-import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,8 +48,10 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
 from shardsafe import knobs
+from shardsafe.coord.access import _phases_used
 from shardsafe.coord.connection import connection_for
-from shardsafe.errors import CoordinationError, RankDeadError, RankDesyncError, RankTimeoutError, RemoteRankError
+from shardsafe.coord.outcome import Outcome
+from shardsafe.errors import CoordinationError, RankDeadError, RankDesyncError, RemoteRankError
 
 logger = logging.getLogger(__name__)
 
@@ -105,11 +105,12 @@ def call_site() -> str:
 _seq_lock = threading.Lock()
 _seq: dict[tuple[int, str], int] = {}
 _cleaned: dict[tuple[int, str], int] = {}
-_phases_used: dict[tuple[tuple[int, str], int], set[str]] = {}
 
 
-class Coordinator:
-    """Cross-rank talk for one operation. Create with :meth:`join` on every rank of the group."""
+class Coordinator(Outcome):
+    """Cross-rank talk for one operation. Create with :meth:`join` on every rank of the group. Store
+    access and diagnostics live in :mod:`~shardsafe.coord.access`, heartbeats in
+    :mod:`~shardsafe.coord.liveness`, decisions and acknowledgements in :mod:`~shardsafe.coord.outcome`."""
 
     def __init__(
         self,
@@ -303,118 +304,6 @@ class Coordinator:
             # The store is gone, so nobody can be told; the caller raises its own error anyway.
             logger.error("shardsafe: rank %d could not report its failure in %s: %s", self.rank, phase, dead)
 
-    # ----------------------------------------------------------------- decision and acknowledgement
-
-    def decide(self, value: str) -> str:
-        """(any rank) Propose ``value`` as the operation's outcome; return the outcome, which is the
-        first value ever proposed (one ``compare_set`` on the decision key): once decided, nobody can
-        change it. A save proposes ``"commit"`` (rank 0, before publishing) or an abort record (a
-        rank that failed or gave up waiting). Raises :class:`RankDeadError` if the store is gone."""
-        if self.store is None or self.world_size == 1:
-            return value
-        return self._compare_set(self._k("decision"), value)
-
-    def post(self, name: str, value: str) -> None:
-        """(one rank) Publish ``value`` under ``name`` for this operation (read with :meth:`await_value`)."""
-        if self.store is None or self.world_size == 1:
-            return
-        self._status(name)
-        self._use(name)
-        self._set(self._k(name), value)
-
-    def await_value(self, name: str, *, timeout: float, src: int = 0) -> str | None:
-        """(the ranks other than ``src``) Wait up to ``timeout`` seconds for the value ``src`` posts under
-        ``name`` (or for the decision, with ``name="decision"``); ``None`` at the deadline. Other ranks'
-        failures are not watched (the value may come after one). Raises :class:`RankDeadError` when
-        ``src``'s heartbeat stops, or (``store_lost``) when the store is gone."""
-        if self.store is None or self.world_size == 1:
-            return None
-        self._status(name)
-        self._use(name)
-        key = self._k(name)
-        started = time.monotonic()
-        warned = False
-        delay = 0.002
-        while not self._check(key):
-            self._raise_if_heartbeat_failed()
-            dead = self._dead([src])
-            if dead:
-                raise RankDeadError(
-                    f"{self.op} of {self.target!r}: rank {src} stopped responding while rank {self.rank} waited for "
-                    f"its {name!r} record (its heartbeat stopped for {knobs.dead_after():.0f}s: the process died or "
-                    "is frozen)."
-                )
-            elapsed = time.monotonic() - started
-            if elapsed > timeout:
-                return None
-            if not warned and elapsed > knobs.stall_fraction() * timeout:
-                warned = True
-                self._warn_stall(name, f"rank {src}'s {name} record", [src], elapsed, timeout)
-            time.sleep(delay)
-            delay = min(delay * 2, knobs.poll_seconds())
-        return self._get(key)
-
-    def acknowledge(self, *, timeout: float) -> list[int]:
-        """(every rank, once it has read the operation's outcome) Say so on the store. Rank 0 then
-        waits until every other rank has said so, or its heartbeat stopped (a dead rank is excused),
-        at most ``timeout`` seconds, and returns the ranks that did neither (after a WARNING): a
-        script that ends the process hosting the store right after the call strands nobody. The
-        other ranks return at once; a store that is gone by then is no news to them."""
-        if self.store is None or self.world_size == 1:
-            return []
-        self._finishing = self.rank != 0
-        if self.rank != 0:
-            try:
-                self._set(self._k("ack", str(self.rank)), "1")
-            except RankDeadError as err:
-                logger.debug("shardsafe: rank %d could not acknowledge %s: %s", self.rank, self.op, err)
-            return []
-        self._status("ack")
-        self._use("ack")
-        started = time.monotonic()
-        waiting = list(range(1, self.world_size))
-        delay = 0.002
-        while True:
-            waiting = [r for r in waiting if not self._check(self._k("ack", str(r)))]
-            waiting = [r for r in waiting if r not in self._dead(waiting)]
-            if not waiting:
-                self._finishing = True
-                return []
-            if time.monotonic() - started > timeout:
-                logger.warning(
-                    "shardsafe: %s of %s is done, but ranks %s did not confirm they read the outcome within %.0fs; "
-                    "returning anyway. If this process ends now and hosts the rendezvous store, those ranks may "
-                    "raise RankDeadError (their checkpoint is committed all the same).",
-                    self.op,
-                    self.target,
-                    waiting,
-                    timeout,
-                )
-                self._finishing = True
-                return waiting
-            time.sleep(delay)
-            delay = min(delay * 2, knobs.poll_seconds())
-
-    def _dead(self, ranks: list[int]) -> list[int]:
-        """Those of ``ranks`` that joined this operation and whose heartbeat has not moved for
-        ``SHARDSAFE_DEAD_AFTER`` seconds (checked at most once per heartbeat period)."""
-        if self._hb_stop is None or not ranks:
-            return []
-        now = time.monotonic()
-        dead = []
-        for r in ranks:
-            last = self._hb_seen.get(r)
-            if last is not None and now - last[1] < knobs.heartbeat_seconds():
-                continue  # seen moving lately: spare the store a request
-            count = self._add(self._k("hb", str(r)), 0)
-            if count == 0:
-                continue
-            if last is None or last[0] != count:
-                self._hb_seen[r] = (count, now)
-            elif now - last[1] > knobs.dead_after():
-                dead.append(r)
-        return dead
-
     # ------------------------------------------------------------------------------- internals
 
     def close(self) -> None:
@@ -428,84 +317,6 @@ class Coordinator:
             self._add(self._k("done"), 1)
         except RankDeadError as err:  # the store is gone: nothing left to clean up there
             logger.debug("shardsafe: could not record the end of %s on rank %d: %s", self.op, self.rank, err)
-
-    def _start_heartbeat(self) -> None:
-        self._use("hb")  # tells rank 0's cleanup to wait for every rank's close()
-        stop = self._hb_stop = threading.Event()
-        key = self._k("hb", str(self.rank))
-        self._add(key, 1)
-        assert self._shared is not None
-        conn = connection_for(self._shared, self.identity)
-        fallback = self._store()
-
-        def tick() -> None:
-            while not stop.wait(knobs.heartbeat_seconds()):
-                # shardsafe's own connection as soon as it is up: never queued behind another thread's
-                # blocking get on the shared client
-                store = (conn.store() if conn is not None else None) or fallback
-                try:
-                    store.add(key, 1)
-                except Exception as err:  # reported, and raised by this rank's next wait
-                    if stop.is_set() or self._finishing:
-                        logger.debug("shardsafe: heartbeat of rank %d ended with the store: %s", self.rank, err)
-                        return
-                    self._hb_error = err
-                    logger.warning(
-                        "shardsafe: the heartbeat of rank %d in %s of %s stopped: %s: %s. The other ranks will "
-                        "take this rank for dead after SHARDSAFE_DEAD_AFTER=%.0fs; this rank's %s raises.",
-                        self.rank,
-                        self.op,
-                        self.target,
-                        type(err).__name__,
-                        err,
-                        knobs.dead_after(),
-                        self.op,
-                    )
-                    return
-
-        threading.Thread(target=tick, name=f"shardsafe-heartbeat-{self.op}", daemon=True).start()
-
-    def _raise_if_heartbeat_failed(self) -> None:
-        err = self._hb_error
-        if err is not None:
-            raise RankDeadError(
-                f"{self.op} of {self.target!r}: the heartbeat of rank {self.rank} could not reach the rendezvous "
-                f"store ({type(err).__name__}: {err}); the other ranks take this rank for dead. Restart the job, it "
-                "resumes from the last committed checkpoint.",
-                store_lost=True,
-            ) from err
-
-    def _check_alive(self, phase: str, ranks: list[int]) -> None:
-        """Raise :class:`RankDeadError` (and abort the operation for all) if one of ``ranks`` joined
-        this operation and its heartbeat has stopped for ``SHARDSAFE_DEAD_AFTER`` seconds."""
-        if self._hb_stop is None or not ranks:
-            return
-        now = time.monotonic()
-        if now - self._hb_checked < knobs.heartbeat_seconds():
-            return
-        self._hb_checked = now
-        for r in ranks:
-            count = self._add(self._k("hb", str(r)), 0)
-            if count == 0:
-                continue  # never joined this operation: that is the deadline's business
-            last = self._hb_seen.get(r)
-            if last is None or last[0] != count:
-                self._hb_seen[r] = (count, now)
-            elif now - last[1] > knobs.dead_after():
-                message = (
-                    f"{self.op} of {self.target!r}: rank {r} joined but stopped responding {now - last[1]:.0f}s ago "
-                    f"in phase {phase!r} (its heartbeat stopped: the process died or is frozen). Nothing was "
-                    "committed; restart the job, it resumes from the last committed checkpoint."
-                )
-                record = {"rank": r, "phase": phase, "error": f"RankDeadError: rank {r} stopped (heartbeat lost)"}
-                self._compare_set(self._k("abort"), json.dumps(record))
-                raise RankDeadError(message)
-
-    def _k(self, *parts: str) -> str:
-        return "/".join((self.prefix, str(self.seq), *parts))
-
-    def _get_all(self, phase: str) -> list[str]:
-        return [self._get(self._k(phase, "r", str(r))) for r in range(self.world_size)]
 
     def _await_decision(self, phase: str, timeout: float, *, watch_abort: bool) -> str:
         key = self._k(phase, "decision")
@@ -576,71 +387,6 @@ class Coordinator:
         if failure is not None:
             raise failure
 
-    def _timeout_error(self, phase: str, missing: list[int], timeout: float, by: int | None = None) -> RankTimeoutError:
-        picture = "\n".join(self._status_lines())
-        if by is not None and by != self.rank and self.rank in missing:
-            head = (
-                f"{self.op} of {self.target!r}: rank {by} gave up waiting for this rank (rank {self.rank}) in phase "
-                f"{phase!r} after {timeout:.0f}s; this rank came too late. Raise timeout= (or SHARDSAFE_TIMEOUT / "
-                "SHARDSAFE_IO_TIMEOUT) if it is merely slow."
-            )
-        elif phase == "arrive":
-            head = (
-                f"{self.op} of {self.target!r}: rank {self.rank} waited {timeout:.0f}s for every rank to arrive, but "
-                f"ranks {missing} never arrived. Call {self.op}() on every rank of the process group, with the same "
-                f"path; the library decides who reads and writes what. (If those ranks are merely slow, raise "
-                "timeout= or SHARDSAFE_TIMEOUT.)"
-            )
-        else:
-            head = (
-                f"{self.op} of {self.target!r}: rank {self.rank} waited {timeout:.0f}s in phase {phase!r}, but ranks "
-                f"{missing} did not get there (slow storage, or a hang or crash on those ranks). If they are merely "
-                "slow, raise timeout= or SHARDSAFE_IO_TIMEOUT."
-            )
-        return RankTimeoutError(f"{head} Where each rank was:\n{picture}", missing_ranks=missing)
-
-    def _warn_stall(self, phase: str, what: str, missing: list[int], elapsed: float, timeout: float) -> None:
-        stack = "".join(traceback.format_stack(limit=12)[:-2])
-        logger.warning(
-            "shardsafe: rank %d has waited %.1fs of %.0fs for %s (%s of %s, phase %s); not there yet: %s\n"
-            "ranks:\n%s\nwaiting at:\n%s",
-            self.rank,
-            elapsed,
-            timeout,
-            what,
-            self.op,
-            self.target,
-            phase,
-            missing,
-            "\n".join(self._status_lines()),
-            stack,
-        )
-
-    def _status(self, phase: str) -> None:
-        if self.store is None:
-            return
-        record = {"op": self.op, "target": self.target, "seq": self.seq, "phase": phase, "since": time.time()}
-        self._set(f"{self.namespace}/status/{self.rank}", json.dumps(record))
-
-    def _status_lines(self) -> list[str]:
-        lines = []
-        now = time.time()
-        for r in range(self.world_size):
-            key = f"{self.namespace}/status/{r}"
-            try:
-                if not self._check(key):
-                    lines.append(f"  rank {r}: no shardsafe call seen yet")
-                    continue
-                s = json.loads(self._get(key))
-            except RankDeadError:
-                lines.append(f"  rank {r}: unknown (store unreachable)")
-                continue
-            lines.append(
-                f"  rank {r}: {s['op']}({s['target']!r}) #{s['seq']} in phase {s['phase']!r} "
-                f"for {now - s['since']:.1f}s"
-            )
-        return lines
-
     def _cleanup_previous(self, key: tuple[int, str]) -> None:
         """Rank 0 deletes the keys of earlier operations of this channel that every rank has left:
         those every rank reported done (:meth:`close`), or, for operations without a heartbeat, all
@@ -671,45 +417,6 @@ class Coordinator:
             done_upto = seq
         with _seq_lock:
             _cleaned[key] = done_upto
-
-    def _use(self, phase: str) -> None:
-        if self.rank == 0:
-            _phases_used.setdefault(((self.identity, self.prefix), self.seq), set()).add(phase)
-
-    # Store access: every call goes through _call, which turns a lost connection into RankDeadError.
-
-    def _store(self) -> Store:
-        assert self.store is not None
-        return self.store
-
-    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
-        try:
-            return fn()
-        except (RuntimeError, OSError, ConnectionError) as err:
-            raise RankDeadError(
-                f"{self.op} of {self.target!r}: rank {self.rank} lost the rendezvous store during {what} "
-                f"({err}). The process hosting it (rank 0 or the launcher) has most likely died; restart "
-                "the job, it will resume from the last committed checkpoint.",
-                store_lost=True,
-            ) from err
-
-    def _set(self, k: str, v: str) -> None:
-        self._call(f"set {k}", lambda: self._store().set(k, v))
-
-    def _get(self, k: str) -> str:
-        raw: bytes = self._call(f"get {k}", lambda: self._store().get(k))
-        return raw.decode()
-
-    def _check(self, k: str) -> bool:
-        return bool(self._call(f"check {k}", lambda: self._store().check([k])))
-
-    def _add(self, k: str, n: int) -> int:
-        return int(self._call(f"add {k}", lambda: self._store().add(k, n)))
-
-    def _compare_set(self, k: str, v: str) -> str:
-        """Set ``k`` to ``v`` unless it is already set; return whichever value it holds now."""
-        raw: bytes = self._call(f"compare_set {k}", lambda: self._store().compare_set(k, "", v))
-        return raw.decode()
 
 
 def resolve_group(group: Any) -> tuple[Store | None, int, int, int, str, int]:

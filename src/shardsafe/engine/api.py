@@ -16,6 +16,7 @@ from typing import Any
 from shardsafe import knobs
 from shardsafe.coord import Deadlines
 from shardsafe.engine import load as _load
+from shardsafe.engine.commit import finish_bound
 from shardsafe.engine.read import read_manifest
 from shardsafe.engine.save import SaveHandle, SaveJob
 from shardsafe.format.datafile import read_verified, verify_header
@@ -57,7 +58,7 @@ def _drain(deadlines: Deadlines, allowed: int) -> None:
 
 def _raise_unseen(handle: SaveHandle, deadlines: Deadlines) -> None:
     try:
-        handle.wait(deadlines.io + deadlines.arrive)
+        handle.wait(finish_bound(deadlines) + 60)
     except BaseException:
         if not handle._reported:
             raise

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from shardsafe.coord import Coordinator, fault_point
+from shardsafe.coord import Coordinator, Deadlines, fault_point
 from shardsafe.errors import (
     CheckpointError,
     CoordinationError,
@@ -55,11 +55,25 @@ def abort_record(rank: int, phase: str, err: BaseException) -> str:
     return json.dumps({"abort": True, "rank": rank, "phase": phase, "error": f"{type(err).__name__}: {err}"})
 
 
+def finish_bound(deadlines: Deadlines) -> float:
+    """Seconds the background half of a save (``SaveJob.finish``) can take at most on any rank: the
+    writes and the report barrier, the decision, the publish (with the wait for its result), and the
+    acknowledgement."""
+    return 3 * deadlines.io + 2 * deadlines.arrive
+
+
 def discard(job: SaveJob) -> None:
-    """(every rank, once "abort" is the outcome) Remove what this save wrote; failures are logged."""
+    """(every rank, once "abort" is the outcome) Remove what this save wrote, under the arrival
+    deadline (a hung disk must not hang the error path); failures are logged."""
     assert job.coord is not None
+    world = job.coord.world_size
     try:
-        discard_save(job.storage, job.staging, job.path, job.save_id, job.coord.world_size)
+        run_bounded(
+            "removing the files of the failed save",
+            job.staging,
+            time.monotonic() + job.deadlines.arrive,
+            lambda: discard_save(job.storage, job.staging, job.path, job.save_id, world),
+        )
     except (OSError, ValueError) as err:
         logger.error("shardsafe: could not remove staging %s of a failed save: %s", job.staging, err)
 
@@ -109,6 +123,7 @@ def lead(job: SaveJob, coord: Coordinator, flat: FlatState, reports: list[dict[s
         parse_manifest(raw, where)  # what a loader will read: never publish what it would refuse
     except CorruptCheckpointError as err:
         raise CheckpointError(f"save of {job.path!r}: the manifest built from the reports does not validate: {err}")
+    job.storage.set_deadline(time.monotonic() + job.deadlines.io)  # the barrier may have used up the first
     job.storage.stage_manifest(job.staging, job.path, job.save_id, raw)
     job.phase = "decide"
     outcome = coord.decide(COMMIT)

@@ -317,9 +317,9 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the save is committed (or failed); ``timeout`` seconds at most (default: the
-        save's io deadline plus a margin, since the save's own waits are bounded by it)."""
+        bound of the save's own waits, :func:`~shardsafe.engine.commit.finish_bound`, plus a margin)."""
         if self._thread is not None:
-            limit = timeout if timeout is not None else self.job.deadlines.io + self.job.deadlines.arrive + 60
+            limit = timeout if timeout is not None else commit.finish_bound(self.job.deadlines) + 60
             self._thread.join(limit)
             if self._thread.is_alive():
                 raise TimeoutError(
