@@ -33,6 +33,7 @@ class Connection:
         self.where = where
         self._ready = threading.Event()
         self._store: Store | None = None
+        self._waited = False
         thread = threading.Thread(target=self._connect, name="shardsafe-store-connect", daemon=True)
         thread.start()
 
@@ -51,8 +52,10 @@ class Connection:
             self._ready.set()
 
     def store(self, wait: float = 0.0) -> Store | None:
-        """The own client once connected (waiting up to ``wait`` seconds for that), else ``None``."""
-        if wait > 0:
+        """The own client once connected, else ``None``. The first call may wait up to ``wait``
+        seconds for the connection; later ones never wait (a connect that hangs costs that once)."""
+        if wait > 0 and not self._waited:
+            self._waited = True
             self._ready.wait(wait)
         return self._store if self._ready.is_set() else None
 

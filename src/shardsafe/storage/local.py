@@ -91,11 +91,16 @@ class LocalWriter:
                 self.io.stop()
 
     def abort(self) -> None:
+        """Close and remove the file (through :func:`shardsafe.storage.delete.delete_files`, like
+        every delete: only a name shardsafe writes goes)."""
+        from shardsafe.storage.delete import delete_files
+
         fd, path = self.fd, self.path
         try:
             if not self.io.hung:
                 self.io.call("close", lambda: os.close(fd))
-                self.io.call("remove", lambda: _unlink(path))
+                folder, name = os.path.split(path)
+                self.io.call("remove", lambda: delete_files(LocalStorage(), folder, [name]))
         finally:
             self.io.stop()
 

@@ -308,15 +308,16 @@ class StreamWriter:
     def _discard(self) -> None:
         from fsspec.spec import AbstractBufferedFile
 
+        from shardsafe.storage.delete import delete_files
+        from shardsafe.storage.remote import FsspecStorage
+
         if isinstance(self.f, AbstractBufferedFile):
             self.f.discard()  # cancels an upload in progress where the filesystem supports it
             self.f.closed = True  # closing would commit what was written so far
         else:
             self.f.close()
-        try:
-            self.fs.rm_file(self.path)
-        except FileNotFoundError:
-            pass
+        folder, _, name = self.path.rpartition("/")
+        delete_files(FsspecStorage(self.fs), folder, [name])  # like every delete: only shardsafe's names
 
 
 def _cleanup(undo: Callable[[], None], url: str) -> None:
