@@ -22,6 +22,8 @@ from typing import Any
 
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
+from shardsafe import knobs
+
 logger = logging.getLogger(__name__)
 
 
@@ -75,6 +77,14 @@ def _tcp_address(store: Store) -> tuple[str, int] | None:
     if isinstance(inner, TCPStore):
         return str(inner.host), int(inner.port)
     return None
+
+
+def preferred(shared: Store, identity: int) -> Store:
+    """(any thread) The store client shardsafe should use for a run of requests that must stay in
+    order: its own connection if it is up (after the first call's short wait), else ``shared``."""
+    conn = connection_for(shared, identity)
+    own = conn.store(wait=knobs.store_connect_wait()) if conn is not None else None
+    return own if own is not None else shared
 
 
 def connection_for(shared: Store, identity: int) -> Connection | None:

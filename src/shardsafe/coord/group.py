@@ -49,7 +49,7 @@ from torch._C._distributed_c10d import Store
 
 from shardsafe import knobs
 from shardsafe.coord.access import _phases_used
-from shardsafe.coord.connection import connection_for
+from shardsafe.coord.connection import preferred
 from shardsafe.coord.outcome import Outcome
 from shardsafe.errors import CoordinationError, RankDeadError, RankDesyncError, RemoteRankError
 
@@ -180,11 +180,8 @@ class Coordinator(Outcome):
         assert rank is not None and world_size is not None
         self = cls(store, rank, world_size, ns, op, target, deadlines, global_rank)
         self.identity = identity
-        if store is not None and world_size > 1:
-            conn = connection_for(store, identity)
-            own = conn.store(wait=knobs.store_connect_wait()) if conn is not None else None
-            if own is not None:  # fixed for the whole operation: one connection keeps its requests in order
-                self.store = own
+        if store is not None and world_size > 1:  # fixed for the operation: one connection keeps its order
+            self.store = preferred(store, identity)
         site = call_site()
         info = {"op": op, "target": target, "site": site, "host": socket.gethostname(), "pid": os.getpid()}
         info.update(extra or {})

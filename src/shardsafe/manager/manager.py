@@ -14,6 +14,7 @@ from typing import Any, Literal
 import torch
 
 from shardsafe.coord import Deadlines
+from shardsafe.coord.connection import preferred
 from shardsafe.coord.group import resolve_group
 from shardsafe.engine import api
 from shardsafe.manager.agreement import StepBroadcast, StoreKeys
@@ -96,7 +97,7 @@ class CheckpointManager:
         )
         self._fs = open_root(self.config.root)
         self._storage = get_storage(self.config.root)  # deletes go through shardsafe.storage.delete
-        store, self.rank, self.world_size, _, namespace, _ = resolve_group(None)
+        store, self.rank, self.world_size, _, namespace, identity = resolve_group(None)
         self._deadlines = Deadlines.resolve(self.config.timeout)
         self._policy = RetentionPolicy(
             keep_last=self.config.keep_last,
@@ -105,7 +106,7 @@ class CheckpointManager:
             mode=self.config.mode,
             keep_every_n_steps=self.config.keep_every_n_steps,
         )
-        keys = StoreKeys.for_manager(store, namespace)
+        keys = StoreKeys.for_manager(store if store is None else preferred(store, identity), namespace)
         self._flag = SignalFlag(self.config.save_on_signals)
         self._schedule = Schedule(
             self.config,
