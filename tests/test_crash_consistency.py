@@ -204,6 +204,7 @@ def _lane(tmp: Path, lane: int, seed: int) -> list[Round]:
     return rounds
 
 
+@pytest.mark.timeout(int(BUDGET) + 30 * MIN_ROUNDS + 300)  # a long run (SHARDSAFE_TEST_CRASH_ROUNDS) takes long
 def test_kill_9_at_random_instants_never_leaves_a_loadable_half_checkpoint(tmp_path: Path) -> None:
     seed = int(os.environ.get("SHARDSAFE_TEST_SEED", time.time_ns() % 1_000_000))
     print(f"crash consistency seed: {seed} (replay with SHARDSAFE_TEST_SEED={seed})")
