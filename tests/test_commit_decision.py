@@ -14,10 +14,13 @@ loads (rank 0 chooses the block size for everyone).
 from __future__ import annotations
 
 import os
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import shardsafe
@@ -121,3 +124,33 @@ def test_ranks_with_different_checksum_block_sizes_write_a_loadable_checkpoint(t
     check_ok(run_ranks(_mixed_blocks, 2, path, timeout=120, rank_env=blocks))
     shardsafe.verify(path)
     assert shardsafe.inspect(path).files and len(shardsafe.inspect(path).files) == 2
+
+
+def test_a_publish_stuck_in_its_atomic_step_is_reported_and_its_data_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rename hangs past the deadline (a stuck filesystem): the save raises saying the outcome is
+    open, removes nothing, and when the rename finally lands the checkpoint is whole."""
+    from shardsafe.storage.local import LocalStorage
+
+    real = LocalStorage.publish
+    landed = threading.Event()
+
+    def stuck(self: LocalStorage, *args: Any, at_commit: Any, **kwargs: Any) -> bytes | None:
+        def late() -> None:
+            at_commit()
+            time.sleep(2.0)  # inside the atomic step, past the 0.5 s deadline
+
+        try:
+            return real(self, *args, at_commit=late, **kwargs)
+        finally:
+            landed.set()
+
+    monkeypatch.setattr(LocalStorage, "publish", stuck)
+    path = str(tmp_path / "c")
+    with pytest.raises(shardsafe.CheckpointError, match="may still complete") as info:
+        shardsafe.save(path, {"x": torch.arange(1000.0)}, timeout=0.5)
+    assert "Nothing was committed" not in str(info.value)
+    assert landed.wait(30)
+    shardsafe.verify(path)  # committed late, with all its data: nothing was removed under it
+    assert torch.equal(shardsafe.load(path)["x"], torch.arange(1000.0))

@@ -140,6 +140,7 @@ class Coordinator(Outcome):
         self._hb_error: BaseException | None = None
         self._finishing = False  # the outcome is read: a store that vanishes now is no news
         self._closed = False
+        self._local_decision: str | None = None  # the outcome without a store (one process)
         self._shared: Store | None = store  # the process group's own client (heartbeat fallback)
         self.infos: list[dict[str, Any]] = []
 

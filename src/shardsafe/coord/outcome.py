@@ -17,13 +17,17 @@ logger = logging.getLogger(__name__)
 class Outcome(Liveness):
     """Decision, posted values and acknowledgement of a :class:`~shardsafe.coord.Coordinator`."""
 
+    _local_decision: str | None
+
     def decide(self, value: str) -> str:
         """(any rank) Propose ``value`` as the operation's outcome; return the outcome, which is the
         first value ever proposed (one ``compare_set`` on the decision key): once decided, nobody can
         change it. A save proposes ``"commit"`` (rank 0, before publishing) or an abort record (a
         rank that failed or gave up waiting). Raises :class:`RankDeadError` if the store is gone."""
-        if self.store is None or self.world_size == 1:
-            return value
+        if self.store is None or self.world_size == 1:  # one process: the first proposal is kept here
+            if self._local_decision is None:
+                self._local_decision = value
+            return self._local_decision
         self._status("decision")
         return self._compare_set(self._k("decision"), value)
 

@@ -179,6 +179,8 @@ def _publish(job: SaveJob, coord: Coordinator, raw: bytes) -> bytes | None:
 
     def work() -> bytes | None:
         fault_point("save.publish", coord.global_rank)
+        if gate.cancelled:  # called off while this thread was held up: touch nothing
+            raise TimeoutError("publish called off: the save's deadline passed")
         return job.storage.publish(job.staging, job.path, job.save_id, raw, overwrite=job.overwrite, at_commit=gate)
 
     io = IOThread(job.path, time.monotonic() + job.deadlines.io)
@@ -199,7 +201,12 @@ def _publish(job: SaveJob, coord: Coordinator, raw: bytes) -> bytes | None:
             logger.error("shardsafe: could not tell the ranks that publishing %s failed: %s", job.path, lost)
         if never:
             discard(job)
-        raise
+            raise
+        raise CheckpointError(
+            f"save of {job.path!r}: rank 0's publish did not complete ({type(err).__name__}: {err}); it may still "
+            f"complete if the storage recovers: the checkpoint is committed iff {MANIFEST_NAME} there carries save id "
+            f"{job.save_id}. Check the storage, then save again."
+        ) from err
     finally:
         io.stop()
 
