@@ -102,8 +102,8 @@ def test_saving_to_the_working_directory_is_refused(
     (work / "train.py").write_text("print('hi')")
     monkeypatch.chdir(work)
     before = _snapshot(tmp_path)
-    for path in (os.getcwd(), "."):
-        with pytest.raises(shardsafe.CheckpointExistsError, match=r"train\.py"):
+    for path in (os.getcwd(), ".", ""):
+        with pytest.raises(shardsafe.CheckpointExistsError, match=r"train\.py|empty path"):
             shardsafe.save(path, STATE, overwrite=overwrite)
     assert _snapshot(tmp_path) == before
 

@@ -62,6 +62,8 @@ def refusal(storage: Storage, path: str, *, overwrite: bool) -> str | None:
     """(rank 0, before a save starts) Why ``path`` may not receive a save, or ``None`` if it may:
     absent, an empty folder, or shardsafe's own names only (with ``MANIFEST.json``: a committed
     checkpoint, replaced only with ``overwrite``). The message lists a few of the foreign entries."""
+    if not path.strip():
+        return "an empty path names no folder; give the checkpoint's folder (e.g. 'checkpoints/step-100')"
     if not storage.exists(path):
         return None
     if not storage.is_dir(path):
