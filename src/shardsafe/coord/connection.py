@@ -16,6 +16,7 @@ ranks would declare this rank dead. So shardsafe talks to the store through a cl
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 from typing import Any
@@ -31,7 +32,7 @@ class Connection:
     """shardsafe's own client of one store, connecting in the background."""
 
     def __init__(self, shared: Store, where: str) -> None:
-        self.shared = shared
+        self.shared: Store | None = shared
         self.where = where
         self._ready = threading.Event()
         self._store: Store | None = None
@@ -41,7 +42,9 @@ class Connection:
 
     def _connect(self) -> None:
         try:
-            self._store = self.shared.clone()  # type: ignore[attr-defined]
+            shared, self.shared = self.shared, None  # hold no reference to the group's store past this
+            assert shared is not None
+            self._store = shared.clone()  # type: ignore[attr-defined]
         except Exception as err:  # reported; shardsafe then shares the process group's client
             logger.warning(
                 "shardsafe: could not open its own connection to the rendezvous store %s (%s: %s); it shares "
@@ -64,6 +67,15 @@ class Connection:
 
 _lock = threading.Lock()
 _connections: dict[tuple[int, str, int], Connection] = {}
+
+
+@atexit.register
+def _close_all() -> None:
+    """At interpreter exit (after the saves in flight are flushed, whose handlers run first): close
+    shardsafe's own clients while everything else is still alive, rather than during module
+    teardown, when the store they talk to may be half destroyed."""
+    with _lock:
+        _connections.clear()
 
 
 def _tcp_address(store: Store) -> tuple[str, int] | None:
