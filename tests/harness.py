@@ -1,8 +1,15 @@
 """Run a function on N ranks (spawned processes, gloo on CPU) with a hard deadline.
 
-The parent hosts the TCPStore on a port the OS picked (bound, never closed and reused), so a rank
-that dies, even rank 0, does not take the rendezvous store with it, as under torchrun. Every run has a
-deadline: ranks still alive at the end are killed, and their outcome says so.
+Two ways of starting the ranks, as real launchers do (``store=``):
+
+- ``"external"`` (default, as torchrun): the parent hosts the TCPStore on a port the OS picked (bound,
+  never closed and reused), so a rank that dies, even rank 0, does not take the store with it;
+- ``"tcp"`` / ``"env"`` (as SLURM ``srun``, ``mp.spawn`` and Lightning Fabric's launcher): every rank
+  calls ``init_process_group(init_method="tcp://127.0.0.1:PORT")``, or ``"env://"`` with
+  ``MASTER_ADDR``/``MASTER_PORT``, and rank 0 hosts the TCPStore: when rank 0's process ends, the
+  store goes with it.
+
+Every run has a deadline: ranks still alive at the end are killed, and their outcome says so.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -47,6 +55,7 @@ def _entry(
     args: tuple[Any, ...],
     env: dict[str, str],
     q: Any,
+    store_mode: str = "external",
 ) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks (gloo): a visible GPU must not be picked up
     os.environ.update(env)
@@ -61,8 +70,16 @@ def _entry(
 
     torch.set_num_threads(1)
     start = time.monotonic()
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=120))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    if store_mode == "external":
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=120))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    elif store_mode == "tcp":  # rank 0 hosts the store (SLURM srun, mp.spawn)
+        method = f"tcp://127.0.0.1:{port}"
+        dist.init_process_group("gloo", init_method=method, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    elif store_mode == "env":  # rank 0 hosts the store (MASTER_ADDR/MASTER_PORT, Lightning's launcher)
+        dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=120))
+    else:
+        raise ValueError(f"store={store_mode!r} is not external, tcp or env")
     try:
         result = fn(rank, world, *args)
         buf = io.BytesIO()
@@ -103,15 +120,24 @@ def run_ranks(
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
     rank_env: dict[int, dict[str, str]] | None = None,
+    store: str = "external",
 ) -> list[Outcome]:
-    """Run ``fn(rank, world, *args)`` on ``world`` fresh processes; return each rank's outcome."""
+    """Run ``fn(rank, world, *args)`` on ``world`` fresh processes; return each rank's outcome.
+    ``store`` says who hosts the rendezvous store (module docstring)."""
     ctx = _CTX
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    host: Any = None
+    if store == "external":
+        host = dist.TCPStore(
+            "127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120)
+        )
+        port = host.port
+    else:
+        port = free_port()
     q = ctx.Queue()
     procs = []
     for r in range(world):
         e = {**(env or {}), **((rank_env or {}).get(r, {}))}
-        p = ctx.Process(target=_entry, args=(fn, r, world, store.port, args, e, q), daemon=True)
+        p = ctx.Process(target=_entry, args=(fn, r, world, port, args, e, q, store), daemon=True)
         p.start()
         procs.append(p)
     outcomes = {r: Outcome(rank=r) for r in range(world)}
@@ -147,8 +173,15 @@ def run_ranks(
             p.join(5)
             outcomes[r].killed = True
         outcomes[r].exitcode = p.exitcode
-    del store
+    del host
     return [outcomes[r] for r in range(world)]
+
+
+def free_port() -> int:
+    """A port the OS reports free now, for a rank 0 that hosts the store (as a launcher picks one)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def check_ok(outcomes: list[Outcome]) -> list[Any]:

@@ -12,7 +12,10 @@ writing, fsync, the staged manifest, the rename, an overwrite's file moves). Aft
   was once committed stays committed;
 - new processes save to the same root at once (each round starts with a save that must succeed).
 
-The randomness is seeded; the seed is printed (set ``SHARDSAFE_TEST_SEED`` to replay a run).
+The randomness is seeded; the seed is printed (set ``SHARDSAFE_TEST_SEED`` to replay a run). The
+suite runs it for ``BUDGET`` seconds per lane; a long run asks for more with
+``SHARDSAFE_TEST_CRASH_SECONDS`` (per lane) and ``SHARDSAFE_TEST_CRASH_ROUNDS`` (at least this many
+rounds in all), e.g. ``SHARDSAFE_TEST_CRASH_ROUNDS=200``.
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ from models import build
 _FORKSERVER = harness._CTX  # ranks fork from the harness's preloaded server
 
 T = 3.0  # every deadline of the saves under test; a survivor must raise within T + 10 s
-BUDGET = 60.0  # seconds of kill rounds per lane
+BUDGET = float(os.environ.get("SHARDSAFE_TEST_CRASH_SECONDS", 60.0))  # seconds of kill rounds per lane
 LANES = 3  # independent roots killed concurrently (the survivors' waits overlap)
+MIN_ROUNDS = -(-int(os.environ.get("SHARDSAFE_TEST_CRASH_ROUNDS", 3 * LANES)) // LANES)  # per lane
 TARGETS = ("a", "b")
 
 
@@ -192,7 +196,7 @@ def _lane(tmp: Path, lane: int, seed: int) -> list[Round]:
     ever: set[str] = set()
     rounds: list[Round] = []
     started = time.monotonic()
-    while time.monotonic() - started < BUDGET or len(rounds) < 3:
+    while time.monotonic() - started < BUDGET or len(rounds) < MIN_ROUNDS:
         first = (len(rounds) + 1) * 1000 + rng.randrange(2)  # both targets get the first save of a round
         rounds.append(_kill_round(root, lane, first, rng, ever))
         if rounds[-1].problems:
@@ -200,14 +204,19 @@ def _lane(tmp: Path, lane: int, seed: int) -> list[Round]:
     return rounds
 
 
+@pytest.mark.timeout(int(BUDGET) + 30 * MIN_ROUNDS + 300)  # a long run (SHARDSAFE_TEST_CRASH_ROUNDS) takes long
 def test_kill_9_at_random_instants_never_leaves_a_loadable_half_checkpoint(tmp_path: Path) -> None:
     seed = int(os.environ.get("SHARDSAFE_TEST_SEED", time.time_ns() % 1_000_000))
     print(f"crash consistency seed: {seed} (replay with SHARDSAFE_TEST_SEED={seed})")
+    began = time.monotonic()
     with ThreadPoolExecutor(LANES) as pool:
         lanes = list(pool.map(lambda lane: _lane(tmp_path, lane, seed), range(LANES)))
     rounds = [r for lane in lanes for r in lane]
     bad = [r for r in rounds if r.problems]
-    summary = f"seed {seed}: {len(rounds)} kill rounds, victims {[r.victim for r in rounds]}"
+    summary = (
+        f"seed {seed}: {len(rounds)} kill rounds in {time.monotonic() - began:.0f}s, "
+        f"victims {[r.victim for r in rounds]}"
+    )
     print(summary)
     assert not bad, f"{summary}\n" + "\n".join(map(str, bad))
     committed = sum((tmp_path / f"lane{i}" / t / "MANIFEST.json").exists() for i in range(LANES) for t in TARGETS)

@@ -174,7 +174,8 @@ def _raise_everywhere(rank: int, world: int, root: str, strategy: str) -> dict[s
             before = _staging(root) if rank == 0 else []
             with _fault(f"{point}:rank={bad}:raise" if point in POINTS else ""), _misbehave(kind, rank == bad, sampler):
                 run[f"attempt{n}"] = _attempt(lambda: _call(kind, target, state, overwrite))  # noqa: B023
-            if rank == 0:  # rank 0 removes staging before its call returns
+            torch.distributed.barrier()  # (test only) every rank has returned: each removed what it could
+            if rank == 0:  # a failed save leaves no staging once its ranks have returned
                 run[f"staging{n}"] = [d for d in _staging(root) if d not in before]  # new leftovers only
                 run[f"committed{n}"] = os.path.exists(f"{target}/MANIFEST.json")
                 run[f"verify{n}"] = _attempt(lambda: shardsafe.verify(target)) if run[f"committed{n}"] else None  # noqa: B023

@@ -16,12 +16,13 @@ from typing import Any
 import pytest
 import torch
 
+import shardsafe
 from shardsafe.errors import CorruptCheckpointError, MissingKeysError
 from shardsafe.manager import CheckpointManager, ManagerConfig, NameTemplate, ls_main
 from shardsafe.manager.cleanup import apply_retention, delete_checkpoint
 from shardsafe.manager.listing import CheckpointRecord
 from shardsafe.manager.retention import RetentionPolicy
-from shardsafe.manager.rootfs import LocalRootFS
+from shardsafe.storage.local import LocalStorage
 
 from harness import check_ok, run_ranks
 
@@ -107,47 +108,52 @@ def test_saves_on_interval_keeps_last_and_best_and_lists_metrics(tmp_path: Path)
     assert committed_steps(tmp_path) == [2, 6, 8]
 
 
-def test_delete_removes_manifest_first(tmp_path: Path) -> None:
+def _committed(path: Path, step: int) -> CheckpointRecord:
+    shardsafe.save(str(path), {"x": torch.arange(4.0), "step": step})
+    return CheckpointRecord(path.name, str(path), "committed", step, 0.0, 1, target=path.name)
+
+
+def test_delete_uncommits_first_and_removes_only_its_listed_data_files(tmp_path: Path) -> None:
     ckpt = tmp_path / "step-00000001"
-    ckpt.mkdir()
-    (ckpt / "MANIFEST.json").write_text("{}")
-    (ckpt / "data-00000-x.safetensors").write_bytes(b"x")
+    record = _committed(ckpt, 1)
+    (ckpt / "notes.txt").write_text("the user's")  # never written by shardsafe: stays
     calls: list[str] = []
 
-    class Recording(LocalRootFS):
-        def remove_file(self, path: str) -> None:
-            calls.append(f"file {os.path.basename(path)}")
-            super().remove_file(path)
+    class Recording(LocalStorage):
+        def retire_manifest(self, path: str, tombstone: str) -> None:
+            calls.append(f"retire {tombstone}")
+            super().retire_manifest(path, tombstone)
 
-        def remove_tree(self, path: str) -> None:
-            calls.append(f"tree {os.path.basename(path)}, manifest there: {os.path.exists(path + '/MANIFEST.json')}")
-            super().remove_tree(path)
+        def unlink_names(self, directory: str, names: list[str]) -> None:
+            calls.append(
+                f"unlink {[n.split('-')[0] for n in names]}, manifest there: {(ckpt / 'MANIFEST.json').exists()}"
+            )
+            super().unlink_names(directory, names)
 
-    record = CheckpointRecord("step-00000001", str(ckpt), "committed", 1, 0.0, 1, target="step-00000001")
     delete_checkpoint(Recording(), record)
-    assert calls == ["file MANIFEST.json", "tree step-00000001, manifest there: False"]
-    assert not ckpt.exists()
+    assert calls == [
+        "retire .MANIFEST.json.deleting",
+        "unlink ['data'], manifest there: False",
+        "unlink ['.MANIFEST.json.deleting'], manifest there: False",
+    ]
+    assert sorted(os.listdir(ckpt)) == ["notes.txt"]
 
 
 def test_a_failed_delete_is_logged_and_the_others_still_go(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    records = []
-    for step in (1, 2, 3, 4):
-        d = tmp_path / f"step-{step}"
-        d.mkdir()
-        (d / "MANIFEST.json").write_text("{}")
-        records.append(CheckpointRecord(d.name, str(d), "committed", step, 0.0, 1, target=d.name))
+    records = [_committed(tmp_path / f"step-{step}", step) for step in (1, 2, 3, 4)]
 
-    class Flaky(LocalRootFS):
-        def remove_tree(self, path: str) -> None:
-            if path.endswith("step-1"):
-                raise PermissionError(13, "Permission denied", path)
-            super().remove_tree(path)
+    class Flaky(LocalStorage):
+        def unlink_names(self, directory: str, names: list[str]) -> None:
+            if directory.endswith("step-1"):
+                raise PermissionError(13, "Permission denied", directory)
+            super().unlink_names(directory, names)
 
     with caplog.at_level(logging.ERROR, logger="shardsafe"):
         deleted = apply_retention(Flaky(), records, RetentionPolicy(keep_last=1))
     assert deleted == ["step-2", "step-3"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-4"]
     assert not (tmp_path / "step-1" / "MANIFEST.json").exists()  # no longer committed, whatever remains
+    assert (tmp_path / "step-1" / ".MANIFEST.json.deleting").exists()  # the next cleanup finishes it
     assert "step-1" in caplog.text and "Permission denied" in caplog.text
 
 

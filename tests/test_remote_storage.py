@@ -17,7 +17,10 @@ from typing import Any
 
 import pytest
 
+from shardsafe.format.manifest import FileEntry, Manifest, seal_manifest
 from shardsafe.storage import MANIFEST_NAME, get_storage
+from shardsafe.storage.delete import delete_checkpoint, delete_files, discard_save, stale_files
+from shardsafe.storage.names import TOMBSTONE
 from shardsafe.storage.remote import FsspecStorage
 from shardsafe.storage.retry import RemoteIOError, RetryPolicy, call, is_transient
 from shardsafe.storage.uploads import list_uploads
@@ -30,7 +33,15 @@ SID_OLD, SID_NEW = "1700000000aaaa", "1700000001bbbb"
 
 
 def _manifest(save_id: str, files: list[str]) -> bytes:
-    return json.dumps({"format_version": 1, "save_id": save_id, "files": {f: {"size": 1} for f in files}}).encode()
+    """A manifest that passes the loader's validation, listing ``files`` (and holding no tensors)."""
+    entries = {f: FileEntry(size=8, header_bytes=8, header_checksum="0") for f in files}
+    return Manifest(save_id, 0.0, 1, "plain", {}, 1024, None, {}, {}, entries).to_bytes()
+
+
+def _publish(st: FsspecStorage, target: str, save_id: str, files: list[str], *, overwrite: bool) -> bytes | None:
+    raw = _manifest(save_id, files)
+    st.stage_manifest(target, target, save_id, raw)
+    return st.publish(target, target, save_id, raw, overwrite=overwrite, at_commit=lambda: None)
 
 
 def _put(st: FsspecStorage, url: str, data: bytes, piece: int = 100_000) -> None:
@@ -47,7 +58,8 @@ def _save(
     st.prepare_staging(staging)
     for name, data in files.items():
         _put(st, st.join(staging, name), data)
-    return st.publish(staging, target, _manifest(save_id, list(files)), overwrite=overwrite)
+    old = _publish(st, target, save_id, list(files), overwrite=overwrite)
+    return stale_files(old, _manifest(save_id, list(files)), target)
 
 
 def _flaky(server: S3Server, plan: dict[str, list[str]] | None = None, **kw: Any) -> FsspecStorage:
@@ -84,7 +96,7 @@ def test_write_publish_read_list(root: tuple[FsspecStorage, str]) -> None:
     assert not st.exists(manifest_url)  # data without a manifest: not a checkpoint yet
     assert st.list_dir(target) == names
 
-    assert st.publish(target, target, _manifest(SID_OLD, names), overwrite=False) == []
+    assert _publish(st, target, SID_OLD, names, overwrite=False) is None
     assert json.loads(st.read_bytes(manifest_url))["save_id"] == SID_OLD
     assert st.list_dir(target) == sorted([MANIFEST_NAME, *names])
     assert st.list_dir(base) == ["step-1"]
@@ -93,7 +105,7 @@ def test_write_publish_read_list(root: tuple[FsspecStorage, str]) -> None:
     st.read_into(st.join(target, names[0]), 123_456, memoryview(out))
     assert bytes(out) == a[123_456 : 123_456 + 70_000]
     with pytest.raises(FileExistsError, match="overwrite=True"):
-        st.publish(target, target, _manifest(SID_NEW, []), overwrite=False)
+        _publish(st, target, SID_NEW, [], overwrite=False)
     with pytest.raises(FileExistsError, match="never overwritten"):
         st.open_writer(st.join(target, names[1]))
 
@@ -109,17 +121,31 @@ def test_overwrite_replaces_manifest_and_returns_old_files(root: tuple[FsspecSto
     assert json.loads(st.read_bytes(st.join(target, MANIFEST_NAME)))["save_id"] == SID_NEW
     # the old data stays until the caller removes what is unreferenced
     assert set(st.list_dir(target)) == {MANIFEST_NAME, *old, *new}
-    st.remove_files(target, [*stale, "data-00009-gone.safetensors"])  # a missing one is fine
+    delete_files(st, target, [*stale, "data-00009-gone.safetensors"])  # a missing one is fine
     assert st.list_dir(target) == sorted([MANIFEST_NAME, *new])
 
 
-def test_overwrite_never_returns_names_outside_the_checkpoint(root: tuple[FsspecStorage, str]) -> None:
+@pytest.mark.parametrize(
+    "listed",
+    [["../other/x", "a/b"], ["ok", MANIFEST_NAME, f"data-00000-{SID_NEW}.safetensors"]],
+    ids=["outside", "inside"],
+)
+def test_overwrite_never_deletes_what_a_hostile_old_manifest_names(
+    root: tuple[FsspecStorage, str], listed: list[str]
+) -> None:
     st, base = root
     target = st.join(base, "ckpt")
-    st.publish(target, target, json.dumps({"files": {"../other/x": {}, "a/b": {}, "ok": {}}}).encode(), overwrite=False)
-    assert _save(st, target, SID_NEW, {}, overwrite=True) == ["ok"]
+    st.prepare_staging(target)
+    doc = json.loads(_manifest(SID_OLD, []))
+    doc["files"] = {f: {"size": 8, "header_bytes": 8, "header_checksum": "0"} for f in listed}
+    st.fs.pipe_file(st._p(st.join(target, MANIFEST_NAME)), json.dumps(seal_manifest(doc)).encode())  # re-sealed
+    new = {f"data-00000-{SID_NEW}.safetensors": b"new"}
+    assert _save(st, target, SID_NEW, new, overwrite=True) == []  # nothing of it is ever deleted
+    assert st.list_dir(target) == sorted([MANIFEST_NAME, *new])
     with pytest.raises(ValueError, match="plain file name"):
         st.join(target, "../x")
+    with pytest.raises(ValueError, match="only the files it writes"):
+        delete_files(st, target, ["ok", MANIFEST_NAME])
 
 
 def test_discard_removes_only_the_failed_save(root: tuple[FsspecStorage, str]) -> None:
@@ -134,7 +160,7 @@ def test_discard_removes_only_the_failed_save(root: tuple[FsspecStorage, str]) -
     _put(st, st.join(staging, f"data-00000-{SID_NEW}.safetensors"), b"failed")
     unfinished = st.open_writer(st.join(staging, f"data-00001-{SID_NEW}.safetensors"))
     unfinished.write(memoryview(os.urandom(3 * PART)))  # on S3: a multipart upload in progress
-    st.discard_staging(staging, target, SID_NEW)
+    discard_save(st, staging, target, SID_NEW, 2)
     assert st.list_dir(target) == sorted([MANIFEST_NAME, *kept, other.rsplit("/", 1)[1]])
     if st.s3:
         assert list_uploads(st.fs, st._p(target) + "/", FAST) == []
@@ -146,8 +172,8 @@ def test_discard_after_the_commit_happened_keeps_everything(root: tuple[FsspecSt
     target = st.join(base, "ckpt")
     files = {f"data-00000-{SID_NEW}.safetensors": b"x"}
     _save(st, target, SID_NEW, files)
-    # the engine failed after publish (e.g. broadcasting the commit)
-    st.discard_staging(target, target, SID_NEW)
+    # (never happens: staging is discarded only where "abort" was decided; but if it did)
+    discard_save(st, target, target, SID_NEW, 1)
     assert st.list_dir(target) == sorted([MANIFEST_NAME, *files])
 
 
@@ -191,11 +217,12 @@ def test_manager_operations_on_a_prefix(root: tuple[FsspecStorage, str]) -> None
     assert st.size(st.join(target, "data-00000-a.safetensors")) == 5
     assert st.size(target) == 8 + len(st.read_bytes(st.join(target, MANIFEST_NAME)))
     assert st.mtime(target) >= before - 5  # store clocks round to seconds
-    st.remove_file(st.join(target, "data-00001-a.safetensors"))
-    st.remove_file(st.join(target, "data-00001-a.safetensors"))  # twice: missing is fine
-    st.remove_tree(target)
-    assert not st.exists(target) and st.list_dir(base) == []
-    st.remove_tree(target)
+    delete_files(st, target, ["data-00001-a.safetensors"])
+    delete_files(st, target, ["data-00001-a.safetensors"])  # twice: missing is fine
+    st.fs.pipe_file(st._p(st.join(target, "notes.txt")), b"someone else's")
+    assert delete_checkpoint(st, target) == ["data-00000-a.safetensors", "data-00001-a.safetensors"]
+    assert st.list_dir(target) == ["notes.txt"]  # uncommitted, tombstone gone, the foreign file kept
+    assert TOMBSTONE not in st.list_dir(target)
 
 
 def test_get_storage_routes_urls_here(s3_server: S3Server, s3_bucket: str) -> None:
@@ -263,7 +290,7 @@ def test_transient_faults_are_retried_through_a_whole_save(
         {f"data-00000-{SID_NEW}.safetensors": big, f"data-00001-{SID_NEW}.safetensors": small},
         overwrite=True,
     )
-    st.remove_files(target, stale)
+    delete_files(st, target, stale)
     assert st.read_bytes(f"{target}/data-00000-{SID_NEW}.safetensors") == big
     out = bytearray(10)
     st.read_into(f"{target}/data-00000-{SID_NEW}.safetensors", PART, memoryview(out))
@@ -292,7 +319,7 @@ def test_outage_fails_naming_path_and_leaves_nothing_visible(
     assert url in msg and "upload part" in msg and "SHARDSAFE_REMOTE_RETRY_SECONDS" in msg
     assert isinstance(info.value, OSError) and fs.calls["upload_part"] > 2
     w.abort()
-    st.discard_staging(target, target, SID_NEW)
+    discard_save(st, target, target, SID_NEW, 1)
     assert not st.exists(url) and st.list_dir(target) == []
     assert list_uploads(fs, f"{s3_bucket}/ckpt/", FAST) == []
 

@@ -12,6 +12,7 @@ import torch
 
 import shardsafe
 from shardsafe.storage import MANIFEST_NAME
+from shardsafe.storage.delete import delete_files
 from shardsafe.storage.remote import FsspecStorage
 from shardsafe.storage.retry import RetryPolicy
 from shardsafe.storage.uploads import list_uploads
@@ -100,7 +101,7 @@ def _manager_run(rank: int, world: int, root: str) -> dict[str, Any]:
     dist.barrier()
     if rank == 0:
         newest = f"{root}/step-00000004"
-        st.remove_files(newest, [n for n in st.list_dir(newest) if n.startswith("data-00001-")])
+        delete_files(st, newest, [n for n in st.list_dir(newest) if n.startswith("data-00001-")])
     dist.barrier()
     model, opt = build("ddp", seed=123)
     state = {"model": model, "optimizer": opt, "step": 0}

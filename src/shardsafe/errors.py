@@ -66,7 +66,12 @@ class RankDesyncError(CoordinationError):
 
 
 class RankDeadError(CoordinationError):
-    """The rendezvous store became unreachable, which means the rank hosting it has died."""
+    """A rank stopped responding (its heartbeat stopped), or the rendezvous store became unreachable,
+    which means the process hosting it (rank 0 or the launcher) has died: ``store_lost`` says which."""
+
+    def __init__(self, message: str, *, store_lost: bool = False) -> None:
+        super().__init__(message)
+        self.store_lost = store_lost
 
 
 __all__ = [

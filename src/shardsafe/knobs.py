@@ -55,6 +55,12 @@ def dead_after() -> float:
     return _float("DEAD_AFTER", 20.0)
 
 
+def store_connect_wait() -> float:
+    """How long an operation waits for shardsafe's own store connection (opened in the background on
+    first use) before it uses the process group's shared client for this operation instead."""
+    return _float("STORE_CONNECT_WAIT", 0.5)
+
+
 def checksum_block_bytes() -> int:
     """Checksums are kept per block of a chunk, so a partial read can be verified on its own."""
     return int(_float("CHECKSUM_BLOCK_BYTES", 8 * 1024 * 1024))

@@ -22,10 +22,11 @@ POINTS: dict[str, str] = {
     "save.plan": "every rank, after computing the write plan, before staging or writing",
     "save.stage": "every rank, after copying its share into staging buffers (async save)",
     "save.write": "a writing rank, after its first piece of data reached the file",
+    "save.fsync": "a writing rank (local disk), inside the fsync of its data file, under the deadline",
     "save.report": "every rank, after fsync of its files, before reporting to rank 0",
-    "save.commit": "rank 0, all reports received, before writing the manifest",
-    "save.publish": "rank 0, manifest durable in staging, before it becomes visible at the target",
-    "save.confirm": "every rank, after the commit record, before returning",
+    "save.commit": "rank 0, all reports received, before building the manifest and deciding",
+    "save.publish": "rank 0, commit decided, before the manifest becomes visible (under the publish deadline)",
+    "save.confirm": "every rank, after reading the committed outcome, before acknowledging it",
     "load.rendezvous": "every rank, after arriving, before reading the manifest",
     "load.read": "every rank, after reading its first chunk",
 }
@@ -35,11 +36,16 @@ class InjectedFault(OSError):
     """The error an injected ``raise`` produces (an ``OSError``, like a failing disk)."""
 
 
-def fault_point(point: str, rank: int) -> None:
-    """Misbehave here if ``SHARDSAFE_FAULT`` says so for this point and rank."""
+def fault_point(point: str, rank: int | None = None) -> None:
+    """Misbehave here if ``SHARDSAFE_FAULT`` says so for this point and rank (``None``: this
+    process's global rank in the default process group, 0 without one)."""
     spec = os.environ.get("SHARDSAFE_FAULT")
     if not spec:
         return
+    if rank is None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     for item in spec.split(","):
         _maybe_fire(item.strip(), point, rank)
 

@@ -20,8 +20,16 @@ Store layout under ``shardsafe/<group>/<channel>/`` (``status`` directly under `
     <seq>/<phase>/...          the same three keys for each barrier of the operation
     <seq>/<phase>/value        a broadcast value
     <seq>/abort                the first failure of the operation: rank, phase, error
+    <seq>/decision             the operation's outcome ("commit" or an abort record): first compare_set wins
+    <seq>/<name>               a value one rank posts for the others (e.g. ``published``)
+    <seq>/ack/<rank>           the rank has read the outcome (rank 0 returns only after every live one)
     <seq>/hb/<rank>            heartbeat counter of a rank inside the operation (save, load)
+    <seq>/done                 ranks that have left the operation (close)
     status/<rank>              where the rank is now (for stall and timeout reports)
+
+Store traffic goes through shardsafe's own connection to the store where it can
+(:mod:`shardsafe.coord.connection`), so another thread blocked in ``store.get`` on the process
+group's client never stalls a heartbeat or a wait.
 """
 
 from __future__ import annotations
@@ -33,8 +41,6 @@ import socket
 import sys
 import threading
 import time
-import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +48,10 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
 from shardsafe import knobs
-from shardsafe.errors import CoordinationError, RankDeadError, RankDesyncError, RankTimeoutError, RemoteRankError
+from shardsafe.coord.access import _phases_used
+from shardsafe.coord.connection import preferred
+from shardsafe.coord.outcome import Outcome
+from shardsafe.errors import CoordinationError, RankDeadError, RankDesyncError, RemoteRankError
 
 logger = logging.getLogger(__name__)
 
@@ -96,11 +105,12 @@ def call_site() -> str:
 _seq_lock = threading.Lock()
 _seq: dict[tuple[int, str], int] = {}
 _cleaned: dict[tuple[int, str], int] = {}
-_phases_used: dict[tuple[tuple[int, str], int], set[str]] = {}
 
 
-class Coordinator:
-    """Cross-rank talk for one operation. Create with :meth:`join` on every rank of the group."""
+class Coordinator(Outcome):
+    """Cross-rank talk for one operation. Create with :meth:`join` on every rank of the group. Store
+    access and diagnostics live in :mod:`~shardsafe.coord.access`, heartbeats in
+    :mod:`~shardsafe.coord.liveness`, decisions and acknowledgements in :mod:`~shardsafe.coord.outcome`."""
 
     def __init__(
         self,
@@ -127,6 +137,11 @@ class Coordinator:
         self._hb_stop: threading.Event | None = None
         self._hb_seen: dict[int, tuple[int, float]] = {}
         self._hb_checked = 0.0
+        self._hb_error: BaseException | None = None
+        self._finishing = False  # the outcome is read: a store that vanishes now is no news
+        self._closed = False
+        self._local_decision: str | None = None  # the outcome without a store (one process)
+        self._shared: Store | None = store  # the process group's own client (heartbeat fallback)
         self.infos: list[dict[str, Any]] = []
 
     # ----------------------------------------------------------------------------------- joining
@@ -166,6 +181,8 @@ class Coordinator:
         assert rank is not None and world_size is not None
         self = cls(store, rank, world_size, ns, op, target, deadlines, global_rank)
         self.identity = identity
+        if store is not None and world_size > 1:  # fixed for the operation: one connection keeps its order
+            self.store = preferred(store, identity)
         site = call_site()
         info = {"op": op, "target": target, "site": site, "host": socket.gethostname(), "pid": os.getpid()}
         info.update(extra or {})
@@ -254,6 +271,7 @@ class Coordinator:
         warned = False
         delay = 0.002
         while not self._check(key):
+            self._raise_if_heartbeat_failed()
             failure = self.remote_failure()
             if failure is not None:
                 if self._check(key):  # the value came first (e.g. a commit record, then a later failure)
@@ -270,12 +288,14 @@ class Coordinator:
             delay = min(delay * 2, knobs.poll_seconds())
         return self._get(key)
 
-    def fail(self, phase: str, err: BaseException) -> None:
+    def fail(self, phase: str, err: BaseException, *, rank: int | None = None) -> None:
         """(the failing rank) Tell every rank of this operation that it failed, so their waits raise
-        :class:`RemoteRankError` at once instead of at the deadline. The caller re-raises ``err``."""
+        :class:`RemoteRankError` at once instead of at the deadline. The caller re-raises ``err``.
+        ``rank``: the rank to blame when it is not this one (a rank found dead)."""
         if self.store is None or self.world_size == 1 or self.seq == 0:
             return
-        record = {"rank": self.global_rank, "phase": phase, "error": f"{type(err).__name__}: {err}"}
+        who = self.global_rank if rank is None else rank
+        record = {"rank": who, "phase": phase, "error": f"{type(err).__name__}: {err}"}
         try:
             self._compare_set(self._k("abort"), json.dumps(record))
         except RankDeadError as dead:
@@ -287,65 +307,14 @@ class Coordinator:
     def close(self) -> None:
         """(every rank that joined with ``heartbeat``) Stop ticking and record that the operation is
         over on this rank (rank 0 then may delete its keys). Idempotent."""
-        if self._hb_stop is None or self._hb_stop.is_set():
+        if self._hb_stop is None or self._closed:
             return
+        self._closed = self._finishing = True
         self._hb_stop.set()
         try:
             self._add(self._k("done"), 1)
         except RankDeadError as err:  # the store is gone: nothing left to clean up there
             logger.debug("shardsafe: could not record the end of %s on rank %d: %s", self.op, self.rank, err)
-
-    def _start_heartbeat(self) -> None:
-        self._use("hb")  # tells rank 0's cleanup to wait for every rank's close()
-        stop = self._hb_stop = threading.Event()
-        key = self._k("hb", str(self.rank))
-        # The heartbeat shares the caller's store client: TCPStore serialises requests from several
-        # threads itself, and every shardsafe call is short (nothing blocks on a missing key), so
-        # ticks are never held up. A clone() would need a new connection, which can take seconds.
-        store = self._store()
-        self._add(key, 1)
-
-        def tick() -> None:
-            while not stop.wait(knobs.heartbeat_seconds()):
-                try:
-                    store.add(key, 1)
-                except Exception as err:  # the store is gone: waits on this rank raise RankDeadError
-                    logger.debug("shardsafe: heartbeat of rank %d stopped: %s", self.rank, err)
-                    return
-
-        threading.Thread(target=tick, name=f"shardsafe-heartbeat-{self.op}", daemon=True).start()
-
-    def _check_alive(self, phase: str, ranks: list[int]) -> None:
-        """Raise :class:`RankDeadError` (and abort the operation for all) if one of ``ranks`` joined
-        this operation and its heartbeat has stopped for ``SHARDSAFE_DEAD_AFTER`` seconds."""
-        if self._hb_stop is None or not ranks:
-            return
-        now = time.monotonic()
-        if now - self._hb_checked < knobs.heartbeat_seconds():
-            return
-        self._hb_checked = now
-        for r in ranks:
-            count = self._add(self._k("hb", str(r)), 0)
-            if count == 0:
-                continue  # never joined this operation: that is the deadline's business
-            last = self._hb_seen.get(r)
-            if last is None or last[0] != count:
-                self._hb_seen[r] = (count, now)
-            elif now - last[1] > knobs.dead_after():
-                message = (
-                    f"{self.op} of {self.target!r}: rank {r} joined but stopped responding {now - last[1]:.0f}s ago "
-                    f"in phase {phase!r} (its heartbeat stopped: the process died or is frozen). Nothing was "
-                    "committed; restart the job, it resumes from the last committed checkpoint."
-                )
-                record = {"rank": r, "phase": phase, "error": f"RankDeadError: rank {r} stopped (heartbeat lost)"}
-                self._compare_set(self._k("abort"), json.dumps(record))
-                raise RankDeadError(message)
-
-    def _k(self, *parts: str) -> str:
-        return "/".join((self.prefix, str(self.seq), *parts))
-
-    def _get_all(self, phase: str) -> list[str]:
-        return [self._get(self._k(phase, "r", str(r))) for r in range(self.world_size)]
 
     def _await_decision(self, phase: str, timeout: float, *, watch_abort: bool) -> str:
         key = self._k(phase, "decision")
@@ -353,6 +322,7 @@ class Coordinator:
         warned = False
         delay = 0.002
         while not self._check(key):
+            self._raise_if_heartbeat_failed()
             if watch_abort:
                 self._raise_if_aborted()
                 if self._hb_stop is not None:
@@ -415,71 +385,6 @@ class Coordinator:
         if failure is not None:
             raise failure
 
-    def _timeout_error(self, phase: str, missing: list[int], timeout: float, by: int | None = None) -> RankTimeoutError:
-        picture = "\n".join(self._status_lines())
-        if by is not None and by != self.rank and self.rank in missing:
-            head = (
-                f"{self.op} of {self.target!r}: rank {by} gave up waiting for this rank (rank {self.rank}) in phase "
-                f"{phase!r} after {timeout:.0f}s; this rank came too late. Raise timeout= (or SHARDSAFE_TIMEOUT / "
-                "SHARDSAFE_IO_TIMEOUT) if it is merely slow."
-            )
-        elif phase == "arrive":
-            head = (
-                f"{self.op} of {self.target!r}: rank {self.rank} waited {timeout:.0f}s for every rank to arrive, but "
-                f"ranks {missing} never arrived. Call {self.op}() on every rank of the process group, with the same "
-                f"path; the library decides who reads and writes what. (If those ranks are merely slow, raise "
-                "timeout= or SHARDSAFE_TIMEOUT.)"
-            )
-        else:
-            head = (
-                f"{self.op} of {self.target!r}: rank {self.rank} waited {timeout:.0f}s in phase {phase!r}, but ranks "
-                f"{missing} did not get there (slow storage, or a hang or crash on those ranks). If they are merely "
-                "slow, raise timeout= or SHARDSAFE_IO_TIMEOUT."
-            )
-        return RankTimeoutError(f"{head} Where each rank was:\n{picture}", missing_ranks=missing)
-
-    def _warn_stall(self, phase: str, what: str, missing: list[int], elapsed: float, timeout: float) -> None:
-        stack = "".join(traceback.format_stack(limit=12)[:-2])
-        logger.warning(
-            "shardsafe: rank %d has waited %.1fs of %.0fs for %s (%s of %s, phase %s); not there yet: %s\n"
-            "ranks:\n%s\nwaiting at:\n%s",
-            self.rank,
-            elapsed,
-            timeout,
-            what,
-            self.op,
-            self.target,
-            phase,
-            missing,
-            "\n".join(self._status_lines()),
-            stack,
-        )
-
-    def _status(self, phase: str) -> None:
-        if self.store is None:
-            return
-        record = {"op": self.op, "target": self.target, "seq": self.seq, "phase": phase, "since": time.time()}
-        self._set(f"{self.namespace}/status/{self.rank}", json.dumps(record))
-
-    def _status_lines(self) -> list[str]:
-        lines = []
-        now = time.time()
-        for r in range(self.world_size):
-            key = f"{self.namespace}/status/{r}"
-            try:
-                if not self._check(key):
-                    lines.append(f"  rank {r}: no shardsafe call seen yet")
-                    continue
-                s = json.loads(self._get(key))
-            except RankDeadError:
-                lines.append(f"  rank {r}: unknown (store unreachable)")
-                continue
-            lines.append(
-                f"  rank {r}: {s['op']}({s['target']!r}) #{s['seq']} in phase {s['phase']!r} "
-                f"for {now - s['since']:.1f}s"
-            )
-        return lines
-
     def _cleanup_previous(self, key: tuple[int, str]) -> None:
         """Rank 0 deletes the keys of earlier operations of this channel that every rank has left:
         those every rank reported done (:meth:`close`), or, for operations without a heartbeat, all
@@ -495,8 +400,10 @@ class Coordinator:
             phases = _phases_used.get((key, seq), {"arrive"})
             if "hb" in phases and self._add(f"{prefix}/done", 0) < self.world_size:
                 break
-            names = [f"{prefix}/abort", f"{prefix}/done"] + [f"{prefix}/hb/{r}" for r in range(self.world_size)]
-            for phase in phases - {"hb"}:
+            names = [f"{prefix}/abort", f"{prefix}/done", f"{prefix}/decision"]
+            names += [f"{prefix}/{w}/{r}" for w in ("hb", "ack") for r in range(self.world_size)]
+            for phase in phases - {"hb", "ack"}:
+                names += [f"{prefix}/{phase}"]  # a posted value
                 names += [f"{prefix}/{phase}/{leaf}" for leaf in ("count", "decision", "value")]
                 names += [f"{prefix}/{phase}/r/{r}" for r in range(self.world_size)]
             for name in names:
@@ -508,44 +415,6 @@ class Coordinator:
             done_upto = seq
         with _seq_lock:
             _cleaned[key] = done_upto
-
-    def _use(self, phase: str) -> None:
-        if self.rank == 0:
-            _phases_used.setdefault(((self.identity, self.prefix), self.seq), set()).add(phase)
-
-    # Store access: every call goes through _call, which turns a lost connection into RankDeadError.
-
-    def _store(self) -> Store:
-        assert self.store is not None
-        return self.store
-
-    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
-        try:
-            return fn()
-        except (RuntimeError, OSError, ConnectionError) as err:
-            raise RankDeadError(
-                f"{self.op} of {self.target!r}: rank {self.rank} lost the rendezvous store during {what} "
-                f"({err}). The process hosting it (rank 0 or the launcher) has most likely died; restart "
-                "the job, it will resume from the last committed checkpoint."
-            ) from err
-
-    def _set(self, k: str, v: str) -> None:
-        self._call(f"set {k}", lambda: self._store().set(k, v))
-
-    def _get(self, k: str) -> str:
-        raw: bytes = self._call(f"get {k}", lambda: self._store().get(k))
-        return raw.decode()
-
-    def _check(self, k: str) -> bool:
-        return bool(self._call(f"check {k}", lambda: self._store().check([k])))
-
-    def _add(self, k: str, n: int) -> int:
-        return int(self._call(f"add {k}", lambda: self._store().add(k, n)))
-
-    def _compare_set(self, k: str, v: str) -> str:
-        """Set ``k`` to ``v`` unless it is already set; return whichever value it holds now."""
-        raw: bytes = self._call(f"compare_set {k}", lambda: self._store().compare_set(k, "", v))
-        return raw.decode()
 
 
 def resolve_group(group: Any) -> tuple[Store | None, int, int, int, str, int]:

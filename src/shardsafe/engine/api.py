@@ -16,6 +16,7 @@ import torch
 from shardsafe import knobs
 from shardsafe.coord import Deadlines
 from shardsafe.engine import load as _load
+from shardsafe.engine.commit import finish_bound
 from shardsafe.engine.guard import mapped_errors
 from shardsafe.engine.inspect import CheckpointInfo, EntryInfo, VerifySummary, inspect, verify
 from shardsafe.engine.save import SaveHandle, SaveJob
@@ -56,7 +57,7 @@ def _drain(deadlines: Deadlines, allowed: int) -> None:
 
 def _raise_unseen(handle: SaveHandle, deadlines: Deadlines) -> None:
     try:
-        handle.wait(deadlines.io + deadlines.arrive)
+        handle.wait(finish_bound(deadlines) + 60)
     except BaseException:
         if not handle._reported:
             raise

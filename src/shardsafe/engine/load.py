@@ -106,6 +106,7 @@ def load(
         if coord is not None:
             phase = "confirm"
             coord.barrier("loaded", timeout=deadlines.io)
+            coord.acknowledge(timeout=deadlines.arrive)  # rank 0 returns once every live rank knows
     except BaseException as err:
         if coord is not None and not isinstance(err, CoordinationError):
             coord.fail(phase, err)

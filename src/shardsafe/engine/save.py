@@ -1,13 +1,16 @@
 """The save protocol (DESIGN.md). One :class:`SaveJob` per save; a synchronous save runs both halves
 inline, an asynchronous one runs :meth:`SaveJob.finish` on a background thread.
 
-(all ranks) ``begin``: rendezvous; rank 0 checks the target, picks the save id, creates staging and
-    broadcasts them; plan locally; stage (:mod:`shardsafe.engine.staging`; async: copy this rank's
-    share into one reusable slab).
-(all ranks) ``finish``: write this rank's data file (checksums while writing, fsync), report to the
-    store; (rank 0) wait for every report, write the manifest last, publish atomically, broadcast the
-    commit record; (other ranks) wait for that record. On any failure every rank raises and rank 0
-    removes staging, leaving the target untouched.
+(all ranks) ``begin``: rendezvous; rank 0 checks the target (absent, empty, or shardsafe's own
+    files only), picks the save id and the checksum block size, creates staging and broadcasts them;
+    plan locally; stage (:mod:`shardsafe.engine.staging`; async: copy this rank's share into one
+    reusable slab).
+(all ranks) ``finish``: write this rank's data file (checksums while writing, fsync, under the
+    deadline), report to the store; then the commit protocol of :mod:`shardsafe.engine.commit`: one
+    decision per save, settled by the first ``compare_set`` on the decision key; rank 0 publishes only
+    after winning "commit", staging is discarded only where "abort" won; every rank acknowledges the
+    outcome and rank 0 returns last. On any failure before the decision every rank raises and the
+    target is untouched.
 """
 
 from __future__ import annotations
@@ -25,15 +28,23 @@ import torch
 
 from shardsafe import knobs
 from shardsafe.coord import Coordinator, Deadlines, fault_point
-from shardsafe.engine import staging
+from shardsafe.engine import commit, staging
 from shardsafe.engine.plan import plan_writes
-from shardsafe.errors import CheckpointError, CheckpointExistsError, CoordinationError, UnsafeValueError
+from shardsafe.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CoordinationError,
+    RankDeadError,
+    RemoteRankError,
+    UnsafeValueError,
+)
 from shardsafe.format.datafile import PendingChunk, write_file
 from shardsafe.format.manifest import Chunk, FileEntry, Manifest, TensorEntry
 from shardsafe.format.values import encode
 from shardsafe.state import per_rank
 from shardsafe.state.flatten import FlatState, flatten
-from shardsafe.storage import MANIFEST_NAME, Storage, Writer, get_storage
+from shardsafe.storage import Storage, Writer, get_storage
+from shardsafe.storage.names import refusal
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +76,8 @@ class SaveJob:
         self.phase = "rendezvous"
         self.save_id = ""
         self.staging = ""
+        self.block_bytes = 0  # rank 0's choice, the same for every writer of this save
+        self.reported = False  # this rank's report is on the store: only the storage may tell an outcome now
         self.flat: FlatState | None = None
         self.metadata_json: Any = None
         self.chunks: list[PendingChunk] = []
@@ -90,6 +103,7 @@ class SaveJob:
             if "exists" in record:
                 raise CheckpointExistsError(record["exists"])
             self.save_id, self.staging = record["save_id"], record["staging"]
+            self.block_bytes = int(record["block_bytes"])
             # gather: FSDP1 hook (state/fsdp1.py), every rank's payload through the store, used only for
             # FSDP1 optimizers with use_orig_params=True (a rank may hold no state for some parameters)
             self.flat = flatten(
@@ -118,19 +132,20 @@ class SaveJob:
         self.blocking_seconds = time.monotonic() - self.started
 
     def _choose_save_id(self) -> str:
-        """(rank 0) Refuse an existing target without ``overwrite``; else a fresh id and its staging."""
-        committed = self.storage.join(self.path, MANIFEST_NAME)
-        if not self.overwrite and self.storage.exists(committed):
-            return json.dumps(
-                {
-                    "exists": f"{self.path} already holds a committed checkpoint; pass overwrite=True to replace it "
-                    "atomically, or save to a new path"
-                }
-            )
-        save_id = f"{int(time.time())}{uuid.uuid4().hex[:10]}"
-        staging = self.storage.staging_dir(self.path, save_id)
-        self.storage.prepare_staging(staging)
-        return json.dumps({"save_id": save_id, "staging": staging})
+        """(rank 0) Refuse a target that is neither absent, nor empty, nor shardsafe's own (a
+        committed one without ``overwrite`` included), changing nothing; else a fresh save id, its
+        staging, and the checksum block size every writer uses (rank 0's, so ranks configured
+        differently still write one loadable checkpoint)."""
+        self.storage.set_deadline(time.monotonic() + self.deadlines.arrive)
+        why = refusal(self.storage, self.path, overwrite=self.overwrite)
+        if why is not None:
+            return json.dumps({"exists": why})
+        self.save_id = f"{int(time.time())}{uuid.uuid4().hex[:10]}"
+        self.staging = self.storage.staging_dir(self.path, self.save_id)
+        self.storage.prepare_staging(self.staging)
+        return json.dumps(
+            {"save_id": self.save_id, "staging": self.staging, "block_bytes": knobs.checksum_block_bytes()}
+        )
 
     # ----------------------------------------------------------------------------------- finish
 
@@ -139,10 +154,17 @@ class SaveJob:
         coord, flat = self.coord, self.flat
         assert coord is not None and flat is not None
         writer: Writer | None = None
+        self.storage.set_deadline(time.monotonic() + self.deadlines.io)
         try:
             self.phase = "write"
-            report: dict[str, Any] = {"rank": coord.rank, "chunks": [], "files": {}, "fingerprint": _fingerprint(flat)}
-            report["per_rank"] = per_rank.report(flat)
+            report: dict[str, Any] = {
+                "rank": coord.rank,
+                "chunks": [],
+                "files": {},
+                "fingerprint": _fingerprint(flat),
+                "block_bytes": self.block_bytes,
+                "per_rank": per_rank.report(flat),
+            }
             if self.chunks:
                 name = f"data-{coord.rank:05d}-{self.save_id}.safetensors"
                 writer = self.storage.open_writer(self.storage.join(self.staging, name))
@@ -151,7 +173,7 @@ class SaveJob:
                     writer,
                     name,
                     self.chunks,
-                    knobs.checksum_block_bytes(),
+                    self.block_bytes,
                     lambda: fault_point("save.write", coord.global_rank),
                     staging.windows(self.staged),
                 )
@@ -161,18 +183,18 @@ class SaveJob:
                 report["chunks"] = [[c.name, r.to_json()] for c, r in zip(self.chunks, records, strict=True)]
             fault_point("save.report", coord.global_rank)
             self.phase = "report"
+            self.reported = True
             reports = coord.barrier("written", json.dumps(report), timeout=self.deadlines.io, collect=coord.rank == 0)
             self.phase = "commit"
             if coord.rank == 0:
-                self._commit(coord, flat, [json.loads(r) for r in reports])
+                commit.lead(self, coord, flat, [json.loads(r) for r in reports])
             else:
-                outcome = json.loads(coord.broadcast("commit", None, timeout=self.deadlines.io))
-                if "error" in outcome:
-                    raise CheckpointError(outcome["error"])
-            fault_point("save.confirm", coord.global_rank)
+                commit.follow(self, coord)
         except BaseException as err:
             if writer is not None:
                 writer.abort()
+            if isinstance(err, RankDeadError) and err.store_lost and commit.lost_store_but_committed(self, err):
+                return  # the store went away after this rank's part was done, and the checkpoint is committed
             wrapped = self._failed(err)
             if wrapped is err:
                 raise
@@ -186,39 +208,6 @@ class SaveJob:
         if self.staged is not None:
             self.staged.close()
             self.staged = None
-
-    def _commit(self, coord: Coordinator, flat: FlatState, reports: list[dict[str, Any]]) -> None:
-        """(rank 0) Build the manifest from every report, write it last, make it visible, tell the ranks."""
-        mismatch = [r["rank"] for r in reports if r["fingerprint"] != _fingerprint(flat)]
-        if mismatch:
-            raise CheckpointError(
-                f"save of {self.path!r}: ranks {mismatch} passed a state with other keys, shapes or dtypes than rank "
-                "0. Every rank must save the same structure (the same model and optimizer)."
-            )
-        fault_point("save.commit", coord.global_rank)
-        manifest = self._manifest(coord, flat, reports)
-        fault_point("save.publish", coord.global_rank)
-        stale = self.storage.publish(self.staging, self.path, manifest.to_bytes(), overwrite=self.overwrite)
-        coord.broadcast("commit", json.dumps({"ok": True}), timeout=self.deadlines.io)
-        if stale:
-            try:
-                self.storage.remove_files(self.path, stale)
-            except OSError as err:  # the checkpoint is committed; the old files are unreferenced litter
-                logger.warning(
-                    "shardsafe: committed %s but could not remove old data files %s: %s", self.path, stale, err
-                )
-        total = manifest.total_bytes
-        took = time.monotonic() - self.started
-        logger.info(
-            "shardsafe: saved %s (%.1f MiB, %d ranks, %s) in %.2fs (%.0f MiB/s; blocking %.2fs)",
-            self.path,
-            total / 2**20,
-            coord.world_size,
-            flat.strategy,
-            took,
-            total / 2**20 / max(took, 1e-9),
-            self.blocking_seconds,
-        )
 
     def _manifest(self, coord: Coordinator, flat: FlatState, reports: list[dict[str, Any]]) -> Manifest:
         chunks: dict[str, list[Chunk]] = {}
@@ -258,7 +247,7 @@ class SaveJob:
             world_size=coord.world_size,
             strategy=flat.strategy,
             library={"shardsafe": shardsafe.__version__, "torch": torch.__version__.split("+")[0]},
-            block_bytes=knobs.checksum_block_bytes(),
+            block_bytes=self.block_bytes,
             metadata=self.metadata_json,
             objects=flat.objects,
             tensors=tensors,
@@ -268,23 +257,27 @@ class SaveJob:
     # ---------------------------------------------------------------------------------- failure
 
     def _failed(self, err: BaseException) -> BaseException:
-        """(the rank that caught ``err``) Tell the other ranks, remove what this save wrote (every rank:
-        the removal is idempotent and spares a committed save), and return the error to raise. When
-        another rank failed first, a local error that follows from it (e.g. the staging directory
-        vanished under this rank's writer) is reported as that rank's failure."""
+        """(the rank that caught ``err``) Tell the other ranks, propose "abort" on the decision key, and
+        where abort is the outcome remove what this save wrote (every rank: the removal is idempotent).
+        Where "commit" won first (this rank failed after the decision), nothing is removed. Returns
+        the error to raise. When another rank failed first, a local error that follows from it (e.g.
+        the staging directory vanished under this rank's writer) is reported as that rank's failure."""
         coord = self.coord
         if coord is None:
             return err
-        from shardsafe.errors import RemoteRankError
-
-        remote = coord.remote_failure() if not isinstance(err, CoordinationError) else None
-        if remote is None and not isinstance(err, (RemoteRankError, CheckpointExistsError)):
-            coord.fail(self.phase, err)
-        if self.staging:
-            try:
-                self.storage.discard_staging(self.staging, self.path, self.save_id)
-            except OSError as cleanup:
-                logger.error("shardsafe: could not remove staging %s after a failed save: %s", self.staging, cleanup)
+        remote: BaseException | None = None
+        outcome: str | None = None
+        try:
+            remote = coord.remote_failure() if not isinstance(err, CoordinationError) else None
+            if remote is None and not isinstance(err, (RemoteRankError, CheckpointExistsError)):
+                coord.fail(self.phase, err)
+            outcome = coord.decide(commit.abort_record(coord.global_rank, self.phase, err))
+        except RankDeadError as lost:  # no store: the outcome is unknown unless nobody could commit yet
+            logger.debug("shardsafe: rank %d could not settle the outcome of %s: %s", coord.rank, self.path, lost)
+        if outcome is None and not self.reported:
+            outcome = "abort"  # without this rank's report no commit is possible
+        if self.staging and outcome is not None and outcome != commit.COMMIT:
+            commit.discard(self)
         if remote is not None:
             return remote
         return self._wrap(err)
@@ -340,9 +333,9 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the save is committed (or failed); ``timeout`` seconds at most (default: the
-        save's io deadline plus a margin, since the save's own waits are bounded by it)."""
+        bound of the save's own waits, :func:`~shardsafe.engine.commit.finish_bound`, plus a margin)."""
         if self._thread is not None:
-            limit = timeout if timeout is not None else self.job.deadlines.io + self.job.deadlines.arrive + 60
+            limit = timeout if timeout is not None else commit.finish_bound(self.job.deadlines) + 60
             self._thread.join(limit)
             if self._thread.is_alive():
                 raise TimeoutError(

@@ -1,27 +1,32 @@
 """Deleting checkpoints that retention lets go, and the leftovers of crashed saves.
 
-Called by rank 0 only, after a new checkpoint has committed. A checkpoint is deleted manifest
-first, so a half-deleted one is never taken for committed. One failed delete is logged and the rest
-go on: a full or flaky disk must not turn a successful save into a crash.
+Called by rank 0 only, after a new checkpoint has committed. Every removal goes through
+:mod:`shardsafe.storage.delete`: only names shardsafe writes, taken from a validated manifest (a
+checkpoint, a tombstone) or from a staging directory's own save id; folders only once empty, never
+recursively. A checkpoint is uncommitted first (its manifest renamed to a tombstone), so a
+half-deleted one is never taken for committed. One failed delete is logged and the rest go on: a
+full or flaky disk must not turn a successful save into a crash.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+from shardsafe.errors import CorruptCheckpointError
 from shardsafe.manager.listing import CheckpointRecord
 from shardsafe.manager.retention import RetentionPolicy
 from shardsafe.manager.rootfs import RootFS
-from shardsafe.storage.base import MANIFEST_NAME
+from shardsafe.storage.base import Storage
+from shardsafe.storage.delete import delete_checkpoint as _delete_checkpoint
+from shardsafe.storage.delete import delete_files, finish_deletion, remove_staging
+from shardsafe.storage.names import DATA_FILE, STAGING_DIR, TOMBSTONE
 
 logger = logging.getLogger(__name__)
-
-_DATA_FILE = re.compile(r"^data-\d+-.+\.safetensors$")
 
 
 @dataclass(frozen=True)
@@ -31,15 +36,16 @@ class _Candidate:
     record: CheckpointRecord
 
 
-def delete_checkpoint(fs: RootFS, record: CheckpointRecord) -> None:
-    """Remove one checkpoint directory: its ``MANIFEST.json`` first (from then on it is no longer
-    committed, whatever happens next), then everything else. Raises ``OSError`` on failure."""
-    fs.remove_file(fs.join(record.path, MANIFEST_NAME))
-    fs.remove_tree(record.path)
+def delete_checkpoint(storage: Storage, record: CheckpointRecord) -> None:
+    """Remove one committed checkpoint: its manifest becomes the tombstone (from then on it is no
+    longer committed, whatever happens next), then its data files, the tombstone and the folder go.
+    Raises ``OSError`` on failure, :class:`CorruptCheckpointError` (deleting nothing) when its
+    manifest does not validate."""
+    _delete_checkpoint(storage, record.path)
 
 
 def apply_retention(
-    fs: RootFS,
+    storage: Storage,
     records: Sequence[CheckpointRecord],
     policy: RetentionPolicy,
     *,
@@ -60,8 +66,8 @@ def apply_retention(
     for candidate in policy.to_delete(committed, protect=protect):
         record = candidate.record
         try:
-            delete_checkpoint(fs, record)
-        except OSError as err:
+            delete_checkpoint(storage, record)
+        except (OSError, CorruptCheckpointError, ValueError) as err:
             logger.error(
                 "shardsafe: could not delete old checkpoint %s (retention): %s. It stays on disk; the next "
                 "save tries again. Check the permissions and health of %s.",
@@ -77,47 +83,73 @@ def apply_retention(
 
 def remove_leftovers(
     fs: RootFS,
+    storage: Storage,
     records: Sequence[CheckpointRecord],
     *,
     min_age: float,
     busy: Collection[str] = (),
     now: float | None = None,
 ) -> list[str]:
-    """(rank 0) Remove what crashed saves left: staging and litter directories, directories without a
-    manifest, and data files in a committed checkpoint that its manifest does not list (an overwrite
-    that crashed). Only what has not changed for ``min_age`` seconds goes; entries for a checkpoint
-    name in ``busy`` (a save of this run in flight) are never touched. Returns the paths removed."""
+    """(rank 0) Remove what crashed saves and deletes left, where shardsafe can tell it wrote it:
+
+    - a staging directory: the data files of the save id in its name and its staged manifest, then
+      the directory if that empties it;
+    - a checkpoint folder without a manifest: the data files its tombstone lists (an interrupted
+      delete), and data files by name (a crashed save on an object store), then the folder if empty;
+    - in a committed checkpoint: data files its manifest does not list (an interrupted overwrite),
+      and what a tombstone beside it lists that the manifest does not.
+
+    Litter directories of older versions (``.<name>.litter-*``) are never touched: what they hold was
+    not checked. Only what has not changed for ``min_age`` seconds goes; entries for a checkpoint name
+    in ``busy`` (a save of this run in flight) are never touched. Returns the paths removed."""
     now = time.time() if now is None else now
     removed: list[str] = []
     for record in records:
-        if record.target in busy:
+        if record.target in busy or (record.leftover and not STAGING_DIR.match(record.name)):
             continue
         if record.status == "incomplete":
-            old = record.created is not None and now - record.created >= min_age
-            if old and _remove(fs, record.path, tree=True):
+            if record.created is None or now - record.created < min_age:
+                continue
+            if record.leftover:
+                gone = _remove(partial(remove_staging, storage, record.path), record.path)
+            else:
+                names = [n for n in fs.list_dir(record.path) if DATA_FILE.match(n)]
+                gone = _remove(partial(_clear, storage, record.path, names), record.path)
+            if gone:
                 removed.append(record.path)
         elif record.status == "committed":
+            if TOMBSTONE in fs.list_dir(record.path):
+                _remove(partial(_finish, storage, record.path), fs.join(record.path, TOMBSTONE))
             listed = set(record.files)
             for name in fs.list_dir(record.path):
-                if not _DATA_FILE.match(name) or name in listed:
+                if not DATA_FILE.match(name) or name in listed:
                     continue
                 path = fs.join(record.path, name)
                 try:
                     age = now - fs.mtime(path)
                 except FileNotFoundError:
                     continue
-                if age >= min_age and _remove(fs, path, tree=False):
+                if age >= min_age and _remove(partial(_clear, storage, record.path, [name], rmdir=False), path):
                     removed.append(path)
     return removed
 
 
-def _remove(fs: RootFS, path: str, *, tree: bool) -> bool:
+def _finish(storage: Storage, path: str) -> bool:
+    finish_deletion(storage, path)
+    return True
+
+
+def _clear(storage: Storage, path: str, names: list[str], *, rmdir: bool = True) -> bool:
+    """Finish an interrupted delete, remove the data files ``names``, then the folder if empty."""
+    finish_deletion(storage, path)
+    delete_files(storage, path, names)
+    return storage.remove_dir_if_empty(path) if rmdir else True
+
+
+def _remove(action: Callable[[], bool], path: str) -> bool:
     try:
-        if tree:
-            fs.remove_tree(path)
-        else:
-            fs.remove_file(path)
-    except OSError as err:
+        gone = action()
+    except (OSError, ValueError) as err:
         logger.error(
             "shardsafe: could not remove %s, left by a crashed save: %s. It wastes space but is never read; "
             "remove it by hand if this repeats.",
@@ -125,5 +157,6 @@ def _remove(fs: RootFS, path: str, *, tree: bool) -> bool:
             err,
         )
         return False
-    logger.info("shardsafe: removed %s, left by a crashed save", path)
-    return True
+    if gone:
+        logger.info("shardsafe: removed %s, left by a crashed save", path)
+    return gone

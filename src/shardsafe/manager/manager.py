@@ -14,6 +14,7 @@ from typing import Any, Literal
 import torch
 
 from shardsafe.coord import Deadlines
+from shardsafe.coord.connection import preferred
 from shardsafe.coord.group import resolve_group
 from shardsafe.engine import api
 from shardsafe.engine.guard import mapped_errors
@@ -26,6 +27,7 @@ from shardsafe.manager.resume import newest_verified, resume_newest
 from shardsafe.manager.retention import RetentionPolicy
 from shardsafe.manager.rootfs import open_root
 from shardsafe.manager.schedule import PREEMPTION, Schedule
+from shardsafe.storage import get_storage
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +99,8 @@ class CheckpointManager:
             verify_on_resume=verify_on_resume,
         )
         self._fs = open_root(self.config.root)
-        store, self.rank, self.world_size, _, namespace, _ = resolve_group(None)
+        self._storage = get_storage(self.config.root)  # deletes go through shardsafe.storage.delete
+        store, self.rank, self.world_size, _, namespace, identity = resolve_group(None)
         self._deadlines = Deadlines.resolve(self.config.timeout)
         self._policy = RetentionPolicy(
             keep_last=self.config.keep_last,
@@ -106,7 +109,7 @@ class CheckpointManager:
             mode=self.config.mode,
             keep_every_n_steps=self.config.keep_every_n_steps,
         )
-        keys = StoreKeys.for_manager(store, namespace)
+        keys = StoreKeys.for_manager(store if store is None else preferred(store, identity), namespace)
         self._flag = SignalFlag(self.config.save_on_signals)
         self._schedule = Schedule(
             self.config,
@@ -283,9 +286,9 @@ class CheckpointManager:
                 for r in records
             ):
                 protect.add(resumed)
-            apply_retention(self._fs, records, self._policy, protect=protect, exclude=self._damaged)
+            apply_retention(self._storage, records, self._policy, protect=protect, exclude=self._damaged)
             busy = {self._pending.name} if self._pending is not None else set()
-            remove_leftovers(self._fs, records, min_age=self.config.leftover_age, busy=busy)
+            remove_leftovers(self._fs, self._storage, records, min_age=self.config.leftover_age, busy=busy)
         except OSError as err:
             logger.error(
                 "shardsafe: housekeeping of %s after committing %s failed: %s. The checkpoint is safe; old "

@@ -1,11 +1,11 @@
-"""The few filesystem operations the manager needs on its root (list, age, size, delete), behind one
+"""The few filesystem operations the manager needs to look at its root (list, age, size), behind one
 small interface chosen in one place (:func:`open_root`), instead of ``os`` calls scattered through
-the manager. Remote roots use the fsspec storage backend, which implements the same operations."""
+the manager. Remote roots use the fsspec storage backend, which implements the same operations.
+Deleting is not among them: every delete goes through :mod:`shardsafe.storage.delete`."""
 
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Protocol
 
 from shardsafe.storage import is_remote
@@ -33,14 +33,6 @@ class RootFS(Protocol):
 
     def size(self, path: str) -> int:
         """Bytes of a file, or of the files directly inside a directory."""
-        ...
-
-    def remove_file(self, path: str) -> None:
-        """Delete one file; a missing one is fine, any other failure raises."""
-        ...
-
-    def remove_tree(self, path: str) -> None:
-        """Delete a directory and everything in it; a missing one is fine, any other failure raises."""
         ...
 
 
@@ -85,18 +77,6 @@ class LocalRootFS:
                 except FileNotFoundError:
                     continue
         return total
-
-    def remove_file(self, path: str) -> None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-    def remove_tree(self, path: str) -> None:
-        try:
-            shutil.rmtree(path)
-        except FileNotFoundError:
-            pass
 
 
 def open_root(root: str) -> RootFS:

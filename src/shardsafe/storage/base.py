@@ -10,6 +10,7 @@ overwritten (their names carry the save id).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 MANIFEST_NAME = "MANIFEST.json"
@@ -27,10 +28,17 @@ class Writer(Protocol):
 
 
 class Storage(Protocol):
-    """What the engine needs from a filesystem or object store."""
+    """What the engine needs from a filesystem or object store. Deletions go through
+    :mod:`shardsafe.storage.delete` only, which calls the primitives at the end of this class."""
 
     def join(self, base: str, name: str) -> str:
         """``base`` + ``/`` + a plain ``name``."""
+        ...
+
+    def set_deadline(self, deadline: float | None) -> None:
+        """Bound the blocking local writes, fsyncs and renames of the save path made from now on
+        (writers opened later included) by ``deadline`` (``time.monotonic()`` seconds): past it they
+        raise ``TimeoutError`` instead of hanging. ``None``: unbounded."""
         ...
 
     def staging_dir(self, target: str, save_id: str) -> str:
@@ -39,26 +47,32 @@ class Storage(Protocol):
         ...
 
     def prepare_staging(self, staging: str) -> None:
-        """(rank 0, before writers start) Create the staging location."""
+        """(rank 0, before writers start) Create the staging location (and durably, its parents)."""
         ...
 
     def open_writer(self, path: str) -> Writer:
         """(writing ranks) Create a new file; fail if it exists."""
         ...
 
-    def publish(self, staging: str, target: str, manifest: bytes, *, overwrite: bool) -> list[str]:
-        """(rank 0) Commit: make ``manifest`` visible at ``target`` in one atomic step, after the data
-        files in ``staging``. Returns the names of files in ``target`` from an older checkpoint that
-        the new manifest no longer references (for :meth:`remove_files`)."""
+    def stage_manifest(self, staging: str, target: str, save_id: str, manifest: bytes) -> None:
+        """(rank 0, before deciding to commit) Make ``manifest`` durable where :meth:`publish` takes it
+        from, without making it visible at ``target``."""
         ...
 
-    def discard_staging(self, staging: str, target: str, save_id: str) -> None:
-        """(every rank, on abort; idempotent) Remove what save ``save_id`` wrote; never touches the
-        files of a committed manifest, nor anything if that save turns out to have committed."""
-        ...
-
-    def remove_files(self, directory: str, names: list[str]) -> None:
-        """Delete ``names`` in ``directory``; missing ones are fine."""
+    def publish(
+        self,
+        staging: str,
+        target: str,
+        save_id: str,
+        manifest: bytes,
+        *,
+        overwrite: bool,
+        at_commit: Callable[[], None],
+    ) -> bytes | None:
+        """(rank 0, after it won the "commit" decision) Commit: make the staged manifest visible at
+        ``target`` in one atomic step, after the data files. ``at_commit()`` is called right before
+        that step and may raise to prevent it. Returns the bytes of the manifest it replaced (for
+        the removal of old data files), or ``None``."""
         ...
 
     def read_bytes(self, path: str, limit: int | None = None) -> bytes:
@@ -80,6 +94,33 @@ class Storage(Protocol):
 
     def exists(self, path: str) -> bool: ...
 
+    def is_dir(self, path: str) -> bool:
+        """Whether ``path`` is a directory (an object-store prefix holding something)."""
+        ...
+
     def list_dir(self, path: str) -> list[str]:
         """Names (not paths) directly inside ``path``; empty when it does not exist."""
+        ...
+
+    # Primitives of :mod:`shardsafe.storage.delete`; nothing else calls them.
+
+    def unlink_names(self, directory: str, names: list[str]) -> None:
+        """Remove the files ``names`` (plain names) in ``directory``; missing ones are fine."""
+        ...
+
+    def sync_dir(self, directory: str) -> None:
+        """Make ``directory``'s entries durable (fsync; nothing on object stores)."""
+        ...
+
+    def retire_manifest(self, path: str, tombstone: str) -> None:
+        """Uncommit the checkpoint at ``path`` in one atomic step, keeping its manifest under the name
+        ``tombstone`` beside it (object stores: the tombstone is written before the manifest goes)."""
+        ...
+
+    def remove_dir_if_empty(self, path: str) -> bool:
+        """Remove the directory ``path`` if it is empty (then fsync its parent); whether it is gone."""
+        ...
+
+    def cancel_uploads(self, target: str, save_id: str) -> None:
+        """Abort unfinished uploads of save ``save_id`` under ``target`` (object stores)."""
         ...

@@ -1,28 +1,29 @@
 """Local POSIX storage: the fast path. Data files go into a hidden staging directory beside the target
 (``<parent>/.<name>.staging-<saveid>``), are fsynced, and the commit is one atomic rename:
 
-- new target: ``MANIFEST.json`` is written durably inside staging, then staging is renamed to the
-  target (a path without a manifest, e.g. the litter of a crashed save, is moved aside first);
-- overwrite: the new data files (unique names) are moved into the target, then the staged manifest
-  is renamed over the old one. The old checkpoint stays whole and loadable until that rename.
+- new target (absent, or an empty folder): ``MANIFEST.json`` is written durably inside staging, then
+  staging is renamed to the target;
+- a target that holds a committed checkpoint (overwrite) or only what a crashed save or delete left:
+  the new data files (unique names) are moved into it, then the staged manifest is renamed over the
+  old one. The old checkpoint stays whole and loadable until that rename.
 
-Either way ``<target>/MANIFEST.json`` exists iff the checkpoint is committed.
+Either way ``<target>/MANIFEST.json`` exists iff the checkpoint is committed. Folders this backend
+creates are fsynced into their parents; the blocking writes, fsyncs and renames of a save run under
+its deadline (:mod:`shardsafe.storage.bounded`). Deletions go through :mod:`shardsafe.storage.delete`.
 """
 
 from __future__ import annotations
 
-import json
-import logging
+import errno
 import os
-import shutil
-import time
-import uuid
+from collections.abc import Callable
 
 from shardsafe import knobs
+from shardsafe.coord.faults import fault_point
 from shardsafe.storage import regular
 from shardsafe.storage.base import MANIFEST_NAME
-
-logger = logging.getLogger(__name__)
+from shardsafe.storage.bounded import IOThread, run_bounded
+from shardsafe.storage.names import DATA_FILE
 
 
 def fsync_dir(path: str) -> None:
@@ -33,101 +34,182 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-class LocalWriter:
-    """A new file written with ``os.write`` and made durable with ``fsync`` on close."""
+def make_dirs(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)`` that also makes every folder it creates durable: each
+    new folder's entry is fsynced into its parent (a crash must not lose the path to a committed
+    checkpoint)."""
+    missing = []
+    head = os.path.abspath(path)
+    while not os.path.isdir(head):
+        missing.append(head)
+        parent = os.path.dirname(head)
+        if parent == head:
+            break
+        head = parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder)
+        except FileExistsError:
+            if not os.path.isdir(folder):
+                raise
+            continue  # made meanwhile by someone else, who makes it durable
+        fsync_dir(os.path.dirname(folder))
 
-    def __init__(self, path: str) -> None:
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while len(data):
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+class LocalWriter:
+    """A new file written with ``os.write`` and made durable with ``fsync`` on close, every call on
+    a worker thread under the save's deadline (``deadline``, ``time.monotonic()`` seconds). Pieces
+    under ``SMALL`` bytes are gathered (copied) into one buffer and written together: a state of
+    thousands of small tensors costs a few hand-offs to the worker, not one per tensor."""
+
+    SMALL = 256 * 1024
+    GATHER = 4 * 1024 * 1024
+
+    def __init__(self, path: str, deadline: float | None = None) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self.io = IOThread(path, deadline)
+        self.gathered = bytearray()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        self.fd = self.io.call("create", lambda: os.open(path, flags, 0o644))
 
     def write(self, data: memoryview) -> None:
-        while len(data):
-            n = os.write(self.fd, data)
-            data = data[n:]
+        if len(data) < self.SMALL:
+            self.gathered += data
+            if len(self.gathered) >= self.GATHER:
+                self._flush()
+            return
+        self._flush()
+        fd = self.fd
+        self.io.call("write", lambda: _write_all(fd, data))
+
+    def _flush(self) -> None:
+        if self.gathered:
+            fd, data = self.fd, memoryview(self.gathered)
+            self.io.call("write", lambda: _write_all(fd, data))
+            self.gathered = bytearray()
 
     def close(self) -> None:
-        try:
-            os.fsync(self.fd)
-        finally:
-            os.close(self.fd)
+        fd = self.fd
 
-    def abort(self) -> None:
+        def sync() -> None:
+            fault_point("save.fsync")
+            os.fsync(fd)
+
         try:
-            os.close(self.fd)
+            self._flush()
+            self.io.call("fsync", sync)
         finally:
             try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+                if not self.io.hung:
+                    self.io.call("close", lambda: os.close(fd))
+            finally:
+                self.io.stop()
+
+    def abort(self) -> None:
+        """Close and remove the file (through :func:`shardsafe.storage.delete.delete_files`, like
+        every delete: only a name shardsafe writes goes)."""
+        from shardsafe.storage.delete import delete_files
+
+        fd, path = self.fd, self.path
+        try:
+            if not self.io.hung:
+                self.io.call("close", lambda: os.close(fd))
+                folder, name = os.path.split(path)
+                self.io.call("remove", lambda: delete_files(LocalStorage(), folder, [name]))
+        finally:
+            self.io.stop()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 class LocalStorage:
     """:class:`~shardsafe.storage.base.Storage` on a local (or POSIX network) filesystem."""
 
+    def __init__(self) -> None:
+        self.deadline: float | None = None
+
     def join(self, base: str, name: str) -> str:
         return os.path.join(base, name)
+
+    def set_deadline(self, deadline: float | None) -> None:
+        self.deadline = deadline
 
     def staging_dir(self, target: str, save_id: str) -> str:
         parent, name = os.path.split(os.path.abspath(target))
         return os.path.join(parent, f".{name}.staging-{save_id}")
 
     def prepare_staging(self, staging: str) -> None:
-        os.makedirs(os.path.dirname(staging), exist_ok=True)
-        os.mkdir(staging)
+        def make() -> None:
+            make_dirs(os.path.dirname(staging))
+            os.mkdir(staging)
+            fsync_dir(os.path.dirname(staging))
+
+        run_bounded("creating the staging directory", staging, self.deadline, make)
 
     def open_writer(self, path: str) -> LocalWriter:
-        return LocalWriter(path)
+        return LocalWriter(path, self.deadline)
 
-    def publish(self, staging: str, target: str, manifest: bytes, *, overwrite: bool) -> list[str]:
+    def stage_manifest(self, staging: str, target: str, save_id: str, manifest: bytes) -> None:
         staged = os.path.join(staging, MANIFEST_NAME)
         tmp = staged + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(manifest)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, staged)
-        fsync_dir(staging)
+
+        def write() -> None:
+            with open(tmp, "xb") as f:
+                f.write(manifest)
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, staged)
+            fsync_dir(staging)
+
+        run_bounded("writing the staged manifest", staged, self.deadline, write)
+
+    def publish(
+        self,
+        staging: str,
+        target: str,
+        save_id: str,
+        manifest: bytes,
+        *,
+        overwrite: bool,
+        at_commit: Callable[[], None],
+    ) -> bytes | None:
         parent = os.path.dirname(os.path.abspath(target))
         committed = os.path.join(target, MANIFEST_NAME)
-        if not os.path.exists(committed):
-            if os.path.lexists(target):  # litter of a crashed save or an empty directory: not a checkpoint
-                aside = os.path.join(parent, f".{os.path.basename(target)}.litter-{uuid.uuid4().hex[:8]}")
-                os.rename(target, aside)
-                shutil.rmtree(aside, ignore_errors=True)
-            os.rename(staging, target)
+        if not os.path.lexists(target) or (os.path.isdir(target) and not os.listdir(target)):
+            at_commit()
+            os.rename(staging, target)  # the commit point (an empty folder is replaced atomically)
             fsync_dir(parent)
-            return []
-        if not overwrite:
-            raise FileExistsError(committed)
-        old = _manifest_files(committed)
-        new = [n for n in os.listdir(staging) if n != MANIFEST_NAME]
-        for name in new:
-            os.rename(os.path.join(staging, name), os.path.join(target, name))
+            return None
+        if not os.path.isdir(target):
+            raise NotADirectoryError(errno.ENOTDIR, "the target is not a directory", target)
+        old = _read_or_none(committed)
+        if old is not None and not overwrite:
+            raise FileExistsError(errno.EEXIST, "a checkpoint was committed there meanwhile", committed)
+        for name in os.listdir(staging):
+            m = DATA_FILE.match(name)
+            if m is not None and m["sid"] == save_id:
+                os.rename(os.path.join(staging, name), os.path.join(target, name))
         fsync_dir(target)
-        os.rename(staged, committed)  # the commit point of an overwrite
+        at_commit()
+        os.rename(os.path.join(staging, MANIFEST_NAME), committed)  # the commit point
         fsync_dir(target)
-        shutil.rmtree(staging, ignore_errors=True)
-        keep = set(new)
-        return [n for n in old if n not in keep]
-
-    def discard_staging(self, staging: str, target: str, save_id: str) -> None:
-        committed = os.path.join(target, MANIFEST_NAME)
-        if os.path.exists(committed) and _manifest_save_id(committed) == save_id:
-            return  # the commit happened after all; its files are referenced
-        for _ in range(3):  # a rank may still be creating its file while the tree is removed
-            shutil.rmtree(staging, ignore_errors=True)
-            if not os.path.lexists(staging):
-                break
-            time.sleep(0.1)
-        if os.path.isdir(target):  # files an interrupted overwrite had already moved in
-            self.remove_files(target, [n for n in os.listdir(target) if save_id in n and n != MANIFEST_NAME])
-
-    def remove_files(self, directory: str, names: list[str]) -> None:
-        for name in names:
-            try:
-                os.unlink(os.path.join(directory, name))
-            except FileNotFoundError:
-                pass
+        try:
+            os.rmdir(staging)  # emptied by the moves
+            fsync_dir(parent)
+        except OSError:  # not empty: left for discard/cleanup, which remove only shardsafe's names
+            pass
+        return old
 
     def read_bytes(self, path: str, limit: int | None = None) -> bytes:
         """The content of a regular file inside its directory, at most ``limit`` bytes (default
@@ -156,27 +238,46 @@ class LocalStorage:
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
 
+    def is_dir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
     def list_dir(self, path: str) -> list[str]:
         try:
             return sorted(os.listdir(path))
         except (FileNotFoundError, NotADirectoryError):
             return []
 
+    # -- primitives of shardsafe.storage.delete ---------------------------------------------------
 
-def _manifest_doc(path: str) -> dict[str, object]:
+    def unlink_names(self, directory: str, names: list[str]) -> None:
+        for name in names:
+            _unlink(os.path.join(directory, name))
+
+    def sync_dir(self, directory: str) -> None:
+        fsync_dir(directory)
+
+    def retire_manifest(self, path: str, tombstone: str) -> None:
+        os.rename(os.path.join(path, MANIFEST_NAME), os.path.join(path, tombstone))
+
+    def remove_dir_if_empty(self, path: str) -> bool:
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            return True
+        except OSError as err:
+            if err.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                return False
+            raise
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+        return True
+
+    def cancel_uploads(self, target: str, save_id: str) -> None:
+        return None
+
+
+def _read_or_none(path: str) -> bytes | None:
     try:
         with open(path, "rb") as f:
-            doc = json.loads(f.read())
-        return doc if isinstance(doc, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _manifest_files(path: str) -> list[str]:
-    files = _manifest_doc(path).get("files")
-    return [str(n) for n in files] if isinstance(files, dict) else []
-
-
-def _manifest_save_id(path: str) -> str | None:
-    value = _manifest_doc(path).get("save_id")
-    return str(value) if value is not None else None
+            return f.read()
+    except FileNotFoundError:
+        return None

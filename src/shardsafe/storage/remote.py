@@ -7,8 +7,9 @@ here only, and only when such a path is used. The commit rule holds without a di
   (``data-<rank>-<saveid>.safetensors``), so a save never replaces an object a manifest points to;
 - ``MANIFEST.json`` is uploaded last, whole, in one PUT: a prefix without it is not a checkpoint, and
   an overwrite replaces it atomically while the old data objects stay until they are unreferenced;
-- a failed save's objects are found by its save id and deleted, its unfinished multipart uploads
-  aborted; objects a committed manifest references are never touched.
+- a failed save's objects are known by its save id and deleted (through
+  :mod:`shardsafe.storage.delete`, like every delete), its unfinished multipart uploads aborted;
+  objects a committed manifest references are never touched.
 
 Every request goes through :mod:`shardsafe.storage.retry` (backoff and a deadline for throttling,
 resets and 5xx). On S3 (``s3fs``) large data files upload as parallel multipart parts
@@ -20,9 +21,7 @@ from __future__ import annotations
 import datetime
 import errno
 import functools
-import json
 import logging
-import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -31,7 +30,9 @@ from shardsafe import knobs
 from shardsafe.errors import CorruptCheckpointError
 from shardsafe.storage import regular, retry
 from shardsafe.storage.base import MANIFEST_NAME, Writer
-from shardsafe.storage.local import fsync_dir
+from shardsafe.storage.bounded import run_bounded
+from shardsafe.storage.local import fsync_dir, make_dirs
+from shardsafe.storage.names import temp_manifest
 from shardsafe.storage.uploads import PartWriter, StreamWriter, abort_upload, is_s3, list_uploads, part_bytes, s3_call
 
 logger = logging.getLogger(__name__)
@@ -42,9 +43,6 @@ T = TypeVar("T")
 # with s3fs at a bucket path would create a bucket).
 _OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "oci", "r2"})
 _READ_THREADS = 4
-
-# Save ids handed out by staging_dir per target, so that discard_staging (rank 0, same process) knows
-# which objects under the shared prefix belong to the failed save.
 
 
 def _import_fsspec() -> Any:
@@ -85,6 +83,7 @@ class FsspecStorage:
                 raise ValueError("storage_options= applies when a protocol is given, not a filesystem instance")
             self.fs = protocol_or_fs
         self.policy = policy or retry.RetryPolicy.from_env()
+        self.deadline: float | None = None
         self.s3 = is_s3(self.fs)
         protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
         self.object_store = self.s3 or bool(_OBJECT_STORE_PROTOCOLS.intersection(protocols))
@@ -117,14 +116,24 @@ class FsspecStorage:
 
     # -- save ------------------------------------------------------------------------------------
 
+    def set_deadline(self, deadline: float | None) -> None:
+        """Bounds the local writes and fsyncs of the save path (``file://``); object stores are
+        bounded by the retry deadline of each request."""
+        self.deadline = deadline
+
     def staging_dir(self, target: str, save_id: str) -> str:
         """(rank 0 and writers) ``target`` itself: data object names carry the save id."""
         return target
 
     def prepare_staging(self, staging: str) -> None:
-        """(rank 0) Nothing on an object store; directories elsewhere (``file://``)."""
-        if not self.object_store:
-            self._retry("create directory", staging, lambda: self.fs.makedirs(self._p(staging), exist_ok=True))
+        """(rank 0) Nothing on an object store; directories elsewhere (``file://``: made durable)."""
+        if self.object_store:
+            return
+        local = _local_dir(self.fs, self._p(staging))
+        if local:
+            run_bounded("creating the target directory", staging, self.deadline, lambda: make_dirs(local))
+            return
+        self._retry("create directory", staging, lambda: self.fs.makedirs(self._p(staging), exist_ok=True))
 
     def open_writer(self, path: str) -> Writer:
         """(writing ranks) A new data object; ``FileExistsError`` if one is there already."""
@@ -133,68 +142,101 @@ class FsspecStorage:
             raise FileExistsError(f"{path} already exists; data objects are never overwritten")
         if self.s3:
             return PartWriter(self.fs, p, path, self.policy)
-        return StreamWriter(self.fs, p)
+        return StreamWriter(self.fs, p, self.deadline if _local_dir(self.fs, p) else None)
 
-    def publish(self, staging: str, target: str, manifest: bytes, *, overwrite: bool) -> list[str]:
-        """(rank 0, after every data object is durable) Upload ``MANIFEST.json`` in one PUT, the
-        commit point. On overwrite, returns the data files the old manifest listed and the new one
-        does not (read before the old manifest is replaced)."""
+    def stage_manifest(self, staging: str, target: str, save_id: str, manifest: bytes) -> None:
+        """(rank 0, before the decision) Object stores: nothing (the manifest goes up in one PUT when
+        published). Elsewhere: ``.MANIFEST.json.tmp-<saveid>`` in the target, durable, renamed over
+        ``MANIFEST.json`` when published."""
+        if self.object_store:
+            return
+        tmp = self._p(self.join(target, temp_manifest(save_id)))
+        writer = StreamWriter(self.fs, tmp, self.deadline if _local_dir(self.fs, tmp) else None)
+        try:
+            writer.write(memoryview(manifest))
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()
+
+    def publish(
+        self,
+        staging: str,
+        target: str,
+        save_id: str,
+        manifest: bytes,
+        *,
+        overwrite: bool,
+        at_commit: Callable[[], None],
+    ) -> bytes | None:
+        """(rank 0, after it won the commit decision, every data object durable) Make ``MANIFEST.json``
+        visible: one PUT on object stores, the rename of the staged temporary file elsewhere (the
+        directory fsynced around it on a local disk). Returns the manifest it replaced."""
         url = self.join(target, MANIFEST_NAME)
         p = self._p(url)
-        old = self._manifest_files(url) if self._exists(p, url) else None
+        old = self.read_bytes(url) if self._exists(p, url) else None
         if old is not None and not overwrite:
             raise FileExistsError(f"{url} exists: {target} holds a committed checkpoint; pass overwrite=True")
-        if self.object_store:
-            self._retry("upload manifest", url, lambda: self.fs.pipe_file(p, manifest))
-        else:
-            self._replace_file(target, url, manifest)
-        keep = set(_files_of(json.loads(manifest), url))
-        return [name for name in (old or []) if name not in keep]
-
-    def _replace_file(self, target: str, url: str, data: bytes) -> None:
-        """Where a write is not one atomic PUT (``file://``, ``sftp://``...): write a temporary file,
-        make it durable, rename it over ``url``; on a local disk the directory is fsynced around it."""
-        self.prepare_staging(target)
         local = _local_dir(self.fs, self._p(target))
         if local:
             fsync_dir(local)  # the data files' entries are durable before the manifest names them
-        tmp = self._p(self.join(target, f".{MANIFEST_NAME}.tmp-{uuid.uuid4().hex[:12]}"))
-        writer = StreamWriter(self.fs, tmp)
-        writer.write(memoryview(data))
-        writer.close()
-        try:
-            self._retry("rename manifest", url, lambda: self.fs.mv(tmp, self._p(url)))
-        except BaseException:
-            try:
-                self.fs.rm_file(tmp)
-            except OSError as err:
-                logger.warning("%s: could not remove the temporary manifest %s: %s", target, tmp, err)
-            raise
-        if local:
-            fsync_dir(local)
+        at_commit()
+        if self.object_store:
+            self._retry("upload manifest", url, lambda: self.fs.pipe_file(p, manifest))
+        else:
+            tmp = self._p(self.join(target, temp_manifest(save_id)))
+            self._retry("rename manifest", url, lambda: self.fs.mv(tmp, p))
+            if local:
+                fsync_dir(local)
+        return old
 
-    def discard_staging(self, staging: str, target: str, save_id: str) -> None:
-        """(every rank, on abort) Delete the objects of save ``save_id`` (names holding it) and abort
-        its unfinished multipart uploads. Objects the committed manifest references are kept, as is
-        everything when the save turns out to have committed."""
-        url = self.join(target, MANIFEST_NAME)
-        referenced: set[str] = set()
-        if self._exists(self._p(url), url):
-            doc = self._manifest_doc(url)
-            if doc.get("save_id") == save_id:
-                return  # the commit happened after all
-            referenced = set(_files_of(doc, url))
-        names = [n for n in self.list_dir(target) if save_id in n and n != MANIFEST_NAME and n not in referenced]
-        self.remove_files(target, names)
-        if self.s3:
-            prefix = self._p(target) + "/"
-            for key_path, upload_id in list_uploads(self.fs, prefix, self.policy):
-                if save_id in key_path.rsplit("/", 1)[-1]:
-                    abort_upload(self.fs, key_path, upload_id, self.policy)
+    # -- primitives of shardsafe.storage.delete ----------------------------------------------------
 
-    def remove_files(self, directory: str, names: list[str]) -> None:
+    def unlink_names(self, directory: str, names: list[str]) -> None:
         """Delete ``names`` under ``directory``; missing ones are fine, any other failure raises."""
         self._remove_paths(directory, [self._p(self.join(directory, n)) for n in names])
+
+    def sync_dir(self, directory: str) -> None:
+        local = _local_dir(self.fs, self._p(directory))
+        if local:
+            try:
+                fsync_dir(local)
+            except FileNotFoundError:
+                pass
+
+    def retire_manifest(self, path: str, tombstone: str) -> None:
+        """Rename on a filesystem; on an object store the tombstone is written first, then the
+        manifest deleted (between the two, the checkpoint is still committed)."""
+        url, tomb = self.join(path, MANIFEST_NAME), self.join(path, tombstone)
+        if self.object_store:
+            raw = self.read_bytes(url)
+            self._retry("write tombstone", tomb, lambda: self.fs.pipe_file(self._p(tomb), raw))
+            self._remove_paths(path, [self._p(url)])
+            return
+        self._retry("rename manifest", url, lambda: self.fs.mv(self._p(url), self._p(tomb)))
+
+    def remove_dir_if_empty(self, path: str) -> bool:
+        if self.object_store:
+            return True  # a prefix without objects does not exist
+        if self._entries(path):
+            return False
+        try:
+            self._retry("remove directory", path, lambda: self.fs.rmdir(self._p(path)))
+        except FileNotFoundError:
+            return True
+        local = _local_dir(self.fs, self._p(path))
+        if local:
+            fsync_dir(local.rstrip("/").rsplit("/", 1)[0] or "/")
+        return True
+
+    def cancel_uploads(self, target: str, save_id: str) -> None:
+        """Abort the unfinished multipart uploads of save ``save_id`` under ``target`` (S3)."""
+        if not self.s3:
+            return
+        prefix = self._p(target) + "/"
+        for key_path, upload_id in list_uploads(self.fs, prefix, self.policy):
+            if save_id in key_path.rsplit("/", 1)[-1]:
+                abort_upload(self.fs, key_path, upload_id, self.policy)
 
     def _remove_paths(self, directory: str, paths: list[str]) -> None:
         if not paths:
@@ -338,28 +380,6 @@ class FsspecStorage:
             raise FileNotFoundError(f"{path}: the store reports no modification time for it or its objects")
         return max(known)
 
-    def remove_file(self, path: str) -> None:
-        """Delete one object; a missing one is fine."""
-        base, _, name = path.rstrip("/").rpartition("/")
-        self.remove_files(base, [name])
-
-    def remove_tree(self, path: str) -> None:
-        """Delete every object under the prefix ``path`` (the manifest first, if there is one)."""
-        p = self._p(path)
-        self.fs.invalidate_cache(p)
-        try:
-            found = self._retry("list", path, lambda: self.fs.find(p))
-        except FileNotFoundError:
-            return
-        rel = [str(f)[len(p) + 1 :] for f in found if str(f).startswith(p + "/")]
-        self.remove_files(path, [r for r in rel if r == MANIFEST_NAME])
-        self._remove_paths(path, [f"{p}/{r}" for r in rel if r != MANIFEST_NAME])
-        if not self.object_store:
-            try:
-                self._retry("delete", path, lambda: self.fs.rm(p, recursive=True))
-            except FileNotFoundError:
-                pass
-
     def exists(self, path: str) -> bool:
         return self._exists(self._p(path), path)
 
@@ -370,33 +390,6 @@ class FsspecStorage:
     def list_dir(self, path: str) -> list[str]:
         """Names of the objects and sub-prefixes directly under ``path``; empty when there are none."""
         return sorted({str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in self._entries(path)})
-
-    # -- manifests -------------------------------------------------------------------------------
-
-    def _manifest_doc(self, url: str) -> dict[str, Any]:
-        try:
-            doc = json.loads(self.read_bytes(url))
-        except ValueError as err:
-            logger.warning("%s is not valid JSON (%s); treating it as listing no files", url, err)
-            return {}
-        return doc if isinstance(doc, dict) else {}
-
-    def _manifest_files(self, url: str) -> list[str]:
-        return _files_of(self._manifest_doc(url), url)
-
-
-def _files_of(doc: Any, url: str) -> list[str]:
-    """Data file names a manifest lists; names that are not plain are skipped (never deleted)."""
-    files = doc.get("files") if isinstance(doc, dict) else None
-    if not isinstance(files, dict):
-        return []
-    names = []
-    for name in files:
-        if isinstance(name, str) and _plain(name):
-            names.append(name)
-        else:
-            logger.warning("%s lists a file name that is not plain (%r); ignoring it", url, name)
-    return names
 
 
 def _local_dir(fs: Any, path: str) -> str | None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from shardsafe import knobs
 from shardsafe.storage import retry
+from shardsafe.storage.bounded import IOThread
 
 logger = logging.getLogger(__name__)
 
@@ -269,39 +270,54 @@ class PartWriter:
 class StreamWriter:
     """A data file written through ``fs.open(path, "wb")`` (filesystems other than S3): the file
     object's own buffering uploads it; ``close`` finishes it (fsync on a local disk). Not retried
-    mid-stream: a failure raises and the engine aborts the save."""
+    mid-stream: a failure raises and the engine aborts the save. With a ``deadline`` (a local disk:
+    ``file://``) every call runs on a worker thread under it (:mod:`shardsafe.storage.bounded`)."""
 
-    def __init__(self, fs: Any, path: str) -> None:
+    def __init__(self, fs: Any, path: str, deadline: float | None = None) -> None:
         self.fs = fs
         self.path = path
-        self.f = fs.open(path, "wb")
+        self.io = IOThread(path, deadline)
+        self.f = self.io.call("create", lambda: fs.open(path, "wb"))
 
     def write(self, data: memoryview) -> None:
-        self.f.write(data)
+        self.io.call("write", lambda: self.f.write(data))
 
     def close(self) -> None:
         try:
-            self.f.flush()
-            raw = getattr(self.f, "f", None)  # fsspec's LocalFileOpener wraps a real file
-            if raw is not None and hasattr(raw, "fileno"):
-                os.fsync(raw.fileno())
-            self.f.close()
+            self.io.call("fsync", self._finish)
         except BaseException:
-            _cleanup(self.abort, self.path)
+            if not self.io.hung:
+                _cleanup(self.abort, self.path)
             raise
+        finally:
+            self.io.stop()
+
+    def _finish(self) -> None:
+        self.f.flush()
+        raw = getattr(self.f, "f", None)  # fsspec's LocalFileOpener wraps a real file
+        if raw is not None and hasattr(raw, "fileno"):
+            os.fsync(raw.fileno())
+        self.f.close()
 
     def abort(self) -> None:
+        if self.io.hung:
+            return
+        self.io.call("abort", self._discard)
+        self.io.stop()
+
+    def _discard(self) -> None:
         from fsspec.spec import AbstractBufferedFile
+
+        from shardsafe.storage.delete import delete_files
+        from shardsafe.storage.remote import FsspecStorage
 
         if isinstance(self.f, AbstractBufferedFile):
             self.f.discard()  # cancels an upload in progress where the filesystem supports it
             self.f.closed = True  # closing would commit what was written so far
         else:
             self.f.close()
-        try:
-            self.fs.rm_file(self.path)
-        except FileNotFoundError:
-            pass
+        folder, _, name = self.path.rpartition("/")
+        delete_files(FsspecStorage(self.fs), folder, [name])  # like every delete: only shardsafe's names
 
 
 def _cleanup(undo: Callable[[], None], url: str) -> None:

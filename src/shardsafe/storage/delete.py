@@ -1,0 +1,182 @@
+"""Every delete shardsafe makes, on every backend, goes through :func:`delete_files`: it removes only
+names shardsafe writes (:func:`shardsafe.storage.names.is_own`: data files, its temporary and
+tombstone manifests, and the staged manifest inside a staging directory), each a plain name inside
+the directory it is given, and fsyncs that directory after. Directories are removed only when empty;
+nothing is ever removed recursively.
+
+Where the names come from:
+
+- a checkpoint (retention; an overwrite's old files): its manifest, after it passed the loader's
+  own validation (:func:`~shardsafe.format.manifest.parse_manifest`);
+- an aborted save: the names that save itself writes (``data-<rank>-<saveid>`` for every rank of
+  the save, its staged or temporary manifest), which are known from its save id and world size;
+- leftovers of crashed saves: a staging directory's own name gives the save id whose files it may
+  hold; a crashed delete left its tombstone, a validated manifest.
+
+Deleting a checkpoint first renames ``MANIFEST.json`` to the tombstone ``.MANIFEST.json.deleting``
+(atomically: from that instant the checkpoint is uncommitted, never half-committed) and fsyncs the
+folder, then removes the data files the tombstone lists, then the tombstone, then the empty folder.
+A crash anywhere leaves either the committed checkpoint or an uncommitted one with its tombstone,
+which :func:`finish_deletion` completes later from the same validated names.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from shardsafe.errors import CorruptCheckpointError
+from shardsafe.format.manifest import parse_manifest
+from shardsafe.storage.base import MANIFEST_NAME, Storage
+from shardsafe.storage.names import (
+    DATA_FILE,
+    STAGED_MANIFEST,
+    STAGING_DIR,
+    TOMBSTONE,
+    basename,
+    data_file,
+    is_own,
+    temp_manifest,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def delete_files(storage: Storage, directory: str, names: Iterable[str]) -> list[str]:
+    """Remove ``names`` from ``directory`` (missing ones are fine), then fsync ``directory``; returns
+    the names asked for. Raises ``ValueError`` without removing anything if one of them is not a name
+    shardsafe writes there, ``OSError`` if a removal fails."""
+    todo = sorted(set(names))
+    in_staging = STAGING_DIR.match(basename(directory)) is not None
+    foreign = [n for n in todo if not is_own(n, in_staging=in_staging)]
+    if foreign:
+        raise ValueError(
+            f"refusing to delete {foreign} in {directory}: shardsafe deletes only the files it writes "
+            "(data-<rank>-<saveid>.safetensors and its own manifest files)"
+        )
+    if todo:
+        storage.unlink_names(directory, todo)
+        storage.sync_dir(directory)
+    return todo
+
+
+def manifest_files(raw: bytes, where: str) -> tuple[str, list[str]]:
+    """(save id, data file names) of manifest bytes that pass the loader's validation; names that
+    are not data files (allowed by the format, never written by shardsafe) are left out, with a
+    WARNING. Raises :class:`CorruptCheckpointError` if the manifest does not validate."""
+    manifest = parse_manifest(raw, where)
+    names = sorted(manifest.files)
+    other = [n for n in names if not DATA_FILE.match(n)]
+    if other:
+        logger.warning("shardsafe: %s lists files shardsafe does not write, never deleted: %s", where, other)
+    return manifest.save_id, [n for n in names if DATA_FILE.match(n)]
+
+
+def _read(storage: Storage, path: str) -> bytes | None:
+    try:
+        return storage.read_bytes(path)
+    except FileNotFoundError:
+        return None
+
+
+def delete_checkpoint(storage: Storage, path: str) -> list[str]:
+    """(rank 0: retention) Delete the committed checkpoint at ``path`` (see the module docstring);
+    returns the data files removed. Raises :class:`CorruptCheckpointError`, deleting nothing, if its
+    manifest does not validate, and ``OSError`` if a step fails (what is left is uncommitted and
+    carries its tombstone)."""
+    where = storage.join(path, MANIFEST_NAME)
+    raw = storage.read_bytes(where)
+    manifest_files(raw, where)  # validated before the checkpoint is touched
+    storage.retire_manifest(path, TOMBSTONE)
+    storage.sync_dir(path)  # the manifest is gone for good before any data file goes
+    return _finish(storage, path)
+
+
+def finish_deletion(storage: Storage, path: str) -> list[str]:
+    """(rank 0: leftover cleanup) Complete a delete that crashed: remove the data files the tombstone
+    of ``path`` lists (not those a committed manifest there lists, if a later save committed one),
+    then the tombstone, then the folder if empty. Nothing when there is no tombstone, or when the
+    tombstone or the manifest beside it does not validate (logged)."""
+    try:
+        return _finish(storage, path)
+    except CorruptCheckpointError as err:
+        logger.error("shardsafe: not finishing the deletion of %s: %s", path, err)
+        return []
+
+
+def _finish(storage: Storage, path: str) -> list[str]:
+    tomb = storage.join(path, TOMBSTONE)
+    raw = _read(storage, tomb)
+    if raw is None:
+        return []
+    _, names = manifest_files(raw, tomb)
+    live = _read(storage, storage.join(path, MANIFEST_NAME))
+    if live is not None:  # a later save committed here: its files stay
+        _, keep = manifest_files(live, storage.join(path, MANIFEST_NAME))
+        names = [n for n in names if n not in set(keep)]
+    delete_files(storage, path, names)
+    delete_files(storage, path, [TOMBSTONE])
+    if live is None:
+        storage.remove_dir_if_empty(path)
+    return names
+
+
+def stale_files(old: bytes | None, new: bytes, where: str) -> list[str]:
+    """(rank 0, publishing an overwrite) The data files of the replaced manifest ``old`` that the new
+    one does not list, for removal once the new one is committed. ``[]`` (with a WARNING) when the
+    old manifest does not validate: its files are then left alone."""
+    if old is None:
+        return []
+    try:
+        _, before = manifest_files(old, where)
+    except CorruptCheckpointError as err:
+        logger.warning("shardsafe: the replaced manifest does not validate, its files are left in place: %s", err)
+        return []
+    _, after = manifest_files(new, where)
+    return [n for n in before if n not in set(after)]
+
+
+def discard_save(storage: Storage, staging: str, target: str, save_id: str, world_size: int) -> None:
+    """(every rank, once "abort" is decided; idempotent) Remove what save ``save_id`` wrote: every
+    rank's data file, its staged or temporary manifest, then its staging directory if empty. Files of
+    this save id that an interrupted publish had moved into ``target`` go too, unless a manifest
+    committed there lists them."""
+    own = [data_file(r, save_id) for r in range(world_size)]
+    if staging != target:
+        delete_files(storage, staging, [*own, *STAGED_MANIFEST])
+        storage.remove_dir_if_empty(staging)
+    storage.cancel_uploads(target, save_id)
+    if not storage.is_dir(target):
+        return
+    keep: set[str] = set()
+    live = _read(storage, storage.join(target, MANIFEST_NAME))
+    if live is not None:
+        try:
+            sid, listed = manifest_files(live, storage.join(target, MANIFEST_NAME))
+        except CorruptCheckpointError:
+            sid, listed = "", []
+        if sid == save_id:
+            return  # this save is committed after all: its files are the checkpoint's
+        keep = set(listed)
+    delete_files(storage, target, [n for n in [*own, temp_manifest(save_id)] if n not in keep])
+
+
+def remove_staging(storage: Storage, staging: str) -> bool:
+    """(rank 0: leftover cleanup) Remove a crashed save's staging directory: the data files of the save
+    id its name carries and its staged manifest, then the directory if that left it empty. Returns
+    whether it is gone; anything else in it stays (logged)."""
+    m = STAGING_DIR.match(basename(staging))
+    if m is None:
+        raise ValueError(f"{staging} is not a staging directory name of shardsafe")
+    sid = m.group("sid")
+    names = storage.list_dir(staging)
+    mine = [n for n in names if n in STAGED_MANIFEST or ((d := DATA_FILE.match(n)) is not None and d["sid"] == sid)]
+    delete_files(storage, staging, mine)
+    if storage.remove_dir_if_empty(staging):
+        return True
+    logger.warning(
+        "shardsafe: %s holds files shardsafe did not write there (%s); left in place",
+        staging,
+        [n for n in names if n not in mine][:5],
+    )
+    return False

@@ -1,0 +1,85 @@
+"""The names shardsafe writes, and the rule for where a save may go.
+
+shardsafe deletes only what it wrote (:mod:`shardsafe.storage.delete`), and it knows what it wrote
+by name: data files ``data-<rank:05d>-<saveid>.safetensors``, hidden staging directories
+``.<name>.staging-<saveid>`` beside a target, the staged manifest inside one, the temporary manifest
+``.MANIFEST.json.tmp-<saveid>`` of filesystems without an atomic PUT, and the tombstone
+``.MANIFEST.json.deleting`` of a checkpoint being deleted. A save id is 1 to 64 letters and digits.
+
+A save target must be absent, an empty folder, or hold nothing but such names (a committed
+checkpoint, or what a crashed save or delete of one left); anything else is refused untouched.
+"""
+
+from __future__ import annotations
+
+import re
+
+from shardsafe.storage.base import MANIFEST_NAME, Storage
+
+SAVE_ID = re.compile(r"^[0-9A-Za-z]{1,64}$")
+DATA_FILE = re.compile(r"^data-(?P<rank>\d{5})-(?P<sid>[0-9A-Za-z]{1,64})\.safetensors$")
+STAGING_DIR = re.compile(r"^\.(?P<target>.+)\.staging-(?P<sid>[0-9A-Za-z]{1,64})$")
+TEMP_MANIFEST = re.compile(r"^\.MANIFEST\.json\.tmp-(?P<sid>[0-9A-Za-z]{1,64})$")
+TOMBSTONE = ".MANIFEST.json.deleting"
+STAGED_MANIFEST = (MANIFEST_NAME, f"{MANIFEST_NAME}.tmp")
+"""The manifest and its temporary file inside a staging directory (uncommitted there)."""
+
+
+def data_file(rank: int, save_id: str) -> str:
+    """The data file that ``rank`` writes in save ``save_id``."""
+    return f"data-{rank:05d}-{save_id}.safetensors"
+
+
+def temp_manifest(save_id: str) -> str:
+    """The temporary manifest of save ``save_id`` where the manifest is written then renamed."""
+    return f".{MANIFEST_NAME}.tmp-{save_id}"
+
+
+def save_id_of(name: str) -> str | None:
+    """The save id in a data file, temporary manifest or staging directory name; else ``None``."""
+    for pattern in (DATA_FILE, TEMP_MANIFEST, STAGING_DIR):
+        m = pattern.match(name)
+        if m:
+            return m.group("sid")
+    return None
+
+
+def basename(path: str) -> str:
+    """The last component of a local path or URL."""
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def is_own(name: str, *, in_staging: bool = False) -> bool:
+    """Whether shardsafe writes files called ``name`` inside a checkpoint (or inside a staging
+    directory, where the staged manifest is shardsafe's too). ``MANIFEST.json`` of a checkpoint is not
+    in this set: it is never deleted, only renamed to the tombstone."""
+    if DATA_FILE.match(name) or TEMP_MANIFEST.match(name) or name == TOMBSTONE:
+        return True
+    return in_staging and name in STAGED_MANIFEST
+
+
+def refusal(storage: Storage, path: str, *, overwrite: bool) -> str | None:
+    """(rank 0, before a save starts) Why ``path`` may not receive a save, or ``None`` if it may:
+    absent, an empty folder, or shardsafe's own names only (with ``MANIFEST.json``: a committed
+    checkpoint, replaced only with ``overwrite``). The message lists a few of the foreign entries."""
+    if not path.strip():
+        return "an empty path names no folder; give the checkpoint's folder (e.g. 'checkpoints/step-100')"
+    if not storage.exists(path):
+        return None
+    if not storage.is_dir(path):
+        return f"{path} exists and is not a directory; save to a new path (shardsafe never replaces other files)"
+    names = storage.list_dir(path)
+    foreign = [n for n in names if n != MANIFEST_NAME and not is_own(n)]
+    if foreign:
+        shown = ", ".join(repr(n) for n in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        return (
+            f"{path} is a folder that holds files shardsafe did not write ({shown}); it refuses to save there "
+            "whatever overwrite= says, so that nothing of yours is deleted or replaced. Save to a new path or to "
+            "an empty folder."
+        )
+    if MANIFEST_NAME in names and not overwrite:
+        return (
+            f"{path} already holds a committed checkpoint; pass overwrite=True to replace it atomically, or save "
+            "to a new path"
+        )
+    return None

@@ -1,0 +1,154 @@
+"""Liveness: nothing outside shardsafe can stall it into a false verdict, and nothing inside it hangs.
+
+- A thread of the user's blocked in ``store.get`` on the process group's store client (TCPStore holds
+  the client's lock for the whole wait) does not stop this rank's heartbeat nor its waits: with
+  ``SHARDSAFE_DEAD_AFTER`` far below the blocked get and this rank slowed, its peer never declares it
+  dead, and the save returns while the user's get is still blocked.
+- A heartbeat that cannot reach the store is reported (WARNING) and the operation raises
+  ``RankDeadError`` saying so, instead of being dropped at DEBUG.
+- A local fsync that hangs (fault ``save.fsync``) makes the save fail at its deadline on that rank
+  (and reach the other rank), instead of hanging it.
+- The folders a save creates are fsynced into their parents.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardsafe
+from shardsafe.coord import Coordinator, Deadlines
+from shardsafe.storage import local
+
+from harness import check_ok, run_ranks
+
+BLOCKED_KEY = "user/never-set-until-the-save-is-done"
+
+
+def _blocked_get_during_save(rank: int, world: int, path: str) -> dict[str, Any]:
+    store = dist.distributed_c10d._get_default_store()
+    out: dict[str, Any] = {}
+    blocker = None
+    if rank == 1:
+
+        def user_thread() -> None:  # as NCCL's lazy set-up or a user's own rendezvous would
+            store.set_timeout(timedelta(seconds=60))
+            time.sleep(0.5)  # the save has started (its heartbeat ticks) when the get begins
+            try:
+                out["got"] = store.get(BLOCKED_KEY).decode()
+            except Exception as err:
+                out["got"] = f"{type(err).__name__}: {err}"
+
+        blocker = threading.Thread(target=user_thread, daemon=True)
+        blocker.start()
+    state = {"a": torch.zeros(1024), "b": torch.ones(1024)}  # each rank writes one
+    os.environ["SHARDSAFE_FAULT"] = "save.write:rank=1:sleep=3"  # rank 0 waits on rank 1 past DEAD_AFTER
+    try:
+        shardsafe.save(path, state, timeout=60)
+    finally:
+        del os.environ["SHARDSAFE_FAULT"]
+    if blocker is not None:
+        out["blocked_while_saving"] = blocker.is_alive()
+    shardsafe.load(path, state, timeout=60)  # and the next operation works too
+    if rank == 0:
+        store.set(BLOCKED_KEY, "released")
+    if blocker is not None:
+        blocker.join(60)
+    return out
+
+
+def test_a_thread_blocked_in_store_get_does_not_get_its_rank_declared_dead(tmp_path: Path) -> None:
+    env = {"SHARDSAFE_DEAD_AFTER": "1.5", "SHARDSAFE_HEARTBEAT_SECONDS": "0.25"}
+    _, r1 = check_ok(run_ranks(_blocked_get_during_save, 2, str(tmp_path / "c"), timeout=150, env=env))
+    assert r1["blocked_while_saving"], "the user's get returned before the save did: nothing was tested"
+    assert r1["got"] == "released", r1
+    shardsafe.verify(str(tmp_path / "c"))
+
+
+class _LosesTheStore(dist.Store):
+    """A store whose ``add`` works for the first ``ok`` calls, then raises as a lost connection does."""
+
+    def __init__(self, ok: int) -> None:
+        super().__init__()
+        self.ok = ok
+        self.keys: dict[str, bytes] = {}
+
+    def add(self, key: str, value: int) -> int:
+        self.ok -= 1
+        if self.ok < 0:
+            raise RuntimeError("Connection reset by peer")
+        self.keys[key] = str(int(self.keys.get(key, b"0")) + value).encode()
+        return int(self.keys[key])
+
+    def set(self, key: str, value: Any) -> None:
+        self.keys[key] = value if isinstance(value, bytes) else str(value).encode()
+
+    def get(self, key: str) -> bytes:
+        return self.keys[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.keys for k in keys)
+
+
+def test_a_heartbeat_that_loses_the_store_is_reported_and_raises(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("SHARDSAFE_HEARTBEAT_SECONDS", "0.05")
+    d = Deadlines(arrive=30, io=30)
+    coord = Coordinator(_LosesTheStore(ok=2), 1, 2, "shardsafe/test", "save", "/ckpt", d, 1)
+    coord.seq = 1
+    with caplog.at_level(logging.WARNING, logger="shardsafe"):
+        coord._start_heartbeat()  # one add to start, one tick, then the store is gone for it
+        with pytest.raises(shardsafe.RankDeadError, match="heartbeat of rank 1"):  # not the deadline's error
+            coord.broadcast("commit", None, src=0, timeout=20)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("heartbeat of rank 1" in m and "Connection reset" in m for m in warnings), warnings
+    coord.close()
+
+
+def _hung_fsync(rank: int, world: int, root: str) -> dict[str, Any]:
+    state = {"a": torch.full((4096,), 1.0), "b": torch.full((4096,), 2.0)}  # each rank writes one
+    shardsafe.save(f"{root}/ckpt", state, timeout=30)
+    os.environ["SHARDSAFE_FAULT"] = "save.fsync:rank=1:sleep=600"  # a disk that never answers
+    try:
+        shardsafe.save(f"{root}/ckpt", state, overwrite=True, timeout=3)
+    except shardsafe.CheckpointError as err:
+        return {"error": type(err).__name__, "msg": str(err), "cause": repr(err.__cause__)}
+    finally:
+        del os.environ["SHARDSAFE_FAULT"]
+    return {"error": None}
+
+
+def test_a_hung_local_fsync_fails_the_save_at_its_deadline_instead_of_hanging(tmp_path: Path) -> None:
+    outcomes = run_ranks(_hung_fsync, 2, str(tmp_path), timeout=90)  # a hang would be killed here
+    r0, r1 = check_ok(outcomes)
+    assert r1["error"] == "CheckpointError" and "TimeoutError" in r1["cause"], r1
+    assert "fsync" in r1["cause"] and "data-00001-" in r1["cause"], r1  # names what hung, and where
+    assert r0["error"] == "RemoteRankError" and "rank 1" in r0["msg"], r0
+    shardsafe.verify(str(tmp_path / "ckpt"))  # the previous checkpoint is untouched
+    assert not [n for n in os.listdir(tmp_path) if ".staging-" in n]
+
+
+def test_the_folders_a_save_creates_are_fsynced_into_their_parents(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[str] = []
+    real = local.fsync_dir
+
+    def record(path: str) -> None:
+        synced.append(os.path.abspath(path))
+        real(path)
+
+    monkeypatch.setattr(local, "fsync_dir", record)
+    shardsafe.save(str(tmp_path / "runs" / "exp1" / "step-1"), {"x": torch.zeros(3)})
+    for parent in (tmp_path, tmp_path / "runs", tmp_path / "runs" / "exp1"):  # parents of each new folder
+        assert str(parent) in synced, (parent, synced)
