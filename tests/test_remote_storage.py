@@ -34,7 +34,7 @@ SID_OLD, SID_NEW = "1700000000aaaa", "1700000001bbbb"
 
 def _manifest(save_id: str, files: list[str]) -> bytes:
     """A manifest that passes the loader's validation, listing ``files`` (and holding no tensors)."""
-    entries = {f: FileEntry(size=8, header_bytes=8, header_checksum="0") for f in files}
+    entries = {f: FileEntry(size=8, header_bytes=8, header_checksum="0" * 16) for f in files}
     return Manifest(save_id, 0.0, 1, "plain", {}, 1024, None, {}, {}, entries).to_bytes()
 
 
@@ -137,7 +137,7 @@ def test_overwrite_never_deletes_what_a_hostile_old_manifest_names(
     target = st.join(base, "ckpt")
     st.prepare_staging(target)
     doc = json.loads(_manifest(SID_OLD, []))
-    doc["files"] = {f: {"size": 8, "header_bytes": 8, "header_checksum": "0"} for f in listed}
+    doc["files"] = {f: {"size": 8, "header_bytes": 8, "header_checksum": "0" * 16} for f in listed}
     st.fs.pipe_file(st._p(st.join(target, MANIFEST_NAME)), json.dumps(seal_manifest(doc)).encode())  # re-sealed
     new = {f"data-00000-{SID_NEW}.safetensors": b"new"}
     assert _save(st, target, SID_NEW, new, overwrite=True) == []  # nothing of it is ever deleted
