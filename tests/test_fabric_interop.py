@@ -60,6 +60,9 @@ SCRIPT = textwrap.dedent(
         out = {"rank": fabric.global_rank, "resumed_at": resumed_at, "step": state["step"], "digest": digest(model)}
         with open(f"{path}-{phase}-rank{fabric.global_rank}.json", "w") as f:  # not stdout: lines may interleave
             json.dump(out, f)
+        # an orderly teardown: gloo's pairs can abort the interpreter when they are destroyed at exit
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
     if __name__ == "__main__":
