@@ -4,6 +4,7 @@ loader refuses, and that deletes never break a checkpoint that refers to another
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import uuid
@@ -16,6 +17,7 @@ import torch
 import shardsafe
 from shardsafe.engine.incremental import BaseRefusedError
 from shardsafe.format.manifest import seal_manifest
+from shardsafe.manager import ls_main
 from shardsafe.storage.delete import delete_checkpoint
 from shardsafe.storage.local import LocalStorage
 from shardsafe.storage.names import TOMBSTONE
@@ -139,6 +141,10 @@ def test_moved_away_base_gives_an_error_naming_it(tmp_path: Path) -> None:
         assert "moved" in str(err.value) and "export" in str(err.value)
     with pytest.raises(shardsafe.CheckpointNotFoundError, match="'s1'"):
         shardsafe.load(tmp_path / "s2", {"frozen0": torch.zeros(128, 256)})
+    out = io.StringIO()
+    assert ls_main(str(tmp_path), verify=False, as_json=False, out=out) == 0
+    (line,) = [line for line in out.getvalue().splitlines() if line.startswith("s2: ")]
+    assert "missing base" in line and "'s1'" in line
 
 
 @pytest.mark.parametrize("case", ["target", "missing", "uncommitted", "not-sibling", "hidden", "refers-to-target"])
