@@ -21,8 +21,10 @@ from shardsafe.engine import api
 from shardsafe.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardsafe.manager.config import NameTemplate
 from shardsafe.manager.rootfs import RootFS, open_root
+from shardsafe.storage import get_storage
 from shardsafe.storage.base import MANIFEST_NAME
 from shardsafe.storage.names import TOMBSTONE
+from shardsafe.storage.refs import referenced_files
 
 Status = Literal["committed", "incomplete", "corrupt", "retired"]
 
@@ -160,11 +162,19 @@ def _checkpoint(fs: RootFS, name: str, path: str, template: NameTemplate | None)
         created, size = fs.mtime(path), fs.size(path)
     except FileNotFoundError:
         return None
-    if TOMBSTONE in names and any(_DATA_FILE.match(n) for n in names):
+    if TOMBSTONE in names and _referenced(path):
         reason = "deleted by retention; its data files stay while newer (incremental) checkpoints refer to them"
         return CheckpointRecord(name, path, "retired", step, created, size, reason=reason, target=name)
     reason = "no MANIFEST.json: a save that did not commit, or a checkpoint whose deletion was interrupted"
     return CheckpointRecord(name, path, "incomplete", step, created, size, reason=reason, target=name)
+
+
+def _referenced(path: str) -> bool:
+    """Whether a checkpoint beside ``path`` refers to its data files (a retired base, not a leftover)."""
+    try:
+        return bool(referenced_files(get_storage(path), path))
+    except (OSError, ValueError):
+        return False
 
 
 def _is_int(value: object) -> bool:
