@@ -75,6 +75,8 @@ def test_ninety_percent_unchanged_writes_at_most_015_of_a_full_save(tmp_path: Pa
     assert summary.bytes >= 0.9 * full  # the referenced chunks are verified too, in the base's file
     info = shardsafe.inspect(tmp_path / "s2")
     assert info.format_version == 2 and info.bases == ["s1"] and info.referenced_bytes > 0
+    parts = [shardsafe.verify(tmp_path / "s2", part=(i, 2)).bytes for i in range(2)]
+    assert sum(parts) == summary.bytes and all(parts)  # ranks share the base's files too (resume verify)
 
 
 def test_nothing_unchanged_writes_everything_and_a_full_save_has_no_references(tmp_path: Path) -> None:
