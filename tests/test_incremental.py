@@ -316,3 +316,16 @@ def test_incremental_saves_on_an_object_store(tmp_path: Path) -> None:
     assert_loads_equal(f"{root}/s2", state)
     delete_checkpoint(st, f"{root}/s2")
     assert st.list_dir(root) == []
+
+
+def test_per_rank_values_are_referenced_like_any_chunk(tmp_path: Path) -> None:
+    state = {"w": torch.ones(64, 64), "rng": shardsafe.per_rank(torch.arange(50.0))}
+    shardsafe.save(tmp_path / "s1", state)
+    state["w"] += 1
+    shardsafe.save(tmp_path / "s2", state, base=tmp_path / "s1")
+    refs = {name: t["chunks"][0]["ref"] for name, t in manifest(tmp_path / "s2")["tensors"].items()}
+    assert refs == {"w": None, "/rank0/rng": "s1"}
+    into = {"w": torch.zeros(64, 64), "rng": shardsafe.per_rank(torch.zeros(50))}
+    shardsafe.load(tmp_path / "s2", into)
+    assert torch.equal(into["w"], state["w"]) and torch.equal(into["rng"].value, torch.arange(50.0))
+    shardsafe.verify(tmp_path / "s2")
