@@ -56,12 +56,24 @@ GOLDEN_SHA256 = "23950336adb090970cae6da421bb4c22366646fd8c6fbeea18893d2e3304ac5
 DATA = "data-00000-SAVEID.safetensors"
 
 
-def _chunk(offsets: list[int], sizes: list[int], key: str, begin: int, end: int, sums: list[str]) -> dict[str, Any]:
-    return {"offsets": offsets, "sizes": sizes, "file": DATA, "key": key, "begin": begin, "end": end, "checksums": sums}
+def _chunk(
+    offsets: list[int], sizes: list[int], key: str, begin: int, end: int, sums: list[str], digest: str
+) -> dict[str, Any]:
+    return {
+        "offsets": offsets,
+        "sizes": sizes,
+        "file": DATA,
+        "key": key,
+        "begin": begin,
+        "end": end,
+        "checksums": sums,
+        "digest": digest,  # format v2: xxh3-128 of the chunk's bytes
+        "ref": None,  # format v2: stored in this checkpoint, not in a sibling
+    }
 
 
 GOLDEN_MANIFEST = {
-    "format_version": 1,
+    "format_version": 2,
     "save_id": "SAVEID",
     "created": "CREATED",
     "world_size": 1,
@@ -78,31 +90,58 @@ GOLDEN_MANIFEST = {
         "w": {
             "dtype": "float32",
             "shape": [2, 3],
-            "chunks": [_chunk([0, 0], [2, 3], "w", 440, 464, ["9cb3e6a020e85a77", "828f2476789a0e5f"])],
+            "chunks": [
+                _chunk(
+                    [0, 0],
+                    [2, 3],
+                    "w",
+                    440,
+                    464,
+                    ["9cb3e6a020e85a77", "828f2476789a0e5f"],
+                    "83f0f74bd909b2e7518e85cbe3005e3f",
+                )
+            ],
         },
         "ids": {
             "dtype": "int64",
             "shape": [3],
-            "chunks": [_chunk([0], [3], "ids", 416, 440, ["15a2b04edd911f11", "4d922029c1f42e7d"])],
+            "chunks": [
+                _chunk(
+                    [0],
+                    [3],
+                    "ids",
+                    416,
+                    440,
+                    ["15a2b04edd911f11", "4d922029c1f42e7d"],
+                    "6d979d2326c345aa9513c6e67f3449e1",
+                )
+            ],
         },
         "half": {
             "dtype": "bfloat16",
             "shape": [2],
-            "chunks": [_chunk([0], [2], "half", 472, 476, ["e5fb505175d72772"])],
+            "chunks": [_chunk([0], [2], "half", 472, 476, ["e5fb505175d72772"], "973665bcc78139ec3dc9f1f1bf0e0f71")],
         },
-        "mask": {"dtype": "bool", "shape": [3], "chunks": [_chunk([0], [3], "mask", 476, 479, ["aed946681f85b77a"])]},
+        "mask": {
+            "dtype": "bool",
+            "shape": [3],
+            "chunks": [_chunk([0], [3], "mask", 476, 479, ["aed946681f85b77a"], "b1a57916ac63a6bcaed946681f85b77a")],
+        },
         "scalar": {
             "dtype": "float64",
             "shape": [],
-            "chunks": [_chunk([], [], "scalar", 464, 472, ["df606fb485b75391"])],
+            "chunks": [_chunk([], [], "scalar", 464, 472, ["df606fb485b75391"], "de65b66b79a9bc9829922be751fe947c")],
         },
         "empty": {
             "dtype": "float16",
             "shape": [0, 2],
-            "chunks": [_chunk([0, 0], [0, 2], "empty", 479, 479, ["2d06800538d394c2"])],
+            "chunks": [
+                _chunk([0, 0], [0, 2], "empty", 479, 479, ["2d06800538d394c2"], "99aa06d3014798d86001c324468d497f")
+            ],
         },
     },
     "files": {DATA: {"size": 479, "header_bytes": 416, "header_checksum": "0dcdec85c175dfd7"}},
+    "refs": {},
 }
 
 
@@ -239,7 +278,7 @@ def test_build_header_pads_to_eight_bytes(name_len: int) -> None:
     assert json.loads(text)["n" * name_len] == {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]}
 
 
-@pytest.mark.parametrize("version", [2, 0, "1", 1.0, True, None])
+@pytest.mark.parametrize("version", [3, 0, "1", 1.0, True, None])
 def test_unknown_format_version_rejected(golden: Path, version: Any) -> None:
     manifest = golden / "MANIFEST.json"
     doc = json.loads(manifest.read_text())

@@ -497,6 +497,8 @@ def test_one_tensor_in_many_one_element_chunks(ckpt: Path) -> None:
                 "begin": start + 4 * i,
                 "end": start + 4 * i + 4,
                 "checksums": [xxhash.xxh3_64_hexdigest(values[4 * i : 4 * i + 4])],
+                "digest": xxhash.xxh3_128_hexdigest(values[4 * i : 4 * i + 4]),
+                "ref": None,
             }
             for i in range(n)
         ]

@@ -219,3 +219,28 @@ def test_cli_on_s3_urls(s3_server: S3Server, s3_bucket: str, monkeypatch: Any, c
     st.fs.pipe_file(st._p(f"{url}/{data}"), bytes(flipped))
     assert main(["verify", url]) == 1 and "CORRUPT" in capsys.readouterr().err
     assert main(["inspect", f"{root}/step-00000009"]) == 1 and "NOT A CHECKPOINT" in capsys.readouterr().err
+
+
+def test_incremental_save_refers_deletes_and_exports_on_s3(s3_server: S3Server, s3_bucket: str) -> None:
+    """save(base=) on S3: unchanged chunks refer to the base's objects; a deleted base is retired with
+    its referenced objects kept; a self-contained export loads after the base is gone entirely."""
+    from shardsafe.interop.consolidate import consolidate
+    from shardsafe.storage.delete import delete_checkpoint
+
+    opts = s3_server.storage_options
+    root = f"s3://{s3_bucket}/run"
+    state = {"frozen": torch.arange(4096.0).reshape(64, 64), "train": torch.zeros(64, 64), "step": 1}
+    shardsafe.save(f"{root}/s1", state, storage_options=opts)
+    state["train"] += 1
+    shardsafe.save(f"{root}/s2", state, base=f"{root}/s1", storage_options=opts)
+    assert shardsafe.inspect(f"{root}/s2", storage_options=opts).bases == ["s1"]
+    st = FsspecStorage.for_path(root, opts)
+    delete_checkpoint(st, f"{root}/s1")
+    out = shardsafe.load(f"{root}/s2", storage_options=opts)
+    assert torch.equal(out["frozen"], state["frozen"]) and torch.equal(out["train"], state["train"])
+    shardsafe.verify(f"{root}/s2", storage_options=opts)
+    consolidate(f"{root}/s2", f"{root}/copy", storage_options=opts)
+    delete_checkpoint(st, f"{root}/s2")
+    assert sorted(st.list_dir(root)) == ["copy"]  # the retired base went with its last referrer
+    out = shardsafe.load(f"{root}/copy", storage_options=opts)
+    assert torch.equal(out["frozen"], state["frozen"]) and torch.equal(out["train"], state["train"])

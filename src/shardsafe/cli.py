@@ -162,6 +162,8 @@ def _inspect(path: str, *, as_json: bool, out: TextIO) -> int:
         ("written by", library),
         ("metadata", _short(info.metadata)),
     ]
+    if info.bases:  # an incremental checkpoint: the rest of its data lives in these siblings
+        header.append(("refers to", f"{', '.join(info.bases)} ({_size(info.referenced_bytes)} of their files)"))
     for label, value in header:
         out.write(f"{label + ':':<16}{value}\n")
     out.write("\n")

@@ -61,6 +61,12 @@ def store_connect_wait() -> float:
     return _float("STORE_CONNECT_WAIT", 0.5)
 
 
+def full_save_every() -> int:
+    """A ``CheckpointManager(incremental=True)`` writes every this-many-th save in full (the others
+    refer to the newest checkpoint for unchanged data), so old data is not kept for reference forever."""
+    return max(1, int(_float("FULL_SAVE_EVERY", 10)))
+
+
 def checksum_block_bytes() -> int:
     """Checksums are kept per block of a chunk, so a partial read can be verified on its own."""
     return int(_float("CHECKSUM_BLOCK_BYTES", 8 * 1024 * 1024))

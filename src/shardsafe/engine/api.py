@@ -75,6 +75,7 @@ def _start(
     metadata: Any,
     allow_pickle: bool,
     storage_options: dict[str, Any] | None,
+    base: str | os.PathLike[str] | None = None,
 ) -> SaveHandle:
     deadlines = Deadlines.resolve(timeout)
     _drain(deadlines, knobs.max_inflight_saves() - 1)
@@ -87,6 +88,7 @@ def _start(
         metadata=metadata,
         allow_pickle=allow_pickle,
         storage_options=storage_options,
+        base=None if base is None else os.fspath(base),
     )
     job.begin(copy=background)
     if not background:
@@ -111,6 +113,7 @@ def save(
     metadata: Any = None,
     allow_pickle: bool = False,
     storage_options: dict[str, Any] | None = None,
+    base: str | os.PathLike[str] | None = None,
 ) -> None:
     """Save ``state`` to ``path`` as one checkpoint, committed all-or-nothing.
 
@@ -125,6 +128,11 @@ def save(
     every rank a coordination error naming the rank and phase if any rank fails or never arrives.
     ``timeout`` (seconds) bounds every wait; default ``SHARDSAFE_TIMEOUT`` or 300 s for ranks to
     arrive and ``SHARDSAFE_IO_TIMEOUT`` or 1800 s for writes and the commit.
+
+    ``base``: an incremental save (docs/incremental.md). The path of a committed checkpoint in the same
+    folder as ``path``; chunks whose bytes equal the same tensor's same box in ``base`` (compared by
+    content hash) are not written again, the new manifest refers to ``base``'s files instead, so
+    ``base`` must stay beside ``path`` for as long as ``path`` is used. Rank 0's ``base`` applies.
     """
     _start(
         path,
@@ -136,6 +144,7 @@ def save(
         metadata=metadata,
         allow_pickle=allow_pickle,
         storage_options=storage_options,
+        base=base,
     )
 
 
@@ -149,12 +158,13 @@ def async_save(
     metadata: Any = None,
     allow_pickle: bool = False,
     storage_options: dict[str, Any] | None = None,
+    base: str | os.PathLike[str] | None = None,
 ) -> SaveHandle:
     """Like :func:`save`, but returns once this rank's share is copied into staging memory; writing
     and commit run in the background. Change the model freely after it returns: the checkpoint holds
     the values at the call. At most ``SHARDSAFE_MAX_INFLIGHT_SAVES`` (default 1) saves are in flight:
     a new save first waits for the oldest. Errors raise from ``handle.wait()`` (and from the next save
-    or load if never waited for) on every rank. See docs/async.md."""
+    or load if never waited for) on every rank. See docs/async.md. ``base``: as for :func:`save`."""
     return _start(
         path,
         state,
@@ -165,6 +175,7 @@ def async_save(
         metadata=metadata,
         allow_pickle=allow_pickle,
         storage_options=storage_options,
+        base=base,
     )
 
 

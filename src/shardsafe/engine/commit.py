@@ -41,6 +41,7 @@ from shardsafe.state.flatten import FlatState
 from shardsafe.storage import MANIFEST_NAME, is_remote
 from shardsafe.storage.bounded import IOThread, run_bounded
 from shardsafe.storage.delete import delete_files, discard_save, stale_files
+from shardsafe.storage.refs import check_ref_files
 
 if TYPE_CHECKING:
     from shardsafe.engine.save import SaveJob
@@ -117,12 +118,15 @@ def lead(job: SaveJob, coord: Coordinator, flat: FlatState, reports: list[dict[s
     if blocks != [job.block_bytes]:
         raise CheckpointError(f"save of {job.path!r}: ranks wrote with checksum block sizes {blocks}")
     fault_point("save.commit", coord.global_rank)
-    raw = job._manifest(coord, flat, reports).to_bytes()
+    manifest = job._manifest(coord, flat, reports)
+    raw = manifest.to_bytes()
     where = job.storage.join(job.path, MANIFEST_NAME)
     try:
         parse_manifest(raw, where)  # what a loader will read: never publish what it would refuse
     except CorruptCheckpointError as err:
         raise CheckpointError(f"save of {job.path!r}: the manifest built from the reports does not validate: {err}")
+    if manifest.refs:  # an incremental save: the files it refers to are still there (not deleted meanwhile)
+        check_ref_files(job.storage, job.path, manifest)
     job.storage.set_deadline(time.monotonic() + job.deadlines.io)  # the barrier may have used up the first
     job.storage.stage_manifest(job.staging, job.path, job.save_id, raw)
     job.phase = "decide"

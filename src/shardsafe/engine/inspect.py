@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from shardsafe.format.datafile import read_blocks, verify_header
 from shardsafe.format.manifest import Chunk
 from shardsafe.format.values import decode, dtype_name
 from shardsafe.storage import get_storage
+from shardsafe.storage.refs import check_ref_files, missing_base, sibling
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,10 @@ class CheckpointInfo:
     files: list[str]
     entries: list[EntryInfo]
     library: dict[str, str]
+    bases: list[str] = dataclasses.field(default_factory=list)
+    """Sibling checkpoints this one refers to (an incremental save); empty for a self-contained one."""
+    referenced_bytes: int = 0
+    """Bytes of the base checkpoints' data files it refers to (not counted in ``total_bytes``)."""
 
 
 def verify(
@@ -62,15 +68,19 @@ def verify(
     """Check every byte of the checkpoint at ``path`` against its checksums (one process, no rendezvous).
     Raises :class:`CheckpointNotFoundError` or :class:`CorruptCheckpointError` naming file and tensor.
     ``part=(i, n)`` checks the manifest and only the data files ``i, i + n, ...`` (in name order), so
-    that ``n`` processes calling it with ``i = 0 .. n-1`` check the whole checkpoint once between them."""
+    that ``n`` processes calling it with ``i = 0 .. n-1`` check the whole checkpoint once between them.
+    An incremental checkpoint's referenced chunks are checked in its base's files (a missing base is a
+    :class:`CheckpointNotFoundError` naming it)."""
     path = os.fspath(path)
     storage = get_storage(path, storage_options)
     with mapped_errors("verify", path):
         manifest = read_manifest(storage, path)
-        by_file: dict[str, list[tuple[str, Chunk]]] = {name: [] for name in manifest.files}
+        by_file: dict[tuple[str, str], list[tuple[str, Chunk]]] = {("", name): [] for name in manifest.files}
+        for ref, r in manifest.refs.items():
+            by_file.update({(ref, name): [] for name in r.files})
         for tname, entry in manifest.tensors.items():
             for c in entry.chunks:
-                by_file[c.file].append((tname, c))
+                by_file[(c.ref or "", c.file)].append((tname, c))
         biggest = max((min(c.end - c.begin, manifest.block_bytes) for _, c in _all(by_file)), default=0)
         if biggest > available_memory():  # one checksum block is read at a time
             raise CheckpointError(
@@ -78,33 +88,38 @@ def verify(
                 f"({available_memory()} bytes); checksum.block_bytes is {manifest.block_bytes}"
             )
         total = 0
-        for i, (fname, fentry) in enumerate(sorted(manifest.files.items())):
+        for i, ((ref, fname), chunks) in enumerate(sorted(by_file.items())):
             if part is not None and i % part[1] != part[0]:
                 continue
-            fpath = storage.join(path, fname)
-            chunks = by_file[fname]
+            fentry = manifest.files[fname] if not ref else manifest.refs[ref].files[fname]
+            fpath = storage.join(sibling(storage, path, ref) if ref else path, fname)
+            if ref and not storage.exists(fpath):
+                raise missing_base(path, manifest, ref, fname, fpath)
             try:
                 dtypes = [manifest.tensors[t].dtype for t, _ in chunks]
-                verify_header(storage, fpath, fentry, [c for _, c in chunks], dtypes)
+                verify_header(storage, fpath, fentry, [c for _, c in chunks], dtypes, subset=bool(ref))
                 for tname, c in chunks:  # one block buffer per chunk, verified in place (nothing delivered)
                     read_blocks(storage, fpath, c, manifest.block_bytes, 0, c.end - c.begin, tname, None, None)
                     total += c.end - c.begin
             except (FileNotFoundError, EOFError) as err:
                 raise CorruptCheckpointError(f"{fpath}: {type(err).__name__}: {err}") from err
             total += fentry.header_bytes
-    return VerifySummary(path=path, files=len(manifest.files), tensors=len(manifest.tensors), bytes=total)
+    return VerifySummary(path=path, files=len(by_file), tensors=len(manifest.tensors), bytes=total)
 
 
-def _all(by_file: dict[str, list[tuple[str, Chunk]]]) -> list[tuple[str, Chunk]]:
+def _all(by_file: dict[tuple[str, str], list[tuple[str, Chunk]]]) -> list[tuple[str, Chunk]]:
     return [item for items in by_file.values() for item in items]
 
 
 def inspect(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo:
-    """What a committed checkpoint holds, from its manifest alone (no data read)."""
+    """What a committed checkpoint holds, from its manifest (no data read); for an incremental one, the
+    base checkpoints it refers to, whose files must be there (a missing base is a
+    :class:`CheckpointNotFoundError` naming it)."""
     path = os.fspath(path)
     storage = get_storage(path, storage_options)
     with mapped_errors("inspect", path):
         manifest = read_manifest(storage, path)
+        check_ref_files(storage, path, manifest)
         entries = [EntryInfo(key, obj["kind"], None, None, 0, 0) for key, obj in manifest.objects.items()]
         for name, t in manifest.tensors.items():
             entries.append(
@@ -125,4 +140,6 @@ def inspect(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | N
         files=sorted(manifest.files),
         entries=entries,
         library=manifest.library,
+        bases=sorted(manifest.refs),
+        referenced_bytes=manifest.referenced_bytes,
     )

@@ -25,9 +25,10 @@ from shardsafe import knobs
 from shardsafe.engine import hostmem
 from shardsafe.engine.memory import available_memory
 from shardsafe.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from shardsafe.format.datafile import read_blocks, tensor_bytes
+from shardsafe.format.datafile import digest, read_blocks, tensor_bytes
 from shardsafe.format.manifest import Chunk, Manifest, TensorEntry, parse_manifest
 from shardsafe.storage import MANIFEST_NAME, Storage
+from shardsafe.storage.refs import check_refs, chunk_path, missing_base
 
 logger = logging.getLogger(__name__)
 
@@ -45,24 +46,37 @@ def read_manifest(storage: Storage, path: str) -> Manifest:
         raise CorruptCheckpointError(f"{where} is a directory, not a manifest") from None
     except NotADirectoryError:
         raise CheckpointNotFoundError(f"{path} is a file, not a checkpoint directory; check the path") from None
-    return parse_manifest(raw, where)
+    manifest = parse_manifest(raw, where)
+    check_refs(path, manifest)
+    return manifest
 
 
 def check_sizes(storage: Storage, path: str, manifest: Manifest, tensors: Sequence[str]) -> None:
     """Before allocating ``tensors`` from manifest shapes: their data files must really be as large as
     the manifest says (and regular files), so a forged shape cannot make a reader allocate memory the
     files do not back."""
-    files = sorted({c.file for t in tensors for c in manifest.tensors[t].chunks})
-    for name in files:
-        file = storage.join(path, name)
+    files = {(c.ref or "", c.file): c for t in tensors for c in manifest.tensors[t].chunks}
+    for (ref, name), chunk in sorted(files.items()):
+        file = chunk_path(storage, path, chunk)
+        want = manifest.file_entry(chunk).size
         try:
             size = storage.size(file)
         except FileNotFoundError:
+            if ref:
+                raise missing_base(path, manifest, ref, name, file) from None
             raise CorruptCheckpointError(f"{file}: data file missing") from None
-        if size != manifest.files[name].size:
-            raise CorruptCheckpointError(
-                f"{file}: {size} bytes, the manifest says {manifest.files[name].size} (truncated or altered)"
-            )
+        if size != want:
+            base = f" (of the base checkpoint {ref!r}, replaced or altered since)" if ref else ""
+            raise CorruptCheckpointError(f"{file}: {size} bytes, the manifest says {want}{base} (truncated or altered)")
+        if ref:  # another checkpoint's file: its header must be the one this manifest refers to
+            entry = manifest.file_entry(chunk)
+            head = bytearray(entry.header_bytes)
+            storage.read_into(file, 0, memoryview(head))
+            if digest(head) != entry.header_checksum:
+                raise CorruptCheckpointError(
+                    f"{file}: its header checksum differs from the one {path} refers to: the base checkpoint "
+                    f"{ref!r} was replaced or altered. Load an older checkpoint."
+                )
 
 
 def check_allocation(
@@ -286,7 +300,7 @@ class _Run:
 def _run(run: _Run, t: Task, bounce: _Bounce) -> int:
     """(a reader thread) Fill ``t.dest`` from its chunk; returns the bytes read."""
     c = t.chunk
-    file = run.storage.join(run.path, c.file)
+    file = chunk_path(run.storage, run.path, c)
     dtype = run.manifest.tensors[t.name].dtype
     if not c.sizes:  # a 0-d tensor
         tmp = torch.empty((), dtype=dtype)

@@ -28,7 +28,7 @@ import torch
 
 from shardsafe import knobs
 from shardsafe.coord import Coordinator, Deadlines, fault_point
-from shardsafe.engine import commit, staging
+from shardsafe.engine import commit, incremental, staging
 from shardsafe.engine.plan import plan_writes
 from shardsafe.errors import (
     CheckpointError,
@@ -63,8 +63,13 @@ class SaveJob:
         metadata: Any,
         allow_pickle: bool,
         storage_options: dict[str, Any] | None,
+        base: str | None = None,
     ) -> None:
         self.path = str(path)
+        self.base = base  # rank 0's applies: it checks it and tells every rank
+        self.base_name = ""
+        self.base_manifest: Manifest | None = None
+        self.ref_chunks: list[tuple[str, Chunk]] = []  # (tensor, reference) for chunks the base holds
         self.state = state
         self.overwrite = overwrite
         self.deadlines = deadlines
@@ -102,8 +107,13 @@ class SaveJob:
             record = json.loads(coord.broadcast("save_id", decision, timeout=self.deadlines.arrive))
             if "exists" in record:
                 raise CheckpointExistsError(record["exists"])
+            if "base_error" in record:
+                raise incremental.BaseRefusedError(record["base_error"])
             self.save_id, self.staging = record["save_id"], record["staging"]
             self.block_bytes = int(record["block_bytes"])
+            if "base" in record:
+                self.base_name = record["base_name"]
+                self.base_manifest = incremental.read_base(self.storage, record["base"], record["base_sid"])
             # gather: FSDP1 hook (state/fsdp1.py), every rank's payload through the store, used only for
             # FSDP1 optimizers with use_orig_params=True (a rank may hold no state for some parameters)
             self.flat = flatten(
@@ -116,6 +126,10 @@ class SaveJob:
             per_rank.find_per_rank(self.flat, coord, self.deadlines)
             self.metadata_json = encode(self.metadata, "metadata", _no_tensors)
             self.chunks = plan_writes(self.flat.items, coord.rank, coord.world_size) + per_rank.own_chunks(self.flat)
+            if self.base_manifest is not None:
+                self.chunks, self.ref_chunks = incremental.match(
+                    self.chunks, self.base_manifest, self.base_name, self.block_bytes
+                )
             fault_point("save.plan", coord.global_rank)
             self.phase = "stage"
             self.staged = staging.stage(self.chunks, snapshot=copy, wait=self.deadlines.io)
@@ -140,11 +154,16 @@ class SaveJob:
         why = refusal(self.storage, self.path, overwrite=self.overwrite)
         if why is not None:
             return json.dumps({"exists": why})
+        base: dict[str, Any] = {}
+        if self.base is not None:
+            base = json.loads(incremental.check_base(self.storage, self.path, self.base))
+            if "base_error" in base:
+                return json.dumps(base)
         self.save_id = f"{int(time.time())}{uuid.uuid4().hex[:10]}"
         self.staging = self.storage.staging_dir(self.path, self.save_id)
         self.storage.prepare_staging(self.staging)
         return json.dumps(
-            {"save_id": self.save_id, "staging": self.staging, "block_bytes": knobs.checksum_block_bytes()}
+            {"save_id": self.save_id, "staging": self.staging, "block_bytes": knobs.checksum_block_bytes(), **base}
         )
 
     # ----------------------------------------------------------------------------------- finish
@@ -181,6 +200,7 @@ class SaveJob:
                 w.close()
                 report["files"][name] = [entry.size, entry.header_bytes, entry.header_checksum]
                 report["chunks"] = [[c.name, r.to_json()] for c, r in zip(self.chunks, records, strict=True)]
+            report["chunks"] += [[name, c.to_json()] for name, c in self.ref_chunks]
             fault_point("save.report", coord.global_rank)
             self.phase = "report"
             self.reported = True
@@ -205,6 +225,7 @@ class SaveJob:
 
     def _release(self) -> None:
         self.chunks = []
+        self.ref_chunks = []
         if self.staged is not None:
             self.staged.close()
             self.staged = None
@@ -225,6 +246,8 @@ class SaveJob:
                         c["begin"],
                         c["end"],
                         tuple(c["checksums"]),
+                        c["digest"],
+                        c["ref"],
                     )
                 )
         own = per_rank.merge_reports(flat, reports, chunks)
@@ -252,6 +275,9 @@ class SaveJob:
             objects=flat.objects,
             tensors=tensors,
             files=files,
+            refs=incremental.ref_table(self.base_manifest, self.base_name, [c for cs in chunks.values() for c in cs])
+            if self.base_manifest is not None
+            else {},
         )
 
     # ---------------------------------------------------------------------------------- failure
@@ -269,7 +295,9 @@ class SaveJob:
         outcome: str | None = None
         try:
             remote = coord.remote_failure() if not isinstance(err, CoordinationError) else None
-            if remote is None and not isinstance(err, (RemoteRankError, CheckpointExistsError)):
+            if remote is None and not isinstance(
+                err, (RemoteRankError, CheckpointExistsError, incremental.BaseRefusedError)
+            ):
                 coord.fail(self.phase, err)
             outcome = coord.decide(commit.abort_record(coord.global_rank, self.phase, err))
         except RankDeadError as lost:  # no store: the outcome is unknown unless nobody could commit yet

@@ -29,6 +29,11 @@ def digest(data: memoryview | bytearray | bytes) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+def content_digest(data: memoryview | bytearray | bytes) -> str:
+    """The chunk digest of format v2 (xxh3-128 of the chunk's bytes): what an incremental save compares."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
@@ -105,8 +110,8 @@ def write_file(
         on_first_piece()
     records: list[Chunk] = []
     pos = len(header)
-    for c, chunk_sums in zip(chunks, sums, strict=True):
-        records.append(Chunk(c.offsets, c.sizes, file, c.key, pos, pos + c.nbytes, tuple(chunk_sums)))
+    for c, chunk_sums, chunk_digest in zip(chunks, sums, hasher.digests, strict=True):
+        records.append(Chunk(c.offsets, c.sizes, file, c.key, pos, pos + c.nbytes, tuple(chunk_sums), chunk_digest))
         pos += c.nbytes
     return FileEntry(size=pos, header_bytes=len(header), header_checksum=digest(header)), records
 
@@ -121,12 +126,15 @@ def _own_memory(chunks: Sequence[PendingChunk], piece: int) -> Iterator[memoryvi
 class _BlockHasher:
     """Checksums per block of each chunk (format v1), over bytes that arrive in windows cut anywhere:
     a block inside one window is hashed in one call, one split across windows incrementally (the same
-    xxh3-64 value). An empty chunk has one checksum, of no bytes."""
+    xxh3-64 value). An empty chunk has one checksum, of no bytes. Also each chunk's content digest
+    (xxh3-128 of all its bytes, format v2), over the same windows while they are hot."""
 
     def __init__(self, sizes: Sequence[int], block: int) -> None:
         self.sizes = list(sizes)
         self.block = block
         self.sums: list[list[str]] = [[] for _ in sizes]
+        self.digests: list[str] = []
+        self.whole: Any = xxhash.xxh3_128()
         self.k = 0  # current chunk
         self.off = 0  # bytes of it hashed so far
         self.partial: Any = None  # running hash of a block split across windows
@@ -136,6 +144,8 @@ class _BlockHasher:
         while self.k < len(self.sizes) and self.off == self.sizes[self.k]:
             if self.sizes[self.k] == 0:
                 self.sums[self.k].append(digest(b""))
+            self.digests.append(self.whole.hexdigest())
+            self.whole = xxhash.xxh3_128()
             self.k, self.off = self.k + 1, 0
 
     def feed(self, view: memoryview) -> None:
@@ -147,6 +157,7 @@ class _BlockHasher:
             in_block = self.off % block
             take = min(len(view) - pos, block - in_block, size - self.off)
             part = view[pos : pos + take]
+            self.whole.update(part)
             ends = in_block + take == block or self.off + take == size
             if in_block == 0 and ends:
                 self.sums[self.k].append(digest(part))
@@ -230,11 +241,19 @@ HEADER_DEPTH = 3
 
 
 def verify_header(
-    storage: Storage, path: str, entry: FileEntry, chunks: Sequence[Chunk], dtypes: Sequence[torch.dtype]
+    storage: Storage,
+    path: str,
+    entry: FileEntry,
+    chunks: Sequence[Chunk],
+    dtypes: Sequence[torch.dtype],
+    *,
+    subset: bool = False,
 ) -> None:
     """Check a data file's size, header checksum, and that its safetensors header is strict (UTF-8
     JSON object, space padding, ``__metadata__`` of strings) and holds exactly the manifest's chunks
-    of this file, each with its dtype, shape and byte range. Only :class:`CorruptCheckpointError`."""
+    of this file, each with its dtype, shape and byte range. ``subset``: a file of a sibling checkpoint
+    that the manifest refers to, whose header may hold chunks the manifest does not use. Only
+    :class:`CorruptCheckpointError`."""
     size = storage.size(path)
     if size != entry.size:
         raise CorruptCheckpointError(f"{path}: {size} bytes, the manifest says {entry.size} (truncated or altered)")
@@ -256,7 +275,7 @@ def verify_header(
         raise CorruptCheckpointError(f"{path}: the safetensors header's __metadata__ is not an object of strings")
     keys = {c.key for c in chunks}
     extra = [k for k in header if k != "__metadata__" and k not in keys]
-    if extra:
+    if extra and not subset:
         raise CorruptCheckpointError(
             f"{path}: the safetensors header has entries the manifest does not list: {[k[:80] for k in extra[:3]]}"
         )

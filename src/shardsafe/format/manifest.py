@@ -1,4 +1,4 @@
-"""``MANIFEST.json``, the commit record of a checkpoint (format v1; docs/format.md is the spec).
+"""``MANIFEST.json``, the commit record of a checkpoint (format v2, reads v1; docs/format.md is the spec).
 
 Parsing is one strict validation pass (docs/format.md, section 8) over everything a hostile file could
 get wrong: UTF-8 JSON of bounded size and depth, the version and self-checksum, every field present
@@ -24,7 +24,10 @@ from shardsafe.format import jsontext
 from shardsafe.format.tiling import check_tiling
 from shardsafe.format.values import dtype_name, per_rank_counts, tensor_refs, validate
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""v2 adds a content digest per chunk and references into sibling checkpoints (``refs``)."""
+DIGEST_ALGORITHM = "xxh3-128"
 CHECKSUM_ALGORITHM = "xxh3-64"
 SELF_CHECKSUM = "manifest_checksum"
 """Key of the manifest's own checksum: xxh3-64 of the canonical JSON of the document without it."""
@@ -42,7 +45,8 @@ CREATED_LIMIT = 2**34
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
 _SAVE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _DIGEST = re.compile(r"[0-9a-f]{16}")
-_FIELDS = frozenset(
+_DIGEST128 = re.compile(r"[0-9a-f]{32}")
+_FIELDS_V1 = frozenset(
     {
         "format_version",
         "save_id",
@@ -58,10 +62,13 @@ _FIELDS = frozenset(
         SELF_CHECKSUM,
     }
 )
+_FIELDS = _FIELDS_V1 | {"refs"}
+_REF_FIELDS = frozenset({"save_id", "files"})
 _CHECKSUM_FIELDS = frozenset({"algorithm", "block_bytes"})
 _FILE_FIELDS = frozenset({"size", "header_bytes", "header_checksum"})
 _TENSOR_FIELDS = frozenset({"dtype", "shape", "chunks"})
-_CHUNK_FIELDS = frozenset({"offsets", "sizes", "file", "key", "begin", "end", "checksums"})
+_CHUNK_FIELDS_V1 = frozenset({"offsets", "sizes", "file", "key", "begin", "end", "checksums"})
+_CHUNK_FIELDS = _CHUNK_FIELDS_V1 | {"digest", "ref"}
 _OBJECT_FIELDS = frozenset({"kind", "value"})
 
 # safetensors dtype codes for the torch dtypes the format stores.
@@ -89,7 +96,9 @@ STORABLE_DTYPES: dict[str, torch.dtype] = {dtype_name(d): d for d in SAFETENSORS
 
 @dataclass(frozen=True)
 class Chunk:
-    """One box of a tensor, stored contiguously (row-major) in one data file."""
+    """One box of a tensor, stored contiguously (row-major) in one data file: of this checkpoint, or
+    (``ref``, format v2) of the sibling checkpoint named ``ref``. ``digest``: xxh3-128 of the chunk's
+    bytes (v2; ``None`` in a v1 manifest), what an incremental save compares."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -98,9 +107,11 @@ class Chunk:
     begin: int
     end: int
     checksums: tuple[str, ...]
+    digest: str | None = None
+    ref: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return {
+    def to_json(self, version: int = FORMAT_VERSION) -> dict[str, Any]:
+        out: dict[str, Any] = {
             "offsets": list(self.offsets),
             "sizes": list(self.sizes),
             "file": self.file,
@@ -109,6 +120,10 @@ class Chunk:
             "end": self.end,
             "checksums": list(self.checksums),
         }
+        if version >= 2:
+            out["digest"] = self.digest
+            out["ref"] = self.ref
+        return out
 
 
 @dataclass(frozen=True)
@@ -129,6 +144,15 @@ class FileEntry:
     header_checksum: str
 
 
+@dataclass(frozen=True)
+class RefEntry:
+    """A sibling checkpoint this one refers to (format v2): the save id that wrote the files, and each
+    referenced file's size and header checksum, checked before any byte of it is used."""
+
+    save_id: str
+    files: dict[str, FileEntry]
+
+
 @dataclass
 class Manifest:
     save_id: str
@@ -143,10 +167,21 @@ class Manifest:
     files: dict[str, FileEntry]
     format_version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
+    refs: dict[str, RefEntry] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of this checkpoint's own data files (referenced ones not counted)."""
         return sum(f.size for f in self.files.values())
+
+    @property
+    def referenced_bytes(self) -> int:
+        """Bytes of the sibling checkpoints' data files this one refers to."""
+        return sum(f.size for r in self.refs.values() for f in r.files.values())
+
+    def file_entry(self, chunk: Chunk) -> FileEntry:
+        """The entry of the data file holding ``chunk`` (its own or a referenced one)."""
+        return self.files[chunk.file] if chunk.ref is None else self.refs[chunk.ref].files[chunk.file]
 
     def to_bytes(self) -> bytes:
         doc = {
@@ -163,16 +198,22 @@ class Manifest:
                 name: {
                     "dtype": dtype_name(t.dtype),
                     "shape": list(t.shape),
-                    "chunks": [c.to_json() for c in t.chunks],
+                    "chunks": [c.to_json(self.format_version) for c in t.chunks],
                 }
                 for name, t in self.tensors.items()
             },
-            "files": {
-                name: {"size": f.size, "header_bytes": f.header_bytes, "header_checksum": f.header_checksum}
-                for name, f in self.files.items()
-            },
+            "files": _files_json(self.files),
         }
+        if self.format_version >= 2:
+            doc["refs"] = {name: {"save_id": r.save_id, "files": _files_json(r.files)} for name, r in self.refs.items()}
         return json.dumps(seal_manifest(doc), separators=(",", ":"), allow_nan=False).encode()
+
+
+def _files_json(files: dict[str, FileEntry]) -> dict[str, Any]:
+    return {
+        name: {"size": f.size, "header_bytes": f.header_bytes, "header_checksum": f.header_checksum}
+        for name, f in files.items()
+    }
 
 
 def seal_manifest(doc: dict[str, Any]) -> dict[str, Any]:
@@ -203,9 +244,10 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
     version = doc.get("format_version")
     if not isinstance(version, int) or isinstance(version, bool):
         raise CorruptCheckpointError(f"{where}: MANIFEST.json has no integer format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise CorruptCheckpointError(
-            f"{where}: format_version {_short(version)} is not supported (this shardsafe reads {FORMAT_VERSION}); "
+            f"{where}: format_version {_short(version)} is not supported (this shardsafe reads "
+            f"{', '.join(map(str, READABLE_VERSIONS))}); "
             "upgrade shardsafe to read it"
         )
     try:
@@ -276,7 +318,10 @@ def _text(
 
 def build_manifest(doc: dict[str, Any], where: str) -> Manifest:
     """The :class:`Manifest` of a parsed, sealed document, every field checked (section 8)."""
-    _obj(doc, "MANIFEST.json", where, _FIELDS)
+    version = doc.get("format_version")
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
+        raise CorruptCheckpointError(f"{where}: format_version {_short(version)} is not supported")
+    _obj(doc, "MANIFEST.json", where, _FIELDS if version >= 2 else _FIELDS_V1)
     checksum = _obj(doc["checksum"], "checksum", where, _CHECKSUM_FIELDS)
     if checksum["algorithm"] != CHECKSUM_ALGORITHM:
         raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {_short(checksum['algorithm'])}")
@@ -288,10 +333,17 @@ def build_manifest(doc: dict[str, Any], where: str) -> Manifest:
     files = {
         check_file_name(name, where): _file(name, f, where) for name, f in _obj(doc["files"], "files", where).items()
     }
+    refs = _refs(doc["refs"], where) if version >= 2 else {}
     tensors = {
-        _text(name, "a tensor name", where, limit=65536, printable=False): _tensor(name, t, files, block, where)
+        _text(name, "a tensor name", where, limit=65536, printable=False): _tensor(
+            name, t, files, refs, block, where, version
+        )
         for name, t in _obj(doc["tensors"], "tensors", where).items()
     }
+    used = {c.ref for t in tensors.values() for c in t.chunks}
+    unused = sorted(set(refs) - used)
+    if unused:
+        raise CorruptCheckpointError(f"{where}: refs lists {unused[:3]}, which no chunk refers to")
     objects = {key: _object(key, obj, tensors, where) for key, obj in _obj(doc["objects"], "objects", where).items()}
     world = _int(doc["world_size"], "world_size", where, 1)
     for key, obj in objects.items():
@@ -315,7 +367,32 @@ def build_manifest(doc: dict[str, Any], where: str) -> Manifest:
         objects=objects,
         tensors=tensors,
         files=files,
+        format_version=version,
+        refs=refs,
     )
+
+
+def _refs(value: Any, where: str) -> dict[str, RefEntry]:
+    """The ``refs`` table (v2): sibling checkpoint name -> save id and the files referenced in it. A
+    name is validated like a file name (a single plain path component: no ``/``, ``\\``, ``..``,
+    no hidden name), so a reference can only point into a sibling under the same parent; each file
+    is a data file of that save id."""
+    out: dict[str, RefEntry] = {}
+    for name, r in _obj(value, "refs", where).items():
+        check_file_name(name, f"{where}: refs")
+        what = f"refs[{name}]"
+        r = _obj(r, what, where, _REF_FIELDS)
+        sid = _text(r["save_id"], f"{what}.save_id", where, _SAVE_ID)
+        files = {}
+        for fname, f in _obj(r["files"], f"{what}.files", where).items():
+            check_file_name(fname, f"{where}: {what}")
+            if not re.fullmatch(rf"data-\d{{5}}-{re.escape(sid)}\.safetensors", fname):
+                raise CorruptCheckpointError(f"{where}: {what} lists {_short(fname)}, not a data file of save {sid}")
+            files[fname] = _file(fname, f, where)
+        if not files:
+            raise CorruptCheckpointError(f"{where}: {what} lists no files")
+        out[name] = RefEntry(save_id=sid, files=files)
+    return out
 
 
 def _file(name: str, f: Any, where: str) -> FileEntry:
@@ -342,7 +419,9 @@ def _object(key: Any, obj: Any, tensors: dict[str, TensorEntry], where: str) -> 
     return {"kind": obj["kind"], "value": obj["value"]}
 
 
-def _tensor(name: str, t: Any, files: dict[str, FileEntry], block: int, where: str) -> TensorEntry:
+def _tensor(
+    name: str, t: Any, files: dict[str, FileEntry], refs: dict[str, RefEntry], block: int, where: str, version: int
+) -> TensorEntry:
     here = f"{where}: tensor {name!r}"
     t = _obj(t, "the entry", here, _TENSOR_FIELDS)
     dtype = STORABLE_DTYPES.get(t["dtype"]) if isinstance(t["dtype"], str) else None
@@ -361,7 +440,7 @@ def _tensor(name: str, t: Any, files: dict[str, FileEntry], block: int, where: s
         )
     if not shape and len(records) != 1:
         raise CorruptCheckpointError(f"{here}: a 0-d tensor has {len(records)} chunks")
-    chunks = [_chunk(c, shape, dtype, files, block, here) for c in records]
+    chunks = [_chunk(c, shape, dtype, files, refs, block, here, version) for c in records]
     covered = sum(math.prod(c.sizes) for c in chunks)
     if covered != math.prod(shape):
         raise CorruptCheckpointError(
@@ -372,16 +451,33 @@ def _tensor(name: str, t: Any, files: dict[str, FileEntry], block: int, where: s
 
 
 def _chunk(
-    c: Any, shape: tuple[int, ...], dtype: torch.dtype, files: dict[str, FileEntry], block: int, here: str
+    c: Any,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    files: dict[str, FileEntry],
+    refs: dict[str, RefEntry],
+    block: int,
+    here: str,
+    version: int,
 ) -> Chunk:
-    c = _obj(c, "a chunk record", here, _CHUNK_FIELDS)
+    c = _obj(c, "a chunk record", here, _CHUNK_FIELDS if version >= 2 else _CHUNK_FIELDS_V1)
+    digest: str | None = None
+    ref: str | None = None
+    if version >= 2:
+        digest = _text(c["digest"], "chunk digest", here, _DIGEST128)
+        if c["ref"] is not None:
+            ref = check_file_name(c["ref"], f"{here}: chunk ref")
+            if ref not in refs:
+                raise CorruptCheckpointError(f"{here}: chunk refers to checkpoint {ref!r}, which refs does not list")
+            files = refs[ref].files
     offsets = _ints(c["offsets"], "chunk offset", here, len(shape))
     sizes = _ints(c["sizes"], "chunk size", here, len(shape))
     if any(o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
         raise CorruptCheckpointError(f"{here}: chunk {list(offsets)}+{list(sizes)} lies outside {list(shape)}")
     file = check_file_name(c["file"], here)
     if file not in files:
-        raise CorruptCheckpointError(f"{here}: chunk refers to unlisted file {file!r}")
+        where_file = f" of referenced checkpoint {ref!r}" if ref is not None else ""
+        raise CorruptCheckpointError(f"{here}: chunk refers to unlisted file {file!r}{where_file}")
     key = _text(c["key"], "chunk key", here, limit=65600, printable=False)
     begin, end = _int(c["begin"], "chunk begin", here), _int(c["end"], "chunk end", here)
     if not files[file].header_bytes <= begin <= end <= files[file].size:
@@ -396,4 +492,4 @@ def _chunk(
     if len(sums) != max(1, -(-(end - begin) // block)):
         raise CorruptCheckpointError(f"{here}: {len(sums)} checksums for {end - begin} bytes")
     checksums = tuple(_text(h, "a chunk checksum", here, _DIGEST) for h in sums)
-    return Chunk(offsets, sizes, file, key, begin, end, checksums)
+    return Chunk(offsets, sizes, file, key, begin, end, checksums, digest, ref)

@@ -32,7 +32,12 @@ def add_commands(commands: Any) -> None:
     export = commands.add_parser("export", help="write a checkpoint in the Hugging Face layout", description=EXPORT_DOC)
     export.add_argument("checkpoint", metavar="CKPT", help="shardsafe checkpoint directory or URL (s3://...)")
     export.add_argument("out", metavar="OUT", help="export directory (--format hf) or file (--format torch)")
-    export.add_argument("--format", choices=("hf", "torch"), default="hf", help="output layout (default hf)")
+    export.add_argument(
+        "--format",
+        choices=("hf", "torch", "shardsafe"),
+        default="hf",
+        help="output layout (default hf; shardsafe: a self-contained copy of an incremental checkpoint)",
+    )
     export.add_argument("--key", help="checkpoint entry to export (default: its one module; a/b goes inside; / all)")
     export.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="convert floating tensors")
     export.add_argument("--max-shard-size", default="5GB", help="largest shard (default 5GB; e.g. 500MB, 2GiB)")
@@ -83,6 +88,8 @@ def _export(args: argparse.Namespace, out: TextIO) -> int:
         for flag in flags:
             if fmt != args.format and getattr(args, flag):
                 raise ValueError(f"--{flag.replace('_', '-')} applies to --format {fmt} only")
+    if args.format == "shardsafe":
+        return _consolidate(args, out)
     if args.format == "torch":
         result = export_torch(args.checkpoint, args.out, key=args.key, dtype=args.dtype, allow_pickle=args.allow_pickle)
     else:
@@ -107,6 +114,24 @@ def _export(args: argparse.Namespace, out: TextIO) -> int:
         line += "; not exported (not tensors): " + ", ".join(result.skipped[:10])
         line += ", ..." if len(result.skipped) > 10 else ""
     out.write(one_line(line) + "\n")
+    return EXIT_OK
+
+
+def _consolidate(args: argparse.Namespace, out: TextIO) -> int:
+    from shardsafe.interop.consolidate import consolidate
+
+    for flag in ("key", "dtype", "config", "strip_prefix", "overwrite", "allow_pickle"):
+        if getattr(args, flag):
+            raise ValueError(f"--{flag.replace('_', '-')} does not apply to --format shardsafe (a whole, exact copy)")
+    result = consolidate(args.checkpoint, args.out)
+    bases = f" (data of {', '.join(result.bases)} copied in)" if result.bases else ""
+    out.write(
+        one_line(
+            f"OK {args.checkpoint} -> {result.path}: self-contained, {result.tensors} tensor(s), {result.bytes} bytes "
+            f"in {len(result.files)} file(s){bases}"
+        )
+        + "\n"
+    )
     return EXIT_OK
 
 

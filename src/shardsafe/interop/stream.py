@@ -26,6 +26,7 @@ from shardsafe.errors import CheckpointError, CorruptCheckpointError
 from shardsafe.format.datafile import read_verified
 from shardsafe.format.manifest import Chunk, Manifest, TensorEntry
 from shardsafe.storage import Storage
+from shardsafe.storage.refs import chunk_path
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ class PieceReader:
     def _direct(self, piece: Piece, chunk: Chunk, out: memoryview) -> None:
         """Bytes of ``chunk`` from ``piece.start`` into ``out``, one checksum block per read, several
         reads at once (``SHARDSAFE_IO_THREADS``); each block is verified before it counts."""
-        file = self.storage.join(self.path, chunk.file)
+        file = chunk_path(self.storage, self.path, chunk)
         block = self.manifest.block_bytes
 
         def one(offset: int) -> None:

@@ -97,7 +97,11 @@ def remove_leftovers(
     - a checkpoint folder without a manifest: the data files its tombstone lists (an interrupted
       delete), and data files by name (a crashed save on an object store), then the folder if empty;
     - in a committed checkpoint: data files its manifest does not list (an interrupted overwrite),
-      and what a tombstone beside it lists that the manifest does not.
+      and what a tombstone beside it lists that the manifest does not;
+    - a retired checkpoint (deleted, data kept for incremental checkpoints that refer to it): its
+      data files once none refers to them.
+
+    Data files another checkpoint refers to are never removed (:mod:`shardsafe.storage.delete`).
 
     Litter directories of older versions (``.<name>.litter-*``) are never touched: what they hold was
     not checked. Only what has not changed for ``min_age`` seconds goes; entries for a checkpoint name
@@ -116,6 +120,13 @@ def remove_leftovers(
                 names = [n for n in fs.list_dir(record.path) if DATA_FILE.match(n)]
                 gone = _remove(partial(_clear, storage, record.path, names), record.path)
             if gone:
+                removed.append(record.path)
+        elif record.status == "retired":  # its data goes once no checkpoint refers to it any more
+            try:
+                finish_deletion(storage, record.path)
+            except (OSError, ValueError) as err:
+                logger.error("shardsafe: could not finish removing retired checkpoint %s: %s", record.path, err)
+            if not storage.is_dir(record.path):
                 removed.append(record.path)
         elif record.status == "committed":
             if TOMBSTONE in fs.list_dir(record.path):

@@ -106,6 +106,13 @@ class ManagerConfig:
     """``resume`` first checks every byte of a checkpoint (the ranks share the files) and loads it only
     if all of it is intact, so the state changes only from a checkpoint that verified whole; a damaged
     one is skipped untouched. Costs one extra read of each checkpoint tried."""
+    incremental: bool = False
+    """Each save refers to the newest committed checkpoint for the chunks that did not change since
+    (``shardsafe.save(..., base=)``, docs/incremental.md); retention keeps the data a kept checkpoint
+    refers to. Every ``full_save_every``-th save is a full one."""
+    full_save_every: int | None = None
+    """With ``incremental``: a full save every this many saves, bounding how long old data is kept
+    for reference; ``None``: ``SHARDSAFE_FULL_SAVE_EVERY`` (default 10)."""
     template: NameTemplate = field(init=False, repr=False, compare=False)
     """``name``, parsed."""
 
@@ -155,6 +162,9 @@ class ManagerConfig:
             raise ValueError(f"timeout={self.timeout!r} must be a positive number of seconds, or None")
         if not isinstance(self.verify_on_resume, bool):
             raise ValueError(f"verify_on_resume={self.verify_on_resume!r} must be True or False")
+        if not isinstance(self.incremental, bool):
+            raise ValueError(f"incremental={self.incremental!r} must be True or False")
+        _check_count("full_save_every", self.full_save_every, "or None for SHARDSAFE_FULL_SAVE_EVERY (default 10)")
         if not isinstance(self.leftover_age, (int, float)) or not self.leftover_age >= 0:
             raise ValueError(
                 f"leftover_age={self.leftover_age!r} must be a number of seconds >= 0 (default 3600); keep it "

@@ -21,9 +21,12 @@ from shardsafe.engine import api
 from shardsafe.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardsafe.manager.config import NameTemplate
 from shardsafe.manager.rootfs import RootFS, open_root
+from shardsafe.storage import get_storage
 from shardsafe.storage.base import MANIFEST_NAME
+from shardsafe.storage.names import TOMBSTONE
+from shardsafe.storage.refs import referenced_files
 
-Status = Literal["committed", "incomplete", "corrupt"]
+Status = Literal["committed", "incomplete", "corrupt", "retired"]
 
 _LEFTOVER = re.compile(r"^\.(?P<target>.+)\.(?P<kind>staging|litter)-(?P<id>[^./]+)$")
 _DATA_FILE = re.compile(r"^data-\d+-.+\.safetensors$")
@@ -39,7 +42,9 @@ class CheckpointRecord:
     path: str
     status: Status
     """``committed`` (its manifest exists and parses), ``incomplete`` (no manifest: a save that is
-    running or crashed) or ``corrupt`` (its manifest or, with verification, its bytes are bad)."""
+    running or crashed), ``corrupt`` (its manifest or, with verification, its bytes are bad; or an
+    incremental checkpoint whose base is missing) or ``retired`` (deleted by retention, its data files
+    kept because newer checkpoints refer to them; not loadable)."""
     step: int | None
     """The training step it holds (the save's ``metadata["step"]``, else read from the name)."""
     created: float | None
@@ -131,8 +136,10 @@ def _checkpoint(fs: RootFS, name: str, path: str, template: NameTemplate | None)
             info = api.inspect(path)
         except CorruptCheckpointError as err:
             return CheckpointRecord(name, path, "corrupt", step, None, 0, reason=f"bad manifest: {err}", target=name)
-        except CheckpointNotFoundError:  # deleted while we looked
-            return None
+        except CheckpointNotFoundError as err:
+            if not fs.exists(fs.join(path, MANIFEST_NAME)):
+                return None  # deleted while we looked
+            return CheckpointRecord(name, path, "corrupt", step, None, 0, reason=f"missing base: {err}", target=name)
         meta = info.metadata if isinstance(info.metadata, dict) else {}
         if template is None and _is_int(meta.get("step")):
             step = meta["step"]
@@ -155,8 +162,19 @@ def _checkpoint(fs: RootFS, name: str, path: str, template: NameTemplate | None)
         created, size = fs.mtime(path), fs.size(path)
     except FileNotFoundError:
         return None
+    if TOMBSTONE in names and _referenced(path):
+        reason = "deleted by retention; its data files stay while newer (incremental) checkpoints refer to them"
+        return CheckpointRecord(name, path, "retired", step, created, size, reason=reason, target=name)
     reason = "no MANIFEST.json: a save that did not commit, or a checkpoint whose deletion was interrupted"
     return CheckpointRecord(name, path, "incomplete", step, created, size, reason=reason, target=name)
+
+
+def _referenced(path: str) -> bool:
+    """Whether a checkpoint beside ``path`` refers to its data files (a retired base, not a leftover)."""
+    try:
+        return bool(referenced_files(get_storage(path), path))
+    except (OSError, ValueError):
+        return False
 
 
 def _is_int(value: object) -> bool:
@@ -228,5 +246,5 @@ def ls_main(root: str, *, verify: bool, as_json: bool, out: TextIO) -> int:
         out.write(f"{root} is itself a checkpoint, not a root of checkpoints; list its parent directory\n")
     else:
         out.write(f"no checkpoints under {root}\n")
-    bad = [r for r in records if r.status != "committed"]
+    bad = [r for r in records if r.status not in ("committed", "retired")]
     return 1 if verify and bad else 0

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import torch
 
+from shardsafe import knobs
 from shardsafe.coord import Deadlines
 from shardsafe.coord.connection import preferred
 from shardsafe.coord.group import resolve_group
@@ -21,6 +22,7 @@ from shardsafe.engine.guard import mapped_errors
 from shardsafe.manager.agreement import StepBroadcast, StoreKeys
 from shardsafe.manager.cleanup import apply_retention, remove_leftovers
 from shardsafe.manager.config import ManagerConfig
+from shardsafe.manager.incremental import choose_base
 from shardsafe.manager.listing import CheckpointRecord, scan
 from shardsafe.manager.preemption import SignalFlag, StopAgreement
 from shardsafe.manager.resume import newest_verified, resume_newest
@@ -81,6 +83,8 @@ class CheckpointManager:
         timeout: float | None = None,
         leftover_age: float = 3600.0,
         verify_on_resume: bool = False,
+        incremental: bool = False,
+        full_save_every: int | None = None,
     ) -> None:
         self.config = ManagerConfig(
             root=os.fspath(root),
@@ -97,6 +101,8 @@ class CheckpointManager:
             timeout=timeout,
             leftover_age=leftover_age,
             verify_on_resume=verify_on_resume,
+            incremental=incremental,
+            full_save_every=full_save_every,
         )
         self._fs = open_root(self.config.root)
         self._storage = get_storage(self.config.root)  # deletes go through shardsafe.storage.delete
@@ -124,6 +130,7 @@ class CheckpointManager:
         self._resumed_step: int | None = None
         self._damaged: set[str] = set()
         self._closed = False
+        self._since_full = 0  # incremental saves since the last full one (rank 0 decides)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.config.root!r}, rank={self.rank}/{self.world_size})"
@@ -172,13 +179,16 @@ class CheckpointManager:
         if self.rank == 0:
             logger.debug("shardsafe: manager saves step %d to %s (trigger: %s)", step, path, reason or "save()")
         self._schedule.started()
+        base = self._base(name)
         if self.config.async_save:
-            handle = api.async_save(path, state, overwrite=True, timeout=self.config.timeout, metadata=metadata)
+            handle = api.async_save(
+                path, state, overwrite=True, timeout=self.config.timeout, metadata=metadata, base=base
+            )
             self._pending = _Pending(handle, step, name)
             if reason == PREEMPTION:
                 self._finish_pending()
         else:
-            api.save(path, state, overwrite=True, timeout=self.config.timeout, metadata=metadata)
+            api.save(path, state, overwrite=True, timeout=self.config.timeout, metadata=metadata, base=base)
             self._after_commit(name)
         self._schedule.saved(step)
 
@@ -252,6 +262,18 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"{self!r} is closed; create a new CheckpointManager to save or resume again")
+
+    def _base(self, name: str) -> str | None:
+        """(rank 0 decides; the save takes rank 0's base for every rank) The base of an incremental save
+        to ``name``, or ``None`` for a full save."""
+        if not self.config.incremental or self.rank != 0:
+            return None
+        every = self.config.full_save_every or knobs.full_save_every()
+        records = scan(self._fs, self.config.root, self.config.template)
+        base = choose_base(records, name, since_full=self._since_full, every=every, exclude=self._damaged)
+        self._since_full = 0 if base is None else self._since_full + 1
+        logger.debug("shardsafe: manager saves %s %s", name, f"incrementally on {base}" if base else "in full")
+        return base
 
     def _poll_pending(self) -> None:
         """(rank 0) Apply retention as soon as an async save has committed, without waiting for it.

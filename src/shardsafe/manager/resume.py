@@ -52,7 +52,7 @@ def _plan(fs: RootFS, config: ManagerConfig) -> dict[str, Any]:
     committed = sorted(
         (r for r in records if r.status == "committed" and r.step is not None), key=lambda r: r.step or 0, reverse=True
     )
-    skipped = [r for r in records if r.status != "committed"]
+    skipped = [r for r in records if r.status not in ("committed", "retired")]
     return {
         "candidates": [[r.name, r.path, r.step] for r in committed],
         "skipped": [[r.name, r.path, r.step, r.reason] for r in skipped],

@@ -18,6 +18,12 @@ Deleting a checkpoint first renames ``MANIFEST.json`` to the tombstone ``.MANIFE
 folder, then removes the data files the tombstone lists, then the tombstone, then the empty folder.
 A crash anywhere leaves either the committed checkpoint or an uncommitted one with its tombstone,
 which :func:`finish_deletion` completes later from the same validated names.
+
+Incremental checkpoints (format v2) refer to data files of sibling checkpoints: a data file that a
+sibling's manifest (committed, or staged by a save in flight) refers to is never removed
+(:func:`shardsafe.storage.refs.referenced_files`). A deleted checkpoint whose files are still
+referenced keeps them and its tombstone (it is no longer committed, listed or loadable); once the
+last checkpoint referring to them is deleted, they go too.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from collections.abc import Iterable
 
 from shardsafe.errors import CorruptCheckpointError
 from shardsafe.format.manifest import parse_manifest
+from shardsafe.storage import refs
 from shardsafe.storage.base import MANIFEST_NAME, Storage
 from shardsafe.storage.names import (
     DATA_FILE,
@@ -44,8 +51,9 @@ logger = logging.getLogger(__name__)
 
 def delete_files(storage: Storage, directory: str, names: Iterable[str]) -> list[str]:
     """Remove ``names`` from ``directory`` (missing ones are fine), then fsync ``directory``; returns
-    the names asked for. Raises ``ValueError`` without removing anything if one of them is not a name
-    shardsafe writes there, ``OSError`` if a removal fails."""
+    the names removed: those asked for, less data files another checkpoint beside ``directory``
+    refers to (kept, logged). Raises ``ValueError`` without removing anything if one of them is not a
+    name shardsafe writes there, ``OSError`` if a removal fails."""
     todo = sorted(set(names))
     in_staging = STAGING_DIR.match(basename(directory)) is not None
     foreign = [n for n in todo if not is_own(n, in_staging=in_staging)]
@@ -54,6 +62,11 @@ def delete_files(storage: Storage, directory: str, names: Iterable[str]) -> list
             f"refusing to delete {foreign} in {directory}: shardsafe deletes only the files it writes "
             "(data-<rank>-<saveid>.safetensors and its own manifest files)"
         )
+    if not in_staging and any(DATA_FILE.match(n) for n in todo):
+        kept = refs.referenced_files(storage, directory) & set(todo)
+        if kept:
+            logger.info("shardsafe: keeping %s in %s: other checkpoints refer to them", sorted(kept), directory)
+            todo = [n for n in todo if n not in kept]
     if todo:
         storage.unlink_names(directory, todo)
         storage.sync_dir(directory)
@@ -114,11 +127,23 @@ def _finish(storage: Storage, path: str) -> list[str]:
     if live is not None:  # a later save committed here: its files stay
         _, keep = manifest_files(live, storage.join(path, MANIFEST_NAME))
         names = [n for n in names if n not in set(keep)]
-    delete_files(storage, path, names)
+    removed = delete_files(storage, path, names)
+    if len(removed) < len(names):
+        return removed  # others refer to the rest: the tombstone stays until they no longer do
     delete_files(storage, path, [TOMBSTONE])
     if live is None:
         storage.remove_dir_if_empty(path)
-    return names
+    _release_bases(storage, path, raw, tomb)
+    return removed
+
+
+def _release_bases(storage: Storage, path: str, raw: bytes, where: str) -> None:
+    """After the checkpoint at ``path`` is gone: finish the deletion of the retired checkpoints it
+    referred to (a tombstone and no manifest), whose files only referrers like it kept."""
+    for ref in sorted(parse_manifest(raw, where).refs):
+        base = refs.sibling(storage, path, ref)
+        if storage.exists(storage.join(base, TOMBSTONE)) and not storage.exists(storage.join(base, MANIFEST_NAME)):
+            finish_deletion(storage, base)
 
 
 def stale_files(old: bytes | None, new: bytes, where: str) -> list[str]:

@@ -1,0 +1,113 @@
+"""``shardsafe export CKPT OUT --format shardsafe``: a self-contained copy of a checkpoint. Every chunk
+(those an incremental checkpoint takes from its bases included) is read block by block, verified, and
+written into new data files of OUT, one per source file, with fresh checksums; the manifest is the
+source's with no references. The copy is committed like a save: data files first, the manifest last
+in one atomic step (staging and rename locally, one PUT on object stores). One process; bounded
+memory (one checksum block at a time)."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from shardsafe.engine.read import read_manifest
+from shardsafe.errors import CheckpointExistsError, CorruptCheckpointError
+from shardsafe.format.datafile import PendingChunk, read_blocks, write_file
+from shardsafe.format.manifest import Chunk, FileEntry, Manifest, TensorEntry, parse_manifest
+from shardsafe.storage import get_storage
+from shardsafe.storage.base import Storage
+from shardsafe.storage.names import data_file, refusal
+from shardsafe.storage.refs import chunk_path, missing_base
+
+
+@dataclass(frozen=True)
+class ConsolidateResult:
+    path: str
+    tensors: int
+    bytes: int
+    files: list[str]
+    bases: list[str]
+
+
+def consolidate(
+    src: str | os.PathLike[str], out: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
+) -> ConsolidateResult:
+    """(one process) Write the checkpoint ``src`` as a self-contained checkpoint at ``out`` (absent or an
+    empty folder). Raises :class:`CheckpointError` (a missing base: :class:`CheckpointNotFoundError`
+    naming it; a corrupt block: :class:`CorruptCheckpointError`); ``out`` is untouched on failure."""
+    src, out = os.fspath(src), os.fspath(out)
+    storage, dest = get_storage(src, storage_options), get_storage(out, storage_options)
+    manifest = read_manifest(storage, src)
+    why = refusal(dest, out, overwrite=False)
+    if why is not None:
+        raise CheckpointExistsError(f"export of {src!r}: {why}")
+    save_id = f"{int(time.time())}{uuid.uuid4().hex[:10]}"
+    staging = dest.staging_dir(out, save_id)
+    dest.prepare_staging(staging)
+    groups: dict[tuple[str, str], list[tuple[str, Chunk]]] = {}
+    for name, t in manifest.tensors.items():
+        for c in t.chunks:
+            groups.setdefault((c.ref or "", c.file), []).append((name, c))
+    files: dict[str, FileEntry] = {}
+    new_chunks: dict[str, list[Chunk]] = {}
+    for i, (_, members) in enumerate(sorted(groups.items())):
+        fname = data_file(i, save_id)
+        pending = [
+            PendingChunk(n, c.offsets, c.sizes, torch.empty(c.sizes, dtype=manifest.tensors[n].dtype, device="meta"))
+            for n, c in members
+        ]
+        writer = dest.open_writer(dest.join(staging, fname))
+        try:
+            entry, records = write_file(
+                writer, fname, pending, manifest.block_bytes, lambda: None, _bytes(storage, src, manifest, members)
+            )
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()
+        files[fname] = entry
+        for (n, _), r in zip(members, records, strict=True):
+            new_chunks.setdefault(n, []).append(r)
+    tensors = {
+        n: TensorEntry(t.dtype, t.shape, tuple(sorted(new_chunks[n], key=lambda c: c.offsets)))
+        for n, t in manifest.tensors.items()
+    }
+    copy = replace(manifest, save_id=save_id, created=time.time(), tensors=tensors, files=files, refs={})
+    raw = copy.to_bytes()
+    parse_manifest(raw, dest.join(out, "MANIFEST.json"))  # never commit what a loader would refuse
+    dest.stage_manifest(staging, out, save_id, raw)
+    dest.publish(staging, out, save_id, raw, overwrite=False, at_commit=lambda: None)
+    total = sum(f.size for f in files.values())
+    return ConsolidateResult(out, len(tensors), total, sorted(files), sorted(manifest.refs))
+
+
+def _bytes(storage: Storage, src: str, manifest: Manifest, members: list[tuple[str, Chunk]]) -> Iterator[memoryview]:
+    """The bytes of ``members`` in order, one verified checksum block at a time."""
+    block = manifest.block_bytes
+    got: list[bytes] = []
+
+    def keep(_offset: int, view: memoryview) -> None:
+        got.append(bytes(view))
+
+    for name, c in members:
+        path = chunk_path(storage, src, c)
+        length = c.end - c.begin
+        for k in range(max(1, -(-length // block))):
+            lo, hi = k * block, min((k + 1) * block, length)
+            try:
+                read_blocks(storage, path, c, block, lo, hi, name, None, keep)
+            except FileNotFoundError:
+                if c.ref:
+                    raise missing_base(src, manifest, c.ref, c.file, path) from None
+                raise CorruptCheckpointError(f"{path}: data file missing") from None
+            except EOFError as err:
+                raise CorruptCheckpointError(f"{path}: {err}") from err
+            for view in got:
+                yield memoryview(view)
+            got.clear()

@@ -1,0 +1,119 @@
+"""References between sibling checkpoints (format v2, incremental saves): where a referenced file
+lives, the rules a reader applies before it touches one, and which files of a checkpoint the others
+under the same parent still refer to (so that no delete removes them).
+
+A reference is a single plain name (validated like a file name by the manifest parser) of a
+checkpoint beside the one that refers to it: ``<parent>/<ref>/<file>``. A checkpoint never refers to
+itself, and references are one hop: the referenced files hold the bytes, whatever happened to the
+referenced checkpoint's own manifest (retention retires it but keeps the files that others use).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from shardsafe.errors import CheckpointNotFoundError, CorruptCheckpointError
+from shardsafe.format.manifest import Chunk, Manifest, parse_manifest
+from shardsafe.storage import is_remote
+from shardsafe.storage.base import MANIFEST_NAME, Storage
+from shardsafe.storage.names import DATA_FILE, STAGED_MANIFEST, STAGING_DIR
+
+logger = logging.getLogger(__name__)
+
+
+def split(path: str) -> tuple[str, str]:
+    """(parent, name) of a checkpoint path: a local path (made absolute) or a URL."""
+    if is_remote(path):
+        head, _, name = path.rstrip("/").rpartition("/")
+        return head, name
+    full = os.path.abspath(path)
+    return os.path.dirname(full), os.path.basename(full)
+
+
+def sibling(storage: Storage, path: str, name: str) -> str:
+    """The path of the checkpoint ``name`` beside ``path``."""
+    return storage.join(split(path)[0], name)
+
+
+def check_refs(path: str, manifest: Manifest) -> None:
+    """(every reader, after parsing) A checkpoint may not refer to itself."""
+    own = split(path)[1]
+    if own in manifest.refs:
+        raise CorruptCheckpointError(
+            f"{path}: MANIFEST.json refers to its own checkpoint {own!r} as a base; a reference must name a "
+            "sibling checkpoint. Load an older checkpoint."
+        )
+
+
+def chunk_path(storage: Storage, path: str, chunk: Chunk) -> str:
+    """Where the bytes of ``chunk`` of the checkpoint at ``path`` live."""
+    if chunk.ref is None:
+        return storage.join(path, chunk.file)
+    return storage.join(sibling(storage, path, chunk.ref), chunk.file)
+
+
+def missing_base(path: str, manifest: Manifest, ref: str, file: str, where: str) -> CheckpointNotFoundError:
+    """The error for a referenced file that is not there: the base was moved, renamed or deleted."""
+    return CheckpointNotFoundError(
+        f"{path} is an incremental checkpoint: it refers to data of its base checkpoint {ref!r} (save id "
+        f"{manifest.refs[ref].save_id}), but {where} is missing: the base was moved, renamed or deleted. Put "
+        f"{ref!r} back beside {split(path)[1]!r} (same parent folder), or load an older full checkpoint. Export "
+        "self-contained copies with `shardsafe export CKPT OUT --format shardsafe` before moving checkpoints."
+    )
+
+
+def check_ref_files(storage: Storage, path: str, manifest: Manifest) -> None:
+    """Every referenced file exists with the size the manifest records (cheap: one stat per file).
+    Raises :class:`CheckpointNotFoundError` naming the missing base, or :class:`CorruptCheckpointError`."""
+    for ref, entry in sorted(manifest.refs.items()):
+        base = sibling(storage, path, ref)
+        for name, f in sorted(entry.files.items()):
+            where = storage.join(base, name)
+            try:
+                size = storage.size(where)
+            except FileNotFoundError:
+                raise missing_base(path, manifest, ref, name, where) from None
+            if size != f.size:
+                raise CorruptCheckpointError(
+                    f"{where}: {size} bytes, but {path} refers to it as {f.size} bytes: its base {ref!r} was "
+                    "replaced or altered. Load an older checkpoint."
+                )
+
+
+def _manifests_beside(storage: Storage, directory: str) -> list[tuple[str, bytes]]:
+    """(where, bytes) of every manifest under ``directory``'s parent except its own: committed
+    siblings and the staged manifests of saves in flight there."""
+    parent, own = split(directory)
+    found: list[tuple[str, bytes]] = []
+    for name in storage.list_dir(parent):
+        if name == own:
+            continue
+        base = storage.join(parent, name)
+        wheres = [storage.join(base, MANIFEST_NAME)]
+        if STAGING_DIR.match(name):
+            wheres = [storage.join(base, n) for n in STAGED_MANIFEST]
+        for where in wheres:
+            try:
+                found.append((where, storage.read_bytes(where)))
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError, CorruptCheckpointError):
+                continue
+    return found
+
+
+def referenced_files(storage: Storage, directory: str) -> set[str]:
+    """(rank 0, before deleting data files of ``directory``) The names of its data files that another
+    checkpoint under the same parent (committed, or staged by a save in flight) refers to. A sibling
+    manifest that does not validate is skipped with a WARNING (it is not loadable anyway)."""
+    own = split(directory)[1]
+    used: set[str] = set()
+    for where, raw in _manifests_beside(storage, directory):
+        try:
+            manifest = parse_manifest(raw, where)
+        except CorruptCheckpointError as err:
+            logger.warning("shardsafe: %s does not validate; its references are not counted: %s", where, err)
+            continue
+        ref = manifest.refs.get(own)
+        if ref is not None:
+            used.update(n for n in ref.files if DATA_FILE.match(n))
+    return used
