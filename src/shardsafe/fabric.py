@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 
 from shardsafe.coord import Deadlines
 from shardsafe.engine import api
-from shardsafe.errors import CheckpointError, CheckpointNotFoundError
+from shardsafe.errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, InvalidTypeError
 from shardsafe.state.flatten import Filtered
 
 __all__ = ["DDPStrategy", "FSDPStrategy", "ModelParallelStrategy"]
@@ -43,7 +43,7 @@ class _ShardsafeCheckpoints:
 
     def _init_checkpoints(self, timeout: float | Deadlines | None, overwrite: bool) -> None:
         if not isinstance(overwrite, bool):
-            raise TypeError(f"checkpoint_overwrite must be True or False, not {overwrite!r}")
+            raise InvalidTypeError(f"checkpoint_overwrite must be True or False, not {overwrite!r}")
         self.checkpoint_timeout = timeout
         self._checkpoint_overwrite = overwrite
 
@@ -57,7 +57,9 @@ class _ShardsafeCheckpoints:
     def checkpoint_timeout(self, timeout: float | Deadlines | None) -> None:
         seconds = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
         if not (timeout is None or isinstance(timeout, Deadlines) or seconds):
-            raise ValueError(f"checkpoint_timeout must be a positive number of seconds or None, not {timeout!r}")
+            raise InvalidArgumentError(
+                f"checkpoint_timeout must be a positive number of seconds or None, not {timeout!r}"
+            )
         self._checkpoint_timeout = timeout
 
     def save_checkpoint(
@@ -73,7 +75,9 @@ class _ShardsafeCheckpoints:
         does); a filtered module stays loadable into a module with ``strict=False``. ``storage_options``
         go to the storage backend (fsspec options for ``s3://...`` paths)."""
         if storage_options is not None and not isinstance(storage_options, dict):
-            raise TypeError(f"storage_options must be a dict of storage backend options, not {storage_options!r}")
+            raise InvalidTypeError(
+                f"storage_options must be a dict of storage backend options, not {storage_options!r}"
+            )
         entries: dict[str, Any] = dict(state)
         for key, keep in (filter or {}).items():
             if key in entries:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from shardsafe.errors import InvalidArgumentError
+
 
 def _float(name: str, default: float) -> float:
     raw = os.environ.get(f"SHARDSAFE_{name}")
@@ -13,9 +15,11 @@ def _float(name: str, default: float) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"SHARDSAFE_{name}={raw!r} is not a number; unset it or give seconds/bytes") from None
+        raise InvalidArgumentError(
+            f"SHARDSAFE_{name}={raw!r} is not a number; unset it or give seconds/bytes"
+        ) from None
     if value <= 0:
-        raise ValueError(f"SHARDSAFE_{name}={raw!r} must be positive")
+        raise InvalidArgumentError(f"SHARDSAFE_{name}={raw!r} must be positive")
     return value
 
 

@@ -51,7 +51,7 @@ from shardsafe import knobs
 from shardsafe.coord.access import _phases_used
 from shardsafe.coord.connection import preferred
 from shardsafe.coord.outcome import Outcome
-from shardsafe.errors import CoordinationError, RankDeadError, RankDesyncError, RemoteRankError
+from shardsafe.errors import CoordinationError, InvalidArgumentError, RankDeadError, RankDesyncError, RemoteRankError
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class Deadlines:
         for name in ("arrive", "io"):
             value = getattr(self, name)
             if not value > 0:
-                raise ValueError(f"Deadlines.{name}={value!r} must be a positive number of seconds")
+                raise InvalidArgumentError(f"Deadlines.{name}={value!r} must be a positive number of seconds")
 
     @staticmethod
     def resolve(timeout: float | Deadlines | None) -> Deadlines:
@@ -82,7 +82,7 @@ class Deadlines:
         if timeout is None:
             return Deadlines(arrive=knobs.arrive_timeout(), io=knobs.io_timeout())
         if not timeout > 0:
-            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds, or None")
+            raise InvalidArgumentError(f"timeout={timeout!r} must be a positive number of seconds, or None")
         return Deadlines(arrive=float(timeout), io=float(timeout))
 
 
@@ -176,7 +176,7 @@ class Coordinator(Outcome):
             store, rank, world_size, global_rank, ns, identity = resolve_group(group)
         else:
             if rank is None or world_size is None:
-                raise ValueError("Coordinator.join(store=...) also needs rank= and world_size=")
+                raise InvalidArgumentError("Coordinator.join(store=...) also needs rank= and world_size=")
             global_rank, ns, identity = rank, f"shardsafe/custom{world_size}", id(store)
         assert rank is not None and world_size is not None
         self = cls(store, rank, world_size, ns, op, target, deadlines, global_rank)
@@ -423,7 +423,7 @@ def resolve_group(group: Any) -> tuple[Store | None, int, int, int, str, int]:
     is stable while the group lives and new when the group is re-created over a fresh store."""
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
-            raise ValueError("group= was given but torch.distributed is not initialized")
+            raise InvalidArgumentError("group= was given but torch.distributed is not initialized")
         return None, 0, 1, 0, "shardsafe/local", 0
     pg = group if group is not None else dist.group.WORLD
     ranks = dist.get_process_group_ranks(pg)

@@ -34,6 +34,7 @@ from shardsafe.errors import (
     CheckpointError,
     CheckpointExistsError,
     CoordinationError,
+    OperationTimeoutError,
     RankDeadError,
     RemoteRankError,
     UnsafeValueError,
@@ -338,7 +339,7 @@ class SaveHandle:
             limit = timeout if timeout is not None else commit.finish_bound(self.job.deadlines) + 60
             self._thread.join(limit)
             if self._thread.is_alive():
-                raise TimeoutError(
+                raise OperationTimeoutError(
                     f"save of {self.job.path!r} still running after {limit:.0f}s (phase {self.job.phase!r}); "
                     "call wait() again or raise the timeout"
                 )

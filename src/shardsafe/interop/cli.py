@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Any, TextIO
 
-from shardsafe.errors import CheckpointError, UnsafeValueError
+from shardsafe.errors import CheckpointError, InvalidArgumentError, UnsafeValueError
 
 EXIT_OK, EXIT_BAD, EXIT_USAGE = 0, 1, 2
 
@@ -82,7 +82,7 @@ def _export(args: argparse.Namespace, out: TextIO) -> int:
     for fmt, flags in only.items():
         for flag in flags:
             if fmt != args.format and getattr(args, flag):
-                raise ValueError(f"--{flag.replace('_', '-')} applies to --format {fmt} only")
+                raise InvalidArgumentError(f"--{flag.replace('_', '-')} applies to --format {fmt} only")
     if args.format == "torch":
         result = export_torch(args.checkpoint, args.out, key=args.key, dtype=args.dtype, allow_pickle=args.allow_pickle)
     else:

@@ -18,6 +18,7 @@ from shardsafe.coord.connection import preferred
 from shardsafe.coord.group import resolve_group
 from shardsafe.engine import api
 from shardsafe.engine.guard import mapped_errors
+from shardsafe.errors import ClosedError, InvalidArgumentError
 from shardsafe.manager.agreement import StepBroadcast, StoreKeys
 from shardsafe.manager.cleanup import apply_retention, remove_leftovers
 from shardsafe.manager.config import ManagerConfig
@@ -251,7 +252,7 @@ class CheckpointManager:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError(f"{self!r} is closed; create a new CheckpointManager to save or resume again")
+            raise ClosedError(f"{self!r} is closed; create a new CheckpointManager to save or resume again")
 
     def _poll_pending(self) -> None:
         """(rank 0) Apply retention as soon as an async save has committed, without waiting for it.
@@ -301,7 +302,7 @@ class CheckpointManager:
 
 def _check_step(step: int) -> int:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step={step!r} must be an integer >= 0 (the training step)")
+        raise InvalidArgumentError(f"step={step!r} must be an integer >= 0 (the training step)")
     return step
 
 
@@ -309,16 +310,20 @@ def _check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
     if metrics is None:
         metrics = {}
     if not isinstance(metrics, Mapping):
-        raise ValueError(f"metrics={metrics!r} must be a dict of name -> number, e.g. {{'loss': 0.3}}")
+        raise InvalidArgumentError(f"metrics={metrics!r} must be a dict of name -> number, e.g. {{'loss': 0.3}}")
     out: dict[str, Any] = {}
     for key, value in metrics.items():
         if not isinstance(key, str):
-            raise ValueError(f"metrics key {key!r} must be a str")
+            raise InvalidArgumentError(f"metrics key {key!r} must be a str")
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
-                raise ValueError(f"metrics[{key!r}] is a tensor of shape {tuple(value.shape)}; pass one number")
+                raise InvalidArgumentError(
+                    f"metrics[{key!r}] is a tensor of shape {tuple(value.shape)}; pass one number"
+                )
             value = value.item()
         if value is not None and not isinstance(value, (int, float, str)):
-            raise ValueError(f"metrics[{key!r}]={value!r} ({type(value).__name__}) must be a number, str, bool or None")
+            raise InvalidArgumentError(
+                f"metrics[{key!r}]={value!r} ({type(value).__name__}) must be a number, str, bool or None"
+            )
         out[key] = value
     return out

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from shardsafe.errors import InvalidArgumentError
 from shardsafe.manager.agreement import StoreKeys
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class SignalFlag:
         self._previous: dict[signal.Signals, _Handler] = {}
         if signals and threading.current_thread() is not threading.main_thread():
             names = ", ".join(signal.Signals(s).name for s in signals)
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"CheckpointManager(save_on_signals=({names})) must be created in the main thread (Python "
                 "delivers signals only there); create it there, or pass save_on_signals=() and call "
                 "save() yourself on preemption"

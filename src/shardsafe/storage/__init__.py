@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardsafe.errors import InvalidArgumentError
 from shardsafe.storage.base import MANIFEST_NAME, Storage, Writer
 from shardsafe.storage.local import LocalStorage
 
@@ -22,5 +23,7 @@ def get_storage(path: str, storage_options: dict[str, Any] | None = None) -> Sto
 
         return FsspecStorage.for_path(path, storage_options)  # type: ignore[no-any-return]
     if storage_options:
-        raise ValueError(f"storage_options= applies to remote paths (s3://...), not to the local path {path!r}")
+        raise InvalidArgumentError(
+            f"storage_options= applies to remote paths (s3://...), not to the local path {path!r}"
+        )
     return LocalStorage()

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from shardsafe import knobs
-from shardsafe.errors import CorruptCheckpointError
+from shardsafe.errors import CorruptCheckpointError, InvalidArgumentError, RemoteIOError
 from shardsafe.storage import regular, retry
 from shardsafe.storage.base import MANIFEST_NAME, Writer
 from shardsafe.storage.bounded import run_bounded
@@ -80,7 +80,9 @@ class FsspecStorage:
                 ) from err
         else:
             if storage_options:
-                raise ValueError("storage_options= applies when a protocol is given, not a filesystem instance")
+                raise InvalidArgumentError(
+                    "storage_options= applies when a protocol is given, not a filesystem instance"
+                )
             self.fs = protocol_or_fs
         self.policy = policy or retry.RetryPolicy.from_env()
         self.deadline: float | None = None
@@ -93,10 +95,12 @@ class FsspecStorage:
         """The storage for a URL such as ``s3://bucket/run/step-1``; ``storage_options`` are the
         filesystem's usual options (credentials, ``client_kwargs={"endpoint_url": ...}``)."""
         if "::" in path:
-            raise ValueError(f"{path!r}: chained fsspec URLs are not supported; give the URL of the store itself")
+            raise InvalidArgumentError(
+                f"{path!r}: chained fsspec URLs are not supported; give the URL of the store itself"
+            )
         protocol, sep, _ = path.partition("://")
         if not sep or not protocol:
-            raise ValueError(f"{path!r} has no scheme; plain paths use the local storage")
+            raise InvalidArgumentError(f"{path!r} has no scheme; plain paths use the local storage")
         return cls(protocol, storage_options)
 
     # -- paths -----------------------------------------------------------------------------------
@@ -326,7 +330,7 @@ class FsspecStorage:
         lo, hi = offset + start, offset + end
         try:
             data = self._retry(f"read bytes {lo}-{hi}", url, lambda: self.fs.cat_file(p, start=lo, end=hi))
-        except (FileNotFoundError, retry.RemoteIOError):
+        except (FileNotFoundError, RemoteIOError):
             raise
         except OSError as err:  # S3 answers a range past the end with 416
             if self.size(url) < hi:
@@ -421,4 +425,4 @@ def _plain(name: str) -> bool:
 
 def _check_name(name: str, base: str) -> None:
     if not _plain(name):
-        raise ValueError(f"{name!r} is not a plain file name inside {base} (no '/', '..' or empty names)")
+        raise InvalidArgumentError(f"{name!r} is not a plain file name inside {base} (no '/', '..' or empty names)")

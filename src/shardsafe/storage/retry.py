@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from shardsafe import knobs
-from shardsafe.errors import CheckpointError
+from shardsafe.errors import InvalidArgumentError, RemoteIOError
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +81,6 @@ def retry_seconds() -> float:
     return knobs.remote_retry_seconds()
 
 
-class RemoteIOError(CheckpointError, OSError):
-    """A storage request still failed after retrying until its deadline."""
-
-
 @dataclass(frozen=True, kw_only=True)
 class RetryPolicy:
     """How long and how often to retry one request."""
@@ -100,7 +96,7 @@ class RetryPolicy:
         for name in ("deadline", "base_delay", "max_delay"):
             value = getattr(self, name)
             if not value > 0:
-                raise ValueError(f"RetryPolicy.{name}={value!r} must be a positive number of seconds")
+                raise InvalidArgumentError(f"RetryPolicy.{name}={value!r} must be a positive number of seconds")
 
     @staticmethod
     def from_env() -> RetryPolicy:
