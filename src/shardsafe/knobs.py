@@ -43,6 +43,12 @@ def poll_seconds() -> float:
     return _float("POLL_SECONDS", 0.5)
 
 
+def wait_margin_seconds() -> float:
+    """Added to the bound of an operation's own waits where a caller waits for that operation from
+    outside (``SaveHandle.wait()`` without a timeout, draining saves at exit, an upload's parts)."""
+    return _float("WAIT_MARGIN_SECONDS", 60.0)
+
+
 def max_inflight_saves() -> int:
     """Asynchronous saves that may be in flight at once per process; a new save first waits until
     fewer are. Staging memory is at most this many times this rank's share."""
@@ -90,6 +96,37 @@ def split_replicated_bytes() -> int:
 def io_threads() -> int:
     """Threads per rank for reading on load."""
     return int(_float("IO_THREADS", 4))
+
+
+def remote_read_threads() -> int:
+    """Object stores: ranged GETs in flight at once for one rank's reads of one file."""
+    return max(1, int(_float("REMOTE_READ_THREADS", 4)))
+
+
+def remote_retry_first_delay() -> float:
+    """Object stores: seconds slept before the first retry of a request (doubled after each failure)."""
+    return _float("REMOTE_RETRY_FIRST_DELAY", 0.1)
+
+
+def remote_retry_max_delay() -> float:
+    """Object stores: the longest sleep between two attempts at a request."""
+    return _float("REMOTE_RETRY_MAX_DELAY", 5.0)
+
+
+def local_gather_below_bytes() -> int:
+    """Local disk: pieces smaller than this are gathered into one buffer and written together."""
+    return int(_float("LOCAL_GATHER_BELOW_BYTES", 256 * 1024))
+
+
+def local_gather_bytes() -> int:
+    """Local disk: a gather buffer is written once it holds this many bytes."""
+    return int(_float("LOCAL_GATHER_BYTES", 4 * 1024 * 1024))
+
+
+def first_poll_seconds() -> float:
+    """A rank waiting on the store first looks again after this long, then doubles the pause up to
+    :func:`poll_seconds`."""
+    return _float("FIRST_POLL_SECONDS", 0.002)
 
 
 def remote_part_bytes() -> int:

@@ -110,7 +110,7 @@ class StepBroadcast:
 
     def _await(self, key: str, step: int) -> None:
         started = time.monotonic()
-        delay = 0.002
+        delay = knobs.first_poll_seconds()
         warned = False
         while not self.keys.check(key):  # type: ignore[union-attr]  # share() checked it
             elapsed = time.monotonic() - started

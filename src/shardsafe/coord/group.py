@@ -269,7 +269,7 @@ class Coordinator(Outcome):
             return value
         started = time.monotonic()
         warned = False
-        delay = 0.002
+        delay = knobs.first_poll_seconds()
         while not self._check(key):
             self._raise_if_heartbeat_failed()
             failure = self.remote_failure()
@@ -320,7 +320,7 @@ class Coordinator(Outcome):
         key = self._k(phase, "decision")
         started = time.monotonic()
         warned = False
-        delay = 0.002
+        delay = knobs.first_poll_seconds()
         while not self._check(key):
             self._raise_if_heartbeat_failed()
             if watch_abort:

@@ -51,7 +51,7 @@ class Outcome(Liveness):
         key = self._k(name)
         started = time.monotonic()
         warned = False
-        delay = 0.002
+        delay = knobs.first_poll_seconds()
         while not self._check(key):
             self._raise_if_heartbeat_failed()
             dead = self._dead([src])
@@ -90,7 +90,7 @@ class Outcome(Liveness):
         self._use("ack")
         started = time.monotonic()
         waiting = list(range(1, self.world_size))
-        delay = 0.002
+        delay = knobs.first_poll_seconds()
         while True:
             waiting = [r for r in waiting if not self._check(self._k("ack", str(r)))]
             waiting = [r for r in waiting if r not in self._dead(waiting)]

@@ -22,7 +22,7 @@ from shardsafe.engine.inspect import CheckpointInfo, EntryInfo, VerifySummary, i
 from shardsafe.engine.save import SaveHandle, SaveJob
 from shardsafe.storage import get_storage
 
-logger = logging.getLogger("shardsafe")
+logger = logging.getLogger(__name__)
 
 _inflight: list[SaveHandle] = []  # asynchronous saves not yet known to be finished, oldest first
 _inflight_lock = threading.Lock()
@@ -57,7 +57,7 @@ def _drain(deadlines: Deadlines, allowed: int) -> None:
 
 def _raise_unseen(handle: SaveHandle, deadlines: Deadlines) -> None:
     try:
-        handle.wait(finish_bound(deadlines) + 60)
+        handle.wait(finish_bound(deadlines) + knobs.wait_margin_seconds())
     except BaseException:
         if not handle._reported:
             raise

@@ -67,6 +67,7 @@ def discard(job: SaveJob) -> None:
     deadline (a hung disk must not hang the error path); failures are logged."""
     assert job.coord is not None
     world = job.coord.world_size
+    began = time.monotonic()
     try:
         run_bounded(
             "removing the files of the failed save",
@@ -76,6 +77,12 @@ def discard(job: SaveJob) -> None:
         )
     except (OSError, ValueError) as err:
         logger.error("shardsafe: could not remove staging %s of a failed save: %s", job.staging, err)
+    logger.debug(
+        "shardsafe: save %s rank %d: cleanup of the aborted save took %.3fs",
+        job.path,
+        job.coord.global_rank,
+        time.monotonic() - began,
+    )
 
 
 def committed_on_storage(job: SaveJob) -> bool:
@@ -217,6 +224,7 @@ def _remove_stale(job: SaveJob, old: bytes | None, new: bytes, where: str) -> No
     stale = stale_files(old, new, where)
     if not stale:
         return
+    began = time.monotonic()
     try:
         run_bounded(
             "removing the old data files",
@@ -226,6 +234,12 @@ def _remove_stale(job: SaveJob, old: bytes | None, new: bytes, where: str) -> No
         )
     except (OSError, ValueError) as err:
         logger.warning("shardsafe: committed %s but could not remove old data files %s: %s", job.path, stale, err)
+    logger.debug(
+        "shardsafe: save %s rank 0: cleanup of %d replaced data file(s) took %.3fs",
+        job.path,
+        len(stale),
+        time.monotonic() - began,
+    )
 
 
 def _aborted(job: SaveJob, outcome: str) -> CoordinationError:

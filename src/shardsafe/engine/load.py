@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from shardsafe.coord import Coordinator, Deadlines, fault_point
+from shardsafe.engine.phases import PhaseLog
 from shardsafe.engine.read import check_allocation, check_sizes, read_manifest, run_tasks
 from shardsafe.errors import CheckpointError, CoordinationError, CorruptCheckpointError, MissingKeysError
 from shardsafe.format.manifest import Manifest
@@ -49,12 +50,13 @@ def load(
     single = state is None
     coord = None if single else Coordinator.join("load", path, deadlines=deadlines, group=group, heartbeat=True)
     started = time.monotonic()
-    phase = "manifest"
+    phases = PhaseLog("load", path, "manifest")
+    phase = phases.enter("manifest", None if coord is None else coord.global_rank)
     try:
         if coord is not None:
             fault_point("load.rendezvous", coord.global_rank)
         manifest = read_manifest(storage, path)
-        phase = "plan"
+        phase = phases.enter("plan")
         rank, world = (coord.rank, coord.world_size) if coord is not None else (None, 1)
         r = Restorer(manifest, path, rank=rank, world_size=world, cast=cast, device=device, allow_pickle=allow_pickle)
         extra: dict[str, Op] = {}
@@ -77,9 +79,9 @@ def load(
             run_tasks(storage, path, manifest, early, lambda: None, deadlines.io)
         r.check()
         if coord is not None:
-            phase = "go"  # every rank planned and validated: only now may anything change
+            phase = phases.enter("go")  # every rank planned and validated: only now may anything change
             coord.barrier("go", timeout=deadlines.io)
-        phase = "read"
+        phase = phases.enter("read")
         first = (lambda: fault_point("load.read", coord.global_rank)) if coord else (lambda: None)
         try:
             nbytes = run_tasks(storage, path, manifest, tasks, first, deadlines.io)
@@ -92,7 +94,7 @@ def load(
                 "unless the whole checkpoint verifies, call shardsafe.verify(path) first or use "
                 "CheckpointManager.resume(state, verify=True)."
             ) from err
-        phase = "restore"
+        phase = phases.enter("restore")
         try:
             r.apply()
         except Exception as err:
@@ -104,7 +106,7 @@ def load(
         if r.missing:
             logger.warning("shardsafe: loaded %s without %s (not in the checkpoint; strict=False)", path, r.missing)
         if coord is not None:
-            phase = "confirm"
+            phase = phases.enter("confirm")
             coord.barrier("loaded", timeout=deadlines.io)
             coord.acknowledge(timeout=deadlines.arrive)  # rank 0 returns once every live rank knows
     except BaseException as err:
@@ -114,6 +116,7 @@ def load(
     finally:
         if coord is not None:
             coord.close()
+        phases.enter("done")
     took = time.monotonic() - started
     if coord is None or coord.rank == 0:
         logger.info(

@@ -29,6 +29,7 @@ import torch
 from shardsafe import knobs
 from shardsafe.coord import Coordinator, Deadlines, fault_point
 from shardsafe.engine import commit, staging
+from shardsafe.engine.phases import PhaseLog
 from shardsafe.engine.plan import plan_writes
 from shardsafe.errors import (
     CheckpointError,
@@ -74,7 +75,7 @@ class SaveJob:
         self.allow_pickle = allow_pickle
         self.storage: Storage = get_storage(self.path, storage_options)
         self.coord: Coordinator | None = None
-        self.phase = "rendezvous"
+        self.phases = PhaseLog("save", self.path, "rendezvous")
         self.save_id = ""
         self.staging = ""
         self.block_bytes = 0  # rank 0's choice, the same for every writer of this save
@@ -85,6 +86,15 @@ class SaveJob:
         self.staged: staging.Staged | None = None
         self.started = time.monotonic()
         self.blocking_seconds = 0.0
+
+    @property
+    def phase(self) -> str:
+        """The protocol phase this rank is in (named in errors and stall reports)."""
+        return self.phases.phase
+
+    @phase.setter
+    def phase(self, name: str) -> None:
+        self.phases.enter(name, None if self.coord is None else self.coord.global_rank)
 
     # ------------------------------------------------------------------------------------ begin
 
@@ -203,6 +213,7 @@ class SaveJob:
         finally:
             coord.close()
             self._release()
+            self.phase = "done"
 
     def _release(self) -> None:
         self.chunks = []
@@ -336,7 +347,11 @@ class SaveHandle:
         """Block until the save is committed (or failed); ``timeout`` seconds at most (default: the
         bound of the save's own waits, :func:`~shardsafe.engine.commit.finish_bound`, plus a margin)."""
         if self._thread is not None:
-            limit = timeout if timeout is not None else commit.finish_bound(self.job.deadlines) + 60
+            limit = (
+                timeout
+                if timeout is not None
+                else commit.finish_bound(self.job.deadlines) + knobs.wait_margin_seconds()
+            )
             self._thread.join(limit)
             if self._thread.is_alive():
                 raise OperationTimeoutError(

@@ -65,14 +65,14 @@ def _write_all(fd: int, data: memoryview) -> None:
 class LocalWriter:
     """A new file written with ``os.write`` and made durable with ``fsync`` on close, every call on
     a worker thread under the save's deadline (``deadline``, ``time.monotonic()`` seconds). Pieces
-    under ``SMALL`` bytes are gathered (copied) into one buffer and written together: a state of
-    thousands of small tensors costs a few hand-offs to the worker, not one per tensor."""
-
-    SMALL = 256 * 1024
-    GATHER = 4 * 1024 * 1024
+    under ``SMALL`` bytes (:func:`~shardsafe.knobs.local_gather_below_bytes`) are gathered (copied)
+    into one buffer of up to ``GATHER`` bytes and written together: a state of thousands of small
+    tensors costs a few hand-offs to the worker, not one per tensor."""
 
     def __init__(self, path: str, deadline: float | None = None) -> None:
         self.path = path
+        self.SMALL = knobs.local_gather_below_bytes()
+        self.GATHER = knobs.local_gather_bytes()
         self.io = IOThread(path, deadline)
         self.gathered = bytearray()
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC

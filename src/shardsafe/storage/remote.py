@@ -42,7 +42,6 @@ T = TypeVar("T")
 # Object stores have no directories: nothing to create before writing (and creating a "directory"
 # with s3fs at a bucket path would create a bucket).
 _OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "oci", "r2"})
-_READ_THREADS = 4
 
 
 def _import_fsspec() -> Any:
@@ -300,7 +299,9 @@ class FsspecStorage:
             for s, e in spans:
                 self._read_span(p, path, offset, out, s, e)
             return
-        with ThreadPoolExecutor(min(len(spans), _READ_THREADS), thread_name_prefix="shardsafe-read") as pool:
+        with ThreadPoolExecutor(
+            min(len(spans), knobs.remote_read_threads()), thread_name_prefix="shardsafe-read"
+        ) as pool:
             futures = [pool.submit(self._read_span, p, path, offset, out, s, e) for s, e in spans]
             for f in futures:
                 f.result()  # re-raises a reader thread's error here

@@ -15,7 +15,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from shardsafe import knobs
@@ -87,9 +87,9 @@ class RetryPolicy:
 
     deadline: float = 120.0
     """Seconds from the first attempt after which a transient failure is final."""
-    base_delay: float = 0.1
+    base_delay: float = field(default_factory=knobs.remote_retry_first_delay)
     """Sleep before the first retry; doubles after each failed attempt."""
-    max_delay: float = 5.0
+    max_delay: float = field(default_factory=knobs.remote_retry_max_delay)
     """Longest sleep between two attempts."""
 
     def __post_init__(self) -> None:
