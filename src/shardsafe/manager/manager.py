@@ -14,16 +14,16 @@ from typing import Any, Literal
 import torch
 
 from shardsafe.coord import Deadlines
+from shardsafe.coord.agreement import StepBroadcast, StopAgreement, StoreKeys
 from shardsafe.coord.connection import preferred
-from shardsafe.coord.group import resolve_group
+from shardsafe.coord.resolve import resolve_group
 from shardsafe.engine import api
 from shardsafe.engine.guard import mapped_errors
 from shardsafe.errors import ClosedError, InvalidArgumentError
-from shardsafe.manager.agreement import StepBroadcast, StoreKeys
 from shardsafe.manager.cleanup import apply_retention, remove_leftovers
 from shardsafe.manager.config import ManagerConfig
 from shardsafe.manager.listing import CheckpointRecord, scan
-from shardsafe.manager.preemption import SignalFlag, StopAgreement
+from shardsafe.manager.preemption import SignalFlag
 from shardsafe.manager.resume import newest_verified, resume_newest
 from shardsafe.manager.retention import RetentionPolicy
 from shardsafe.manager.rootfs import open_root
