@@ -23,9 +23,10 @@ import torch
 
 from shardsafe.coord import Coordinator, Deadlines, fault_point
 from shardsafe.engine.phases import PhaseLog
-from shardsafe.engine.read import check_allocation, check_sizes, read_manifest, run_tasks
+from shardsafe.engine.read import Task, check_allocation, check_sizes, plan_reads, read_manifest, run_tasks
 from shardsafe.errors import CheckpointError, CoordinationError, CorruptCheckpointError, MissingKeysError
 from shardsafe.format.manifest import Manifest
+from shardsafe.state.layout import Box
 from shardsafe.state.restore import Op, Restorer
 from shardsafe.storage import get_storage
 
@@ -74,7 +75,7 @@ def load(
         check_sizes(storage, path, manifest, r.names())  # before allocating what the manifest sizes
         if device is None or device.type == "cpu":  # new host tensors must fit in the memory available
             check_allocation(storage, path, manifest, r.fresh_bytes())
-        early, tasks = r.prepare()
+        early, tasks = (_plan(manifest, boxes) for boxes in r.prepare())
         if early:  # new tensors whose values the plan must compare before the go (FSDP1 optimizer state)
             run_tasks(storage, path, manifest, early, lambda: None, deadlines.io)
         r.check()
@@ -127,6 +128,11 @@ def load(
             nbytes / 2**20 / max(took, 1e-9),
         )
     return out
+
+
+def _plan(manifest: Manifest, boxes: list[tuple[str, Box]]) -> list[Task]:
+    """(every rank, locally) The reads that fill each destination box from the saved chunks it meets."""
+    return [t for name, (offsets, dest) in boxes for t in plan_reads(name, manifest.tensors[name], dest, offsets)]
 
 
 def _missing_error(path: str, manifest: Manifest, missing: list[str]) -> MissingKeysError:

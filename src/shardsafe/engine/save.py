@@ -30,7 +30,7 @@ from shardsafe import knobs
 from shardsafe.coord import Coordinator, Deadlines, fault_point
 from shardsafe.engine import commit, staging
 from shardsafe.engine.phases import PhaseLog
-from shardsafe.engine.plan import plan_writes
+from shardsafe.engine.plan import PendingChunk, own_chunks, plan_writes
 from shardsafe.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -40,7 +40,7 @@ from shardsafe.errors import (
     RemoteRankError,
     UnsafeValueError,
 )
-from shardsafe.format.datafile import PendingChunk, write_file
+from shardsafe.format.datafile import write_file
 from shardsafe.format.manifest import Chunk, FileEntry, Manifest, TensorEntry
 from shardsafe.format.values import encode
 from shardsafe.state import per_rank
@@ -126,7 +126,7 @@ class SaveJob:
             )
             per_rank.find_per_rank(self.flat, coord, self.deadlines)
             self.metadata_json = encode(self.metadata, "metadata", _no_tensors)
-            self.chunks = plan_writes(self.flat.items, coord.rank, coord.world_size) + per_rank.own_chunks(self.flat)
+            self.chunks = plan_writes(self.flat.items, coord.rank, coord.world_size) + own_chunks(self.flat)
             fault_point("save.plan", coord.global_rank)
             self.phase = "stage"
             self.staged = staging.stage(self.chunks, snapshot=copy, wait=self.deadlines.io)
