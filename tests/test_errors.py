@@ -47,6 +47,7 @@ ALLOWED_BUILTIN_RAISES = {
     ("storage/local.py", "NotADirectoryError"): "the target is a file, like os; mapped by the engine",
     ("storage/remote.py", "EOFError"): "a truncated object, like os; mapped by the engine",
     ("storage/remote.py", "FileExistsError"): "an object is there already, like os; mapped by the engine",
+    ("storage/fsspec_util.py", "ImportError"): "fsspec/s3fs not installed: the message names the extra to install",
     ("storage/remote.py", "ImportError"): "fsspec/s3fs not installed: the message names the extra to install",
     ("fabric.py", "NotImplementedError"): "Lightning's own contract for an unsupported load_raw target",
 }

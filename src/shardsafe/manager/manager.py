@@ -26,7 +26,6 @@ from shardsafe.manager.listing import CheckpointRecord, scan
 from shardsafe.manager.preemption import SignalFlag
 from shardsafe.manager.resume import newest_verified, resume_newest
 from shardsafe.manager.retention import RetentionPolicy
-from shardsafe.manager.rootfs import open_root
 from shardsafe.manager.schedule import PREEMPTION, Schedule
 from shardsafe.storage import get_storage
 
@@ -99,7 +98,7 @@ class CheckpointManager:
             leftover_age=leftover_age,
             verify_on_resume=verify_on_resume,
         )
-        self._fs = open_root(self.config.root)
+        self._fs = get_storage(self.config.root)
         self._storage = get_storage(self.config.root)  # deletes go through shardsafe.storage.delete
         store, self.rank, self.world_size, _, namespace, identity = resolve_group(None)
         self._deadlines = Deadlines.resolve(self.config.timeout)

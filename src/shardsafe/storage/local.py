@@ -235,6 +235,30 @@ class LocalStorage:
     def size(self, path: str) -> int:
         return regular.stat_regular(path).st_size
 
+    def total_size(self, path: str) -> int:
+        if not os.path.isdir(path):
+            return os.stat(path).st_size
+        total = 0
+        with os.scandir(path) as it:
+            for entry in it:
+                try:
+                    if entry.is_file(follow_symlinks=False):
+                        total += entry.stat(follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    continue
+        return total
+
+    def mtime(self, path: str) -> float:
+        newest = os.stat(path).st_mtime
+        if os.path.isdir(path):
+            with os.scandir(path) as it:
+                for entry in it:
+                    try:
+                        newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+                    except FileNotFoundError:  # removed while we looked: it no longer counts
+                        continue
+        return newest
+
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
 
