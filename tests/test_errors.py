@@ -35,6 +35,7 @@ ALLOWED_BUILTIN_RAISES = {
     ("storage/uploads.py", "ValueError"): "writer used after close; wrapped by the save",
     ("storage/remote.py", "OSError"): "a batch delete that failed for some objects, like os; callers catch OSError",
     ("storage/delete.py", "ValueError"): "a name shardsafe did not write: refused; callers catch ValueError",
+    ("storage/unlink.py", "ValueError"): "a name shardsafe did not write: refused; callers catch ValueError",
     ("runtime/launch.py", "TypeError"): "an unpicklable worker result/exception; caught and reported as WorkerError",
     ("runtime/strategies.py", "AssertionError"): "unreachable branch",
     ("manager/listing.py", "AssertionError"): "unreachable branch",

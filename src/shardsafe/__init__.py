@@ -30,8 +30,7 @@ from shardsafe.interop import ExportResult, ImportResult, export_hf, export_torc
 from shardsafe.manager import CheckpointManager, CheckpointRecord
 from shardsafe.runtime import Runtime
 from shardsafe.state.per_rank import per_rank
-
-__version__ = "0.1.0"
+from shardsafe.version import __version__
 
 __all__ = [
     "CheckpointError",

@@ -251,14 +251,14 @@ class SaveJob:
                 )
             tensors[item.name] = TensorEntry(item.local.dtype, item.shape, tuple(mine))
         tensors.update(own)
-        import shardsafe
+        from shardsafe.version import __version__
 
         return Manifest(
             save_id=self.save_id,
             created=time.time(),
             world_size=coord.world_size,
             strategy=flat.strategy,
-            library={"shardsafe": shardsafe.__version__, "torch": torch.__version__.split("+")[0]},
+            library={"shardsafe": __version__, "torch": torch.__version__.split("+")[0]},
             block_bytes=self.block_bytes,
             metadata=self.metadata_json,
             objects=flat.objects,

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-import shardsafe
+from shardsafe.engine import api
 from shardsafe.errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, UnsafeValueError
 from shardsafe.interop.outdir import inside
 from shardsafe.storage import MANIFEST_NAME, is_remote
@@ -82,7 +82,7 @@ def import_checkpoint(
         raise CheckpointNotFoundError(f"{src} does not exist; give a torch.save file or a DCP checkpoint folder")
     wrapped = not _plain_keys(state)
     entries: dict[str, Any] = {WRAP_KEY: state} if wrapped else dict(state)
-    shardsafe.save(
+    api.save(
         target,
         entries,
         overwrite=overwrite,
@@ -90,7 +90,7 @@ def import_checkpoint(
         metadata={"imported_from": os.path.abspath(src), "source_format": fmt},
         allow_pickle=allow_pickle,
     )
-    summary = shardsafe.verify(target)
+    summary = api.verify(target)
     logger.info(
         "shardsafe: imported %s (%s) as %s: %d tensors, %.1f MiB verified, %.2fs",
         src,

@@ -23,7 +23,6 @@ which :func:`finish_deletion` completes later from the same validated names.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 
 from shardsafe.errors import CorruptCheckpointError
 from shardsafe.format.manifest import parse_manifest
@@ -35,29 +34,11 @@ from shardsafe.storage.names import (
     TOMBSTONE,
     basename,
     data_file,
-    is_own,
     temp_manifest,
 )
+from shardsafe.storage.unlink import delete_files as delete_files  # the gate; re-exported for callers
 
 logger = logging.getLogger(__name__)
-
-
-def delete_files(storage: Storage, directory: str, names: Iterable[str]) -> list[str]:
-    """Remove ``names`` from ``directory`` (missing ones are fine), then fsync ``directory``; returns
-    the names asked for. Raises ``ValueError`` without removing anything if one of them is not a name
-    shardsafe writes there, ``OSError`` if a removal fails."""
-    todo = sorted(set(names))
-    in_staging = STAGING_DIR.match(basename(directory)) is not None
-    foreign = [n for n in todo if not is_own(n, in_staging=in_staging)]
-    if foreign:
-        raise ValueError(
-            f"refusing to delete {foreign} in {directory}: shardsafe deletes only the files it writes "
-            "(data-<rank>-<saveid>.safetensors and its own manifest files)"
-        )
-    if todo:
-        storage.unlink_names(directory, todo)
-        storage.sync_dir(directory)
-    return todo
 
 
 def manifest_files(raw: bytes, where: str) -> tuple[str, list[str]]:

@@ -112,9 +112,9 @@ class LocalWriter:
                 self.io.stop()
 
     def abort(self) -> None:
-        """Close and remove the file (through :func:`shardsafe.storage.delete.delete_files`, like
+        """Close and remove the file (through :func:`shardsafe.storage.unlink.delete_files`, like
         every delete: only a name shardsafe writes goes)."""
-        from shardsafe.storage.delete import delete_files
+        from shardsafe.storage.unlink import delete_files
 
         fd, path = self.fd, self.path
         try:

@@ -308,8 +308,8 @@ class StreamWriter:
     def _discard(self) -> None:
         from fsspec.spec import AbstractBufferedFile
 
-        from shardsafe.storage.delete import delete_files
         from shardsafe.storage.remote import FsspecStorage
+        from shardsafe.storage.unlink import delete_files
 
         if isinstance(self.f, AbstractBufferedFile):
             self.f.discard()  # cancels an upload in progress where the filesystem supports it
