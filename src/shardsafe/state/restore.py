@@ -34,7 +34,8 @@ import torch
 
 from shardsafe.errors import CheckpointError, CorruptCheckpointError
 from shardsafe.format.manifest import Manifest
-from shardsafe.format.values import PerRank, decode, dtype_name, has_per_rank
+from shardsafe.format.values import PerRank, decode, dtype_name
+from shardsafe.format.walk import has_per_rank
 from shardsafe.state.flatten import kind_of, load_module_state, module_state
 from shardsafe.state.layout import Box, Layout, layout_of
 from shardsafe.state.nodes import align, cpu_alloc, describe, describe_value, holds_tensor, refs, tag_of
