@@ -53,9 +53,8 @@ class InvalidTypeError(CheckpointError, TypeError):
 
 
 class OperationTimeoutError(CheckpointError, TimeoutError):
-    """A local deadline passed: :meth:`SaveHandle.wait` ran out of time while the save is still
-    running, or a storage call did not return in time. (Waits on other ranks raise
-    :class:`RankTimeoutError`.)"""
+    """:meth:`SaveHandle.wait` ran out of its ``timeout`` while the save is still running (call it
+    again). Waits on other ranks raise :class:`RankTimeoutError`."""
 
 
 class ClosedError(CheckpointError, RuntimeError):

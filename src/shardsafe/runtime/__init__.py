@@ -1,6 +1,8 @@
 """A small runtime for distributed training: launch a world of processes (or join one that torchrun or
 srun started), set up model and optimizers for ``single``, ``ddp`` or ``fsdp`` (FSDP2), and talk across
-ranks with deadlines and desync detection. Checkpoints go through :func:`shardsafe.save`/:func:`shardsafe.load`."""
+ranks with deadlines and desync detection. Checkpoints go through :func:`shardsafe.save`/:func:`shardsafe.load`.
+
+Layer: may import engine, coord, errors; imported by the public package."""
 
 from shardsafe.errors import LaunchError, WorkerError
 from shardsafe.runtime.config import RuntimeConfig

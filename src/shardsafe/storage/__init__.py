@@ -1,4 +1,12 @@
-"""Storage backends behind the narrow :class:`~shardsafe.storage.base.Storage` interface."""
+"""Storage backends behind one interface, :class:`~shardsafe.storage.base.Storage`, the same shape
+for the local POSIX backend (``local``) and the fsspec one (``remote``, ``uploads``, ``retry``,
+``fsspec_util``); it covers what the engine needs (staging, writers, publish, ranged reads) and what
+the manager needs (listing, sizes, ages). Every delete passes one gate (``unlink.delete_files``);
+``delete`` takes the names from a validated manifest. Also: bounded local I/O (``bounded``), regular-file
+checks (``regular``) and shardsafe's file names (``names``).
+
+Layer: may import coord (fault points), knobs and errors; ``delete`` alone also imports format (it
+validates manifests). Imported by format and everything above."""
 
 from __future__ import annotations
 
