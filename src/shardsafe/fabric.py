@@ -41,6 +41,17 @@ class _ShardsafeCheckpoints:
     _checkpoint_timeout: float | Deadlines | None
     _checkpoint_overwrite: bool
 
+    def __init__(
+        self,
+        *args: Any,
+        checkpoint_timeout: float | Deadlines | None = None,
+        checkpoint_overwrite: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        """The strategy's own arguments, plus ``checkpoint_timeout`` and ``checkpoint_overwrite``."""
+        super().__init__(*args, **kwargs)
+        self._init_checkpoints(checkpoint_timeout, checkpoint_overwrite)
+
     def _init_checkpoints(self, timeout: float | Deadlines | None, overwrite: bool) -> None:
         if not isinstance(overwrite, bool):
             raise InvalidTypeError(f"checkpoint_overwrite must be True or False, not {overwrite!r}")
@@ -154,42 +165,12 @@ def _refuse_pickle_file(path: str | os.PathLike[str]) -> None:
 class DDPStrategy(_ShardsafeCheckpoints, _FabricDDPStrategy):
     """Fabric's :class:`~lightning.fabric.strategies.DDPStrategy`, checkpoints through shardsafe."""
 
-    def __init__(
-        self,
-        *args: Any,
-        checkpoint_timeout: float | Deadlines | None = None,
-        checkpoint_overwrite: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_checkpoints(checkpoint_timeout, checkpoint_overwrite)
-
 
 class FSDPStrategy(_ShardsafeCheckpoints, _FabricFSDPStrategy):
     """Fabric's :class:`~lightning.fabric.strategies.FSDPStrategy` (FSDP1), checkpoints through shardsafe:
     each rank writes its own flat shard, no state is gathered, whatever ``state_dict_type`` says."""
 
-    def __init__(
-        self,
-        *args: Any,
-        checkpoint_timeout: float | Deadlines | None = None,
-        checkpoint_overwrite: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_checkpoints(checkpoint_timeout, checkpoint_overwrite)
-
 
 class ModelParallelStrategy(_ShardsafeCheckpoints, _FabricModelParallelStrategy):
     """Fabric's :class:`~lightning.fabric.strategies.ModelParallelStrategy` (FSDP2 and tensor parallelism on
     a 2-D mesh), checkpoints through shardsafe, whatever ``save_distributed_checkpoint`` says."""
-
-    def __init__(
-        self,
-        *args: Any,
-        checkpoint_timeout: float | Deadlines | None = None,
-        checkpoint_overwrite: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_checkpoints(checkpoint_timeout, checkpoint_overwrite)
