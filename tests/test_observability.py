@@ -53,7 +53,7 @@ def test_save_and_load_log_each_phase_at_debug_with_rank_and_timings(
     saves = _phases(caplog.records, "save")
     for phase in ("plan", "write", "report", "commit", "decide", "publish", "acknowledge", "done"):
         assert phase in saves, (phase, saves)
-    assert any("cleanup of 1 replaced data file(s)" in r.getMessage() for r in caplog.records)
+    assert any("removed 1 replaced file(s)" in r.getMessage() for r in caplog.records)
     loads = _phases(caplog.records, "load")
     assert [p for p in loads if p in ("manifest", "plan", "go", "read", "restore", "done")] == [
         "manifest",

@@ -78,10 +78,7 @@ def discard(job: SaveJob) -> None:
     except (OSError, ValueError) as err:
         logger.error("shardsafe: could not remove staging %s of a failed save: %s", job.staging, err)
     logger.debug(
-        "shardsafe: save %s rank %d: cleanup of the aborted save took %.3fs",
-        job.path,
-        job.coord.global_rank,
-        time.monotonic() - began,
+        "shardsafe: save %s rank %d: cleanup took %.3fs", job.path, job.coord.global_rank, time.monotonic() - began
     )
 
 
@@ -221,10 +218,10 @@ def _publish(job: SaveJob, coord: Coordinator, raw: bytes) -> bytes | None:
 def _remove_stale(job: SaveJob, old: bytes | None, new: bytes, where: str) -> None:
     """(rank 0, committed) Remove the data files of the replaced checkpoint that the new manifest
     does not list (taken from the old manifest, validated). A failure leaves unreferenced files."""
+    began = time.monotonic()
     stale = stale_files(old, new, where)
     if not stale:
         return
-    began = time.monotonic()
     try:
         run_bounded(
             "removing the old data files",
@@ -235,7 +232,7 @@ def _remove_stale(job: SaveJob, old: bytes | None, new: bytes, where: str) -> No
     except (OSError, ValueError) as err:
         logger.warning("shardsafe: committed %s but could not remove old data files %s: %s", job.path, stale, err)
     logger.debug(
-        "shardsafe: save %s rank 0: cleanup of %d replaced data file(s) took %.3fs",
+        "shardsafe: save %s rank 0: removed %d replaced file(s) in %.3fs",
         job.path,
         len(stale),
         time.monotonic() - began,
