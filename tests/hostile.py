@@ -18,7 +18,8 @@ import torch
 import xxhash
 
 import shardsafe
-from shardsafe.format.datafile import PendingChunk, write_file
+from shardsafe.engine.plan import PendingChunk
+from shardsafe.format.datafile import write_file
 from shardsafe.format.manifest import SELF_CHECKSUM, seal_manifest
 
 Doc = dict[str, Any]

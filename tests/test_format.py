@@ -18,7 +18,8 @@ import xxhash
 from safetensors import safe_open
 
 import shardsafe
-from shardsafe.format.datafile import PendingChunk, build_header, write_file
+from shardsafe.engine.plan import PendingChunk
+from shardsafe.format.datafile import build_header, write_file
 from shardsafe.format.manifest import parse_manifest, seal_manifest
 from shardsafe.storage.local import LocalWriter
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shardsafe.coord.agreement import StepBroadcast, StopAgreement, StoreKeys
 from shardsafe.errors import RankTimeoutError
 from shardsafe.manager import CheckpointManager, ManagerConfig
-from shardsafe.manager.agreement import StepBroadcast, StoreKeys
-from shardsafe.manager.preemption import SignalFlag, StopAgreement
+from shardsafe.manager.preemption import SignalFlag
 from shardsafe.manager.schedule import INTERVAL, PREEMPTION, TIME, Schedule
 
 from harness import Outcome, check_ok, run_ranks

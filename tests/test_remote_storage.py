@@ -17,12 +17,13 @@ from typing import Any
 
 import pytest
 
+from shardsafe.errors import RemoteIOError
 from shardsafe.format.manifest import FileEntry, Manifest, seal_manifest
 from shardsafe.storage import MANIFEST_NAME, get_storage
 from shardsafe.storage.delete import delete_checkpoint, delete_files, discard_save, stale_files
 from shardsafe.storage.names import TOMBSTONE
 from shardsafe.storage.remote import FsspecStorage
-from shardsafe.storage.retry import RemoteIOError, RetryPolicy, call, is_transient
+from shardsafe.storage.retry import RetryPolicy, call, is_transient
 from shardsafe.storage.uploads import list_uploads
 
 from conftest_s3 import PART, FlakyS3FileSystem, s3_bucket, s3_server  # noqa: F401

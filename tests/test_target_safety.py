@@ -30,7 +30,6 @@ import shardsafe
 from shardsafe.format.manifest import seal_manifest
 from shardsafe.manager.cleanup import remove_leftovers
 from shardsafe.manager.listing import scan
-from shardsafe.manager.rootfs import LocalRootFS
 from shardsafe.storage.delete import delete_checkpoint, finish_deletion
 from shardsafe.storage.local import LocalStorage
 
@@ -186,7 +185,7 @@ def test_an_interrupted_delete_never_looks_committed_and_is_finished_later(tmp_p
     assert not (ckpt / "MANIFEST.json").exists()
     with pytest.raises(shardsafe.CheckpointNotFoundError):
         shardsafe.load(str(ckpt))
-    assert [r.status for r in scan(LocalRootFS(), str(tmp_path))] == ["incomplete"]
+    assert [r.status for r in scan(LocalStorage(), str(tmp_path))] == ["incomplete"]
     finishing = _Recording()
     assert finish_deletion(finishing, str(ckpt))  # the tombstone's validated names
     assert sorted(os.listdir(ckpt)) == ["notes.txt"]  # the folder stays: it is not empty
@@ -217,8 +216,8 @@ def test_cleanup_removes_only_a_staging_directorys_own_files_and_never_litter(tm
     (litter / "user.txt").write_text("moved aside by an older version")
     for p in (*staging.iterdir(), staging, litter / "user.txt", litter):
         os.utime(p, (old, old))
-    records = scan(LocalRootFS(), str(tmp_path))
-    removed = remove_leftovers(LocalRootFS(), LocalStorage(), records, min_age=60)
+    records = scan(LocalStorage(), str(tmp_path))
+    removed = remove_leftovers(LocalStorage(), LocalStorage(), records, min_age=60)
     assert removed == []  # the staging directory is not empty afterwards, so it stays
     assert sorted(os.listdir(staging)) == ["data-00001-cafe.safetensors", "mine.txt"]  # another save id's, a user's
     assert (litter / "user.txt").read_text() == "moved aside by an older version"

@@ -16,7 +16,8 @@ import torch
 
 import shardsafe
 from shardsafe.errors import CorruptCheckpointError, UnsafeValueError
-from shardsafe.format.values import decode, encode, tensor_refs
+from shardsafe.format.values import decode, encode
+from shardsafe.format.walk import tensor_refs
 
 
 class _Tensors:

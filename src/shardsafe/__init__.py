@@ -9,22 +9,28 @@ from shardsafe.errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    ClosedError,
     CoordinationError,
     CorruptCheckpointError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    LaunchError,
     MissingKeysError,
+    OperationTimeoutError,
     RankDeadError,
     RankDesyncError,
     RankTimeoutError,
+    RemoteIOError,
     RemoteRankError,
     UnsafeValueError,
+    WorkerError,
 )
 from shardsafe.format.values import PerRank
 from shardsafe.interop import ExportResult, ImportResult, export_hf, export_torch, import_checkpoint
 from shardsafe.manager import CheckpointManager, CheckpointRecord
-from shardsafe.runtime import LaunchError, Runtime, WorkerError
+from shardsafe.runtime import Runtime
 from shardsafe.state.per_rank import per_rank
-
-__version__ = "0.1.0"
+from shardsafe.version import __version__
 
 __all__ = [
     "CheckpointError",
@@ -33,16 +39,21 @@ __all__ = [
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointRecord",
+    "ClosedError",
     "CoordinationError",
     "CorruptCheckpointError",
     "ExportResult",
     "ImportResult",
+    "InvalidArgumentError",
+    "InvalidTypeError",
     "LaunchError",
     "MissingKeysError",
+    "OperationTimeoutError",
     "PerRank",
     "RankDeadError",
     "RankDesyncError",
     "RankTimeoutError",
+    "RemoteIOError",
     "RemoteRankError",
     "Runtime",
     "SaveHandle",

@@ -22,6 +22,7 @@ from dataclasses import asdict
 from typing import Any, TextIO
 
 import shardsafe
+from shardsafe.display import exact_size, table
 from shardsafe.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from shardsafe.interop.cli import add_commands as add_interop_commands
 from shardsafe.interop.cli import run as run_interop
@@ -132,7 +133,7 @@ def _verify(path: str, *, out: TextIO) -> int:
     except (CheckpointError, *_REPORTED) as err:
         return _fail("verify", err)
     out.write(
-        f"OK {path}: {summary.files} data file(s), {summary.tensors} tensor(s), {_size(summary.bytes)} verified\n"
+        f"OK {path}: {summary.files} data file(s), {summary.tensors} tensor(s), {exact_size(summary.bytes)} verified\n"
     )
     return EXIT_OK
 
@@ -158,12 +159,12 @@ def _inspect(path: str, *, as_json: bool, out: TextIO) -> int:
         ("created", created),
         ("world size", str(info.world_size)),
         ("strategy", info.strategy),
-        ("total size", f"{_size(info.total_bytes)} in {len(info.files)} data file(s)"),
+        ("total size", f"{exact_size(info.total_bytes)} in {len(info.files)} data file(s)"),
         ("written by", library),
         ("metadata", _short(info.metadata)),
     ]
     if info.bases:  # an incremental checkpoint: the rest of its data lives in these siblings
-        header.append(("refers to", f"{', '.join(info.bases)} ({_size(info.referenced_bytes)} of their files)"))
+        header.append(("refers to", f"{', '.join(info.bases)} ({exact_size(info.referenced_bytes)} of their files)"))
     for label, value in header:
         out.write(f"{label + ':':<16}{value}\n")
     out.write("\n")
@@ -174,26 +175,8 @@ def _inspect(path: str, *, as_json: bool, out: TextIO) -> int:
             rows.append((e.name, e.kind, e.dtype or "-", shape, str(e.chunks), str(e.nbytes)))
         else:
             rows.append((e.name, e.kind, "-", "-", "-", "-"))
-    out.write(_table(rows))
+    out.write("\n".join(table(rows, right=(4, 5))) + "\n")
     return EXIT_OK
-
-
-def _table(rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
-    for row in rows:
-        cells = [c.rjust(w) if i >= 4 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines) + "\n"
-
-
-def _size(n: int) -> str:
-    """``n`` bytes, exactly, plus a binary-unit rounding when that reads easier (``3145728 bytes (3.0 MiB)``)."""
-    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
-    size, i = float(n), 0
-    while size >= 1024 and i < len(units) - 1:
-        size, i = size / 1024, i + 1
-    return f"{n} bytes" if i == 0 else f"{n} bytes ({size:.1f} {units[i]})"
 
 
 def _short(value: Any, limit: int = 200) -> str:

@@ -1,5 +1,8 @@
-"""The exceptions shardsafe raises. All derive from :class:`CheckpointError` (an ``Exception``), and each
-also derives from the builtin it refines, so ``except FileNotFoundError`` keeps working."""
+"""The exceptions shardsafe raises, all of them defined here. Every error shardsafe raises on purpose
+derives from :class:`CheckpointError` (an ``Exception``), and each also derives from the builtin it
+refines, so ``except FileNotFoundError`` or ``except ValueError`` keeps working.
+
+The bottom layer: this module imports nothing of shardsafe, and any module may import it."""
 
 from __future__ import annotations
 
@@ -37,6 +40,45 @@ class MissingKeysError(CheckpointError, KeyError):
 
 class UnsafeValueError(CheckpointError, TypeError):
     """A value cannot be stored without pickle (or a loader met a pickled value it did not opt in to)."""
+
+
+class InvalidArgumentError(CheckpointError, ValueError):
+    """An argument, a configuration field or a ``SHARDSAFE_`` environment variable has a value that
+    cannot work; the message names it and says what to give instead. Raised before anything changes."""
+
+
+class InvalidTypeError(CheckpointError, TypeError):
+    """An argument or a configuration field has the wrong type; the message names it and the type
+    expected. Raised before anything changes."""
+
+
+class OperationTimeoutError(CheckpointError, TimeoutError):
+    """:meth:`SaveHandle.wait` ran out of its ``timeout`` while the save is still running (call it
+    again). Waits on other ranks raise :class:`RankTimeoutError`."""
+
+
+class ClosedError(CheckpointError, RuntimeError):
+    """An object was used after it was closed (e.g. a closed :class:`CheckpointManager`)."""
+
+
+class RemoteIOError(CheckpointError, OSError):
+    """A storage request still failed after retrying until its deadline."""
+
+
+class LaunchError(CheckpointError, RuntimeError):
+    """The runtime was used in a way that cannot work (e.g. ``launch()`` twice, ``setup()`` before
+    ``launch()``, a world size that disagrees with torchrun's). Raised at once, never after a hang."""
+
+
+class WorkerError(CheckpointError, RuntimeError):
+    """A worker process failed and its own exception could not be carried over (it died without
+    reporting, e.g. ``os._exit``, SIGKILL or a crash, or its exception could not be unpickled)."""
+
+    def __init__(self, message: str, *, rank: int, exitcode: int | None, remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.remote_traceback = remote_traceback
 
 
 class CoordinationError(CheckpointError):
@@ -78,12 +120,19 @@ __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "ClosedError",
     "CoordinationError",
     "CorruptCheckpointError",
+    "InvalidArgumentError",
+    "InvalidTypeError",
+    "LaunchError",
     "MissingKeysError",
+    "OperationTimeoutError",
     "RankDeadError",
     "RankDesyncError",
     "RankTimeoutError",
+    "RemoteIOError",
     "RemoteRankError",
     "UnsafeValueError",
+    "WorkerError",
 ]

@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 
 from shardsafe.coord import Deadlines
 from shardsafe.engine import api
-from shardsafe.errors import CheckpointError, CheckpointNotFoundError
+from shardsafe.errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, InvalidTypeError
 from shardsafe.state.flatten import Filtered
 
 __all__ = ["DDPStrategy", "FSDPStrategy", "ModelParallelStrategy"]
@@ -41,9 +41,20 @@ class _ShardsafeCheckpoints:
     _checkpoint_timeout: float | Deadlines | None
     _checkpoint_overwrite: bool
 
+    def __init__(
+        self,
+        *args: Any,
+        checkpoint_timeout: float | Deadlines | None = None,
+        checkpoint_overwrite: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        """The strategy's own arguments, plus ``checkpoint_timeout`` and ``checkpoint_overwrite``."""
+        super().__init__(*args, **kwargs)
+        self._init_checkpoints(checkpoint_timeout, checkpoint_overwrite)
+
     def _init_checkpoints(self, timeout: float | Deadlines | None, overwrite: bool) -> None:
         if not isinstance(overwrite, bool):
-            raise TypeError(f"checkpoint_overwrite must be True or False, not {overwrite!r}")
+            raise InvalidTypeError(f"checkpoint_overwrite must be True or False, not {overwrite!r}")
         self.checkpoint_timeout = timeout
         self._checkpoint_overwrite = overwrite
 
@@ -57,7 +68,9 @@ class _ShardsafeCheckpoints:
     def checkpoint_timeout(self, timeout: float | Deadlines | None) -> None:
         seconds = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
         if not (timeout is None or isinstance(timeout, Deadlines) or seconds):
-            raise ValueError(f"checkpoint_timeout must be a positive number of seconds or None, not {timeout!r}")
+            raise InvalidArgumentError(
+                f"checkpoint_timeout must be a positive number of seconds or None, not {timeout!r}"
+            )
         self._checkpoint_timeout = timeout
 
     def save_checkpoint(
@@ -73,7 +86,9 @@ class _ShardsafeCheckpoints:
         does); a filtered module stays loadable into a module with ``strict=False``. ``storage_options``
         go to the storage backend (fsspec options for ``s3://...`` paths)."""
         if storage_options is not None and not isinstance(storage_options, dict):
-            raise TypeError(f"storage_options must be a dict of storage backend options, not {storage_options!r}")
+            raise InvalidTypeError(
+                f"storage_options must be a dict of storage backend options, not {storage_options!r}"
+            )
         entries: dict[str, Any] = dict(state)
         for key, keep in (filter or {}).items():
             if key in entries:
@@ -150,42 +165,12 @@ def _refuse_pickle_file(path: str | os.PathLike[str]) -> None:
 class DDPStrategy(_ShardsafeCheckpoints, _FabricDDPStrategy):
     """Fabric's :class:`~lightning.fabric.strategies.DDPStrategy`, checkpoints through shardsafe."""
 
-    def __init__(
-        self,
-        *args: Any,
-        checkpoint_timeout: float | Deadlines | None = None,
-        checkpoint_overwrite: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_checkpoints(checkpoint_timeout, checkpoint_overwrite)
-
 
 class FSDPStrategy(_ShardsafeCheckpoints, _FabricFSDPStrategy):
     """Fabric's :class:`~lightning.fabric.strategies.FSDPStrategy` (FSDP1), checkpoints through shardsafe:
     each rank writes its own flat shard, no state is gathered, whatever ``state_dict_type`` says."""
 
-    def __init__(
-        self,
-        *args: Any,
-        checkpoint_timeout: float | Deadlines | None = None,
-        checkpoint_overwrite: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_checkpoints(checkpoint_timeout, checkpoint_overwrite)
-
 
 class ModelParallelStrategy(_ShardsafeCheckpoints, _FabricModelParallelStrategy):
     """Fabric's :class:`~lightning.fabric.strategies.ModelParallelStrategy` (FSDP2 and tensor parallelism on
     a 2-D mesh), checkpoints through shardsafe, whatever ``save_distributed_checkpoint`` says."""
-
-    def __init__(
-        self,
-        *args: Any,
-        checkpoint_timeout: float | Deadlines | None = None,
-        checkpoint_overwrite: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_checkpoints(checkpoint_timeout, checkpoint_overwrite)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from shardsafe.errors import InvalidArgumentError
+
 
 def _float(name: str, default: float) -> float:
     raw = os.environ.get(f"SHARDSAFE_{name}")
@@ -13,9 +15,11 @@ def _float(name: str, default: float) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"SHARDSAFE_{name}={raw!r} is not a number; unset it or give seconds/bytes") from None
+        raise InvalidArgumentError(
+            f"SHARDSAFE_{name}={raw!r} is not a number; unset it or give seconds/bytes"
+        ) from None
     if value <= 0:
-        raise ValueError(f"SHARDSAFE_{name}={raw!r} must be positive")
+        raise InvalidArgumentError(f"SHARDSAFE_{name}={raw!r} must be positive")
     return value
 
 
@@ -37,6 +41,12 @@ def stall_fraction() -> float:
 def poll_seconds() -> float:
     """How often a waiting rank wakes up to check the clock and stall state."""
     return _float("POLL_SECONDS", 0.5)
+
+
+def wait_margin_seconds() -> float:
+    """Added to the bound of an operation's own waits where a caller waits for that operation from
+    outside (``SaveHandle.wait()`` without a timeout, draining saves at exit, an upload's parts)."""
+    return _float("WAIT_MARGIN_SECONDS", 60.0)
 
 
 def max_inflight_saves() -> int:
@@ -92,6 +102,37 @@ def split_replicated_bytes() -> int:
 def io_threads() -> int:
     """Threads per rank for reading on load."""
     return int(_float("IO_THREADS", 4))
+
+
+def remote_read_threads() -> int:
+    """Object stores: ranged GETs in flight at once for one rank's reads of one file."""
+    return max(1, int(_float("REMOTE_READ_THREADS", 4)))
+
+
+def remote_retry_first_delay() -> float:
+    """Object stores: seconds slept before the first retry of a request (doubled after each failure)."""
+    return _float("REMOTE_RETRY_FIRST_DELAY", 0.1)
+
+
+def remote_retry_max_delay() -> float:
+    """Object stores: the longest sleep between two attempts at a request."""
+    return _float("REMOTE_RETRY_MAX_DELAY", 5.0)
+
+
+def local_gather_below_bytes() -> int:
+    """Local disk: pieces smaller than this are gathered into one buffer and written together."""
+    return int(_float("LOCAL_GATHER_BELOW_BYTES", 256 * 1024))
+
+
+def local_gather_bytes() -> int:
+    """Local disk: a gather buffer is written once it holds this many bytes."""
+    return int(_float("LOCAL_GATHER_BYTES", 4 * 1024 * 1024))
+
+
+def first_poll_seconds() -> float:
+    """A rank waiting on the store first looks again after this long, then doubles the pause up to
+    :func:`poll_seconds`."""
+    return _float("FIRST_POLL_SECONDS", 0.002)
 
 
 def remote_part_bytes() -> int:

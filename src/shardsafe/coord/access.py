@@ -16,13 +16,22 @@ from torch._C._distributed_c10d import Store
 from shardsafe.errors import RankDeadError, RankTimeoutError
 
 if TYPE_CHECKING:
-    from shardsafe.coord.group import Deadlines
+    from shardsafe.coord.deadlines import Deadlines
 
 logger = logging.getLogger(__name__)
 
 # Phases each operation used, per (group identity, channel prefix) and sequence number: rank 0's
 # cleanup deletes exactly those keys.
 _phases_used: dict[tuple[tuple[int, str], int], set[str]] = {}
+
+
+def guarded(fn: Callable[[], Any], lost: Callable[[BaseException], RankDeadError]) -> Any:
+    """Run one store call. The store client raises ``RuntimeError`` or ``OSError`` when the store is
+    gone (its host died): that becomes ``lost(err)``, raised from the original."""
+    try:
+        return fn()
+    except (RuntimeError, OSError) as err:
+        raise lost(err) from err
 
 
 class StoreAccess:
@@ -122,15 +131,15 @@ class StoreAccess:
         return self.store
 
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
-        try:
-            return fn()
-        except (RuntimeError, OSError, ConnectionError) as err:
-            raise RankDeadError(
+        return guarded(
+            fn,
+            lambda err: RankDeadError(
                 f"{self.op} of {self.target!r}: rank {self.rank} lost the rendezvous store during {what} "
                 f"({err}). The process hosting it (rank 0 or the launcher) has most likely died; restart "
                 "the job, it will resume from the last committed checkpoint.",
                 store_lost=True,
-            ) from err
+            ),
+        )
 
     def _set(self, k: str, v: str) -> None:
         self._call(f"set {k}", lambda: self._store().set(k, v))

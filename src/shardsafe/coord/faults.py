@@ -17,6 +17,8 @@ import os
 import signal
 import time
 
+from shardsafe.errors import InvalidArgumentError
+
 POINTS: dict[str, str] = {
     "save.rendezvous": "every rank, after arriving, before planning",
     "save.plan": "every rank, after computing the write plan, before staging or writing",
@@ -53,10 +55,10 @@ def fault_point(point: str, rank: int | None = None) -> None:
 def _maybe_fire(item: str, point: str, rank: int) -> None:
     parts = item.split(":")
     if len(parts) != 3 or not parts[1].startswith("rank="):
-        raise ValueError(f"SHARDSAFE_FAULT item {item!r} is not POINT:rank=R:ACTION")
+        raise InvalidArgumentError(f"SHARDSAFE_FAULT item {item!r} is not POINT:rank=R:ACTION")
     name, rank_part, action = parts
     if name != "*" and name not in POINTS:  # before matching: a misspelt point must not pass silently
-        raise ValueError(f"SHARDSAFE_FAULT names unknown point {name!r}; known: {', '.join(POINTS)}")
+        raise InvalidArgumentError(f"SHARDSAFE_FAULT names unknown point {name!r}; known: {', '.join(POINTS)}")
     if name not in ("*", point):
         return
     want = rank_part[len("rank=") :]
@@ -72,4 +74,4 @@ def _maybe_fire(item: str, point: str, rank: int) -> None:
     if verb == "sleep":
         time.sleep(float(arg))
         return
-    raise ValueError(f"SHARDSAFE_FAULT action {action!r} is not raise, exit, kill or sleep=S")
+    raise InvalidArgumentError(f"SHARDSAFE_FAULT action {action!r} is not raise, exit, kill or sleep=S")

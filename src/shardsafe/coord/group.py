@@ -38,79 +38,32 @@ import json
 import logging
 import os
 import socket
-import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from shardsafe import knobs
-from shardsafe.coord.access import _phases_used
 from shardsafe.coord.connection import preferred
+from shardsafe.coord.deadlines import Deadlines
+from shardsafe.coord.failures import Failures
+from shardsafe.coord.housekeeping import Housekeeping, _seq, _seq_lock
 from shardsafe.coord.outcome import Outcome
-from shardsafe.errors import CoordinationError, RankDeadError, RankDesyncError, RemoteRankError
+from shardsafe.coord.resolve import call_site, channel_of, resolve_group
+from shardsafe.coord.waiting import wait_until
+from shardsafe.errors import InvalidArgumentError, RankDeadError, RankDesyncError
 
 logger = logging.getLogger(__name__)
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _GO = "go"
 
 
-@dataclass(frozen=True, kw_only=True)
-class Deadlines:
-    """Seconds each kind of wait may take."""
-
-    arrive: float
-    """Waiting for every rank to reach an operation or barrier (catches the ``if rank == 0:`` guard)."""
-    io: float
-    """Waiting for the slowest rank's data writes or reads, and for the commit."""
-
-    def __post_init__(self) -> None:
-        for name in ("arrive", "io"):
-            value = getattr(self, name)
-            if not value > 0:
-                raise ValueError(f"Deadlines.{name}={value!r} must be a positive number of seconds")
-
-    @staticmethod
-    def resolve(timeout: float | Deadlines | None) -> Deadlines:
-        """``timeout=`` argument, else ``SHARDSAFE_TIMEOUT`` / ``SHARDSAFE_IO_TIMEOUT``, else defaults."""
-        if isinstance(timeout, Deadlines):
-            return timeout
-        if timeout is None:
-            return Deadlines(arrive=knobs.arrive_timeout(), io=knobs.io_timeout())
-        if not timeout > 0:
-            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds, or None")
-        return Deadlines(arrive=float(timeout), io=float(timeout))
-
-
-def channel_of(op: str) -> str:
-    """Saves and loads share the ``ckpt`` channel (so a save meeting a load is caught as out of step);
-    every other operation uses ``misc``."""
-    return "ckpt" if op in ("save", "load") else "misc"
-
-
-def call_site() -> str:
-    """``file:line`` of the innermost frame outside shardsafe: the user's call."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        frame = frame.f_back  # type: ignore[assignment]
-    if frame is None:
-        return "<unknown>"
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
-
-
-_seq_lock = threading.Lock()
-_seq: dict[tuple[int, str], int] = {}
-_cleaned: dict[tuple[int, str], int] = {}
-
-
-class Coordinator(Outcome):
+class Coordinator(Failures, Housekeeping, Outcome):
     """Cross-rank talk for one operation. Create with :meth:`join` on every rank of the group. Store
     access and diagnostics live in :mod:`~shardsafe.coord.access`, heartbeats in
-    :mod:`~shardsafe.coord.liveness`, decisions and acknowledgements in :mod:`~shardsafe.coord.outcome`."""
+    :mod:`~shardsafe.coord.liveness`, decisions and acknowledgements in :mod:`~shardsafe.coord.outcome`,
+    abort records in :mod:`~shardsafe.coord.failures`, key cleanup in :mod:`~shardsafe.coord.housekeeping`,
+    group resolution in :mod:`~shardsafe.coord.resolve`, the one wait loop in :mod:`~shardsafe.coord.waiting`."""
 
     def __init__(
         self,
@@ -176,7 +129,7 @@ class Coordinator(Outcome):
             store, rank, world_size, global_rank, ns, identity = resolve_group(group)
         else:
             if rank is None or world_size is None:
-                raise ValueError("Coordinator.join(store=...) also needs rank= and world_size=")
+                raise InvalidArgumentError("Coordinator.join(store=...) also needs rank= and world_size=")
             global_rank, ns, identity = rank, f"shardsafe/custom{world_size}", id(store)
         assert rank is not None and world_size is not None
         self = cls(store, rank, world_size, ns, op, target, deadlines, global_rank)
@@ -267,40 +220,23 @@ class Coordinator(Outcome):
             assert value is not None
             self._set(key, value)
             return value
-        started = time.monotonic()
-        warned = False
-        delay = 0.002
-        while not self._check(key):
+
+        def watch() -> bool:
             self._raise_if_heartbeat_failed()
             failure = self.remote_failure()
             if failure is not None:
                 if self._check(key):  # the value came first (e.g. a commit record, then a later failure)
-                    break
+                    return True
                 raise failure
             self._check_alive(phase, [src])
-            elapsed = time.monotonic() - started
-            if elapsed > timeout:
-                raise self._timeout_error(phase, [src], timeout)
-            if not warned and elapsed > knobs.stall_fraction() * timeout:
-                warned = True
-                self._warn_stall(phase, f"rank {src}'s {phase} record", [src], elapsed, timeout)
-            time.sleep(delay)
-            delay = min(delay * 2, knobs.poll_seconds())
-        return self._get(key)
+            return False
 
-    def fail(self, phase: str, err: BaseException, *, rank: int | None = None) -> None:
-        """(the failing rank) Tell every rank of this operation that it failed, so their waits raise
-        :class:`RemoteRankError` at once instead of at the deadline. The caller re-raises ``err``.
-        ``rank``: the rank to blame when it is not this one (a rank found dead)."""
-        if self.store is None or self.world_size == 1 or self.seq == 0:
-            return
-        who = self.global_rank if rank is None else rank
-        record = {"rank": who, "phase": phase, "error": f"{type(err).__name__}: {err}"}
-        try:
-            self._compare_set(self._k("abort"), json.dumps(record))
-        except RankDeadError as dead:
-            # The store is gone, so nobody can be told; the caller raises its own error anyway.
-            logger.error("shardsafe: rank %d could not report its failure in %s: %s", self.rank, phase, dead)
+        def stalled(elapsed: float) -> None:
+            self._warn_stall(phase, f"rank {src}'s {phase} record", [src], elapsed, timeout)
+
+        if not wait_until(lambda: self._check(key), timeout=timeout, watch=watch, stalled=stalled):
+            raise self._timeout_error(phase, [src], timeout)
+        return self._get(key)
 
     # ------------------------------------------------------------------------------- internals
 
@@ -318,10 +254,8 @@ class Coordinator(Outcome):
 
     def _await_decision(self, phase: str, timeout: float, *, watch_abort: bool) -> str:
         key = self._k(phase, "decision")
-        started = time.monotonic()
-        warned = False
-        delay = 0.002
-        while not self._check(key):
+
+        def watch() -> bool:
             self._raise_if_heartbeat_failed()
             if watch_abort:
                 self._raise_if_aborted()
@@ -329,105 +263,23 @@ class Coordinator(Outcome):
                     # rank 0 watches every rank and its abort tells the rest; the others watch rank 0
                     watched = [r for r in range(self.world_size) if r != self.rank] if self.rank == 0 else [0]
                     self._check_alive(phase, watched)
-            elapsed = time.monotonic() - started
-            if elapsed > timeout:
-                arrived = [r for r in range(self.world_size) if self._check(self._k(phase, "r", str(r)))]
-                missing = [r for r in range(self.world_size) if r not in arrived]
-                record = json.dumps({"kind": "timeout", "by": self.rank, "arrived": arrived, "missing": missing})
-                decided = self._compare_set(key, record)
-                if watch_abort and decided != _GO:
-                    self._compare_set(
-                        self._k("abort"),
-                        json.dumps(
-                            {
-                                "rank": self.global_rank,
-                                "phase": phase,
-                                "error": f"timed out waiting for ranks {missing}",
-                            }
-                        ),
-                    )
-                return decided
-            if not warned and elapsed > knobs.stall_fraction() * timeout:
-                warned = True
-                missing = [r for r in range(self.world_size) if not self._check(self._k(phase, "r", str(r)))]
-                self._warn_stall(phase, f"every rank to reach {phase!r}", missing, elapsed, timeout)
-            time.sleep(delay)
-            delay = min(delay * 2, knobs.poll_seconds())
-        return self._get(key)
+            return False
 
-    def remote_failure(self) -> CoordinationError | None:
-        """The error another rank recorded for this operation, if one did (as this rank would raise
-        it); ``None`` when no rank failed, or this rank was the first."""
-        if self.store is None or self.world_size == 1 or self.seq == 0:
-            return None
-        key = self._k("abort")
-        if not self._check(key):
-            return None
-        record = json.loads(self._get(key))
-        if record["rank"] == self.global_rank:
-            return None
-        if str(record["error"]).startswith("RankDeadError"):
-            return RankDeadError(
-                f"{self.op} of {self.target!r}: rank {record['rank']} died in phase {record['phase']!r} (its heartbeat "
-                "stopped). Nothing was committed; restart the job, it resumes from the last committed checkpoint."
+        def stalled(elapsed: float) -> None:
+            missing = [r for r in range(self.world_size) if not self._check(self._k(phase, "r", str(r)))]
+            self._warn_stall(phase, f"every rank to reach {phase!r}", missing, elapsed, timeout)
+
+        if wait_until(lambda: self._check(key), timeout=timeout, watch=watch, stalled=stalled):
+            return self._get(key)
+        arrived = [r for r in range(self.world_size) if self._check(self._k(phase, "r", str(r)))]
+        missing = [r for r in range(self.world_size) if r not in arrived]
+        record = json.dumps({"kind": "timeout", "by": self.rank, "arrived": arrived, "missing": missing})
+        decided = self._compare_set(key, record)
+        if watch_abort and decided != _GO:
+            self._compare_set(
+                self._k("abort"),
+                json.dumps(
+                    {"rank": self.global_rank, "phase": phase, "error": f"timed out waiting for ranks {missing}"}
+                ),
             )
-        cause = str(record["error"]).rstrip(".")
-        return RemoteRankError(
-            f"{self.op} of {self.target!r} failed on rank {record['rank']} in phase {record['phase']!r}: "
-            f"{cause}. Nothing was committed by this {self.op}; fix the cause on rank {record['rank']} and retry.",
-            rank=record["rank"],
-            phase=record["phase"],
-            cause=record["error"],
-        )
-
-    def _raise_if_aborted(self) -> None:
-        failure = self.remote_failure()
-        if failure is not None:
-            raise failure
-
-    def _cleanup_previous(self, key: tuple[int, str]) -> None:
-        """Rank 0 deletes the keys of earlier operations of this channel that every rank has left:
-        those every rank reported done (:meth:`close`), or, for operations without a heartbeat, all
-        before this one (every rank reached this one). It stops at the first one still running (an
-        async save in flight), so cleanup never removes keys a background phase still waits on."""
-        if self.rank != 0:
-            return
-        with _seq_lock:
-            start = _cleaned.get(key, 0) + 1
-        done_upto = start - 1
-        for seq in range(start, self.seq):
-            prefix = f"{self.prefix}/{seq}"
-            phases = _phases_used.get((key, seq), {"arrive"})
-            if "hb" in phases and self._add(f"{prefix}/done", 0) < self.world_size:
-                break
-            names = [f"{prefix}/abort", f"{prefix}/done", f"{prefix}/decision"]
-            names += [f"{prefix}/{w}/{r}" for w in ("hb", "ack") for r in range(self.world_size)]
-            for phase in phases - {"hb", "ack"}:
-                names += [f"{prefix}/{phase}"]  # a posted value
-                names += [f"{prefix}/{phase}/{leaf}" for leaf in ("count", "decision", "value")]
-                names += [f"{prefix}/{phase}/r/{r}" for r in range(self.world_size)]
-            for name in names:
-                try:
-                    self._store().delete_key(name)
-                except Exception as err:  # housekeeping only: a key of a finished operation is inert
-                    logger.debug("shardsafe: could not delete store key %s: %s", name, err)
-            _phases_used.pop((key, seq), None)
-            done_upto = seq
-        with _seq_lock:
-            _cleaned[key] = done_upto
-
-
-def resolve_group(group: Any) -> tuple[Store | None, int, int, int, str, int]:
-    """(store, rank in group, group size, global rank, namespace, identity) of ``group`` or the default
-    group. The identity (the default process group object) keys the per-process sequence counter: it
-    is stable while the group lives and new when the group is re-created over a fresh store."""
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise ValueError("group= was given but torch.distributed is not initialized")
-        return None, 0, 1, 0, "shardsafe/local", 0
-    pg = group if group is not None else dist.group.WORLD
-    ranks = dist.get_process_group_ranks(pg)
-    name = "-".join(map(str, ranks)) if len(ranks) <= 8 else f"{len(ranks)}r{hash(tuple(ranks)) & 0xFFFFFFFF:x}"
-    store = dist.distributed_c10d._get_default_store()
-    identity = id(dist.group.WORLD)
-    return store, dist.get_rank(pg), dist.get_world_size(pg), dist.get_rank(), f"shardsafe/g{name}", identity
+        return decided

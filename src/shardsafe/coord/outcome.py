@@ -5,10 +5,10 @@ before returning, until every live rank has read the outcome."""
 from __future__ import annotations
 
 import logging
-import time
 
 from shardsafe import knobs
 from shardsafe.coord.liveness import Liveness
+from shardsafe.coord.waiting import wait_until
 from shardsafe.errors import RankDeadError
 
 logger = logging.getLogger(__name__)
@@ -49,10 +49,8 @@ class Outcome(Liveness):
         self._status(name)
         self._use(name)
         key = self._k(name)
-        started = time.monotonic()
-        warned = False
-        delay = 0.002
-        while not self._check(key):
+
+        def watch() -> bool:
             self._raise_if_heartbeat_failed()
             dead = self._dead([src])
             if dead:
@@ -61,14 +59,13 @@ class Outcome(Liveness):
                     f"its {name!r} record (its heartbeat stopped for {knobs.dead_after():.0f}s: the process died or "
                     "is frozen)."
                 )
-            elapsed = time.monotonic() - started
-            if elapsed > timeout:
-                return None
-            if not warned and elapsed > knobs.stall_fraction() * timeout:
-                warned = True
-                self._warn_stall(name, f"rank {src}'s {name} record", [src], elapsed, timeout)
-            time.sleep(delay)
-            delay = min(delay * 2, knobs.poll_seconds())
+            return False
+
+        def stalled(elapsed: float) -> None:
+            self._warn_stall(name, f"rank {src}'s {name} record", [src], elapsed, timeout)
+
+        if not wait_until(lambda: self._check(key), timeout=timeout, watch=watch, stalled=stalled):
+            return None
         return self._get(key)
 
     def acknowledge(self, *, timeout: float) -> list[int]:
@@ -88,26 +85,25 @@ class Outcome(Liveness):
             return []
         self._status("ack")
         self._use("ack")
-        started = time.monotonic()
         waiting = list(range(1, self.world_size))
-        delay = 0.002
-        while True:
+
+        def all_read() -> bool:
+            nonlocal waiting
             waiting = [r for r in waiting if not self._check(self._k("ack", str(r)))]
             waiting = [r for r in waiting if r not in self._dead(waiting)]
-            if not waiting:
-                self._finishing = True
-                return []
-            if time.monotonic() - started > timeout:
-                logger.warning(
-                    "shardsafe: %s of %s is done, but ranks %s did not confirm they read the outcome within %.0fs; "
-                    "returning anyway. If this process ends now and hosts the rendezvous store, those ranks may "
-                    "raise RankDeadError (their checkpoint is committed all the same).",
-                    self.op,
-                    self.target,
-                    waiting,
-                    timeout,
-                )
-                self._finishing = True
-                return waiting
-            time.sleep(delay)
-            delay = min(delay * 2, knobs.poll_seconds())
+            return not waiting
+
+        done = wait_until(all_read, timeout=timeout)
+        self._finishing = True
+        if done:
+            return []
+        logger.warning(
+            "shardsafe: %s of %s is done, but ranks %s did not confirm they read the outcome within %.0fs; "
+            "returning anyway. If this process ends now and hosts the rendezvous store, those ranks may "
+            "raise RankDeadError (their checkpoint is committed all the same).",
+            self.op,
+            self.target,
+            waiting,
+            timeout,
+        )
+        return waiting

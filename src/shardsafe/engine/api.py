@@ -1,12 +1,11 @@
 """The public functions: save, async_save, load, and (from :mod:`shardsafe.engine.inspect`) verify and
-inspect. A synchronous save is an async save plus ``wait()`` (run inline, without the staging copy)."""
+inspect. A synchronous save is an async save plus ``wait()`` (run inline, without the staging copy).
+The saves in flight and the exit hook that flushes them live in :mod:`shardsafe.engine.inflight`."""
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import sys
 import threading
 from collections.abc import Mapping, MutableMapping
 from typing import Any
@@ -15,17 +14,14 @@ import torch
 
 from shardsafe import knobs
 from shardsafe.coord import Deadlines
+from shardsafe.engine import inflight
 from shardsafe.engine import load as _load
-from shardsafe.engine.commit import finish_bound
 from shardsafe.engine.guard import mapped_errors
 from shardsafe.engine.inspect import CheckpointInfo, EntryInfo, VerifySummary, inspect, verify
 from shardsafe.engine.save import SaveHandle, SaveJob
 from shardsafe.storage import get_storage
 
-logger = logging.getLogger("shardsafe")
-
-_inflight: list[SaveHandle] = []  # asynchronous saves not yet known to be finished, oldest first
-_inflight_lock = threading.Lock()
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "CheckpointInfo",
@@ -38,30 +34,6 @@ __all__ = [
     "save",
     "verify",
 ]
-
-
-def _drain(deadlines: Deadlines, allowed: int) -> None:
-    """Wait until at most ``allowed`` asynchronous saves are in flight, oldest first; raise the error
-    of a finished one that nobody has seen yet (its wait() was never called)."""
-    while True:
-        with _inflight_lock:
-            finished = [h for h in _inflight if h.done()]
-            _inflight[:] = [h for h in _inflight if not h.done()]
-            oldest = _inflight[0] if len(_inflight) > allowed else None
-        for handle in finished:
-            _raise_unseen(handle, deadlines)
-        if oldest is None:
-            return
-        _raise_unseen(oldest, deadlines)
-
-
-def _raise_unseen(handle: SaveHandle, deadlines: Deadlines) -> None:
-    try:
-        handle.wait(finish_bound(deadlines) + 60)
-    except BaseException:
-        if not handle._reported:
-            raise
-        logger.debug("shardsafe: earlier save of %s had failed (already reported)", handle.path)
 
 
 def _start(
@@ -78,7 +50,7 @@ def _start(
     base: str | os.PathLike[str] | None = None,
 ) -> SaveHandle:
     deadlines = Deadlines.resolve(timeout)
-    _drain(deadlines, knobs.max_inflight_saves() - 1)
+    inflight.drain(deadlines, knobs.max_inflight_saves() - 1)
     job = SaveJob(
         os.fspath(path),
         state,
@@ -97,8 +69,7 @@ def _start(
     handle = SaveHandle(job, None)
     thread = threading.Thread(target=handle._run, name=f"shardsafe-save-{job.save_id}", daemon=True)
     handle._thread = thread
-    with _inflight_lock:
-        _inflight.append(handle)
+    inflight.add(handle)
     thread.start()
     return handle
 
@@ -217,7 +188,7 @@ def load(
     deadlines = Deadlines.resolve(timeout)
     path = os.fspath(path)
     get_storage(path, storage_options)  # usage errors are the caller's, raised as they are
-    _drain(deadlines, 0)  # a load may read what a save in flight is writing
+    inflight.drain(deadlines, 0)  # a load may read what a save in flight is writing
     with mapped_errors("load", path):
         return _load.load(
             path,
@@ -230,19 +201,3 @@ def load(
             cast=cast,
             device=None if device is None else torch.device(device),
         )
-
-
-@atexit.register
-def _flush_at_exit() -> None:
-    """Interpreter exit: finish the saves in flight, or say loudly which could not."""
-    with _inflight_lock:
-        pending = list(_inflight)
-    for handle in pending:
-        if handle.done() and handle._reported:
-            continue
-        try:
-            handle.wait()
-        except BaseException as err:
-            msg = f"shardsafe: the asynchronous save of {handle.path} did NOT complete at exit: {err}"
-            logger.error(msg)
-            print(msg, file=sys.stderr, flush=True)

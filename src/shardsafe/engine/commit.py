@@ -68,6 +68,7 @@ def discard(job: SaveJob) -> None:
     deadline (a hung disk must not hang the error path); failures are logged."""
     assert job.coord is not None
     world = job.coord.world_size
+    began = time.monotonic()
     try:
         run_bounded(
             "removing the files of the failed save",
@@ -77,6 +78,9 @@ def discard(job: SaveJob) -> None:
         )
     except (OSError, ValueError) as err:
         logger.error("shardsafe: could not remove staging %s of a failed save: %s", job.staging, err)
+    logger.debug(
+        "shardsafe: save %s rank %d: cleanup took %.3fs", job.path, job.coord.global_rank, time.monotonic() - began
+    )
 
 
 def committed_on_storage(job: SaveJob) -> bool:
@@ -218,6 +222,7 @@ def _publish(job: SaveJob, coord: Coordinator, raw: bytes) -> bytes | None:
 def _remove_stale(job: SaveJob, old: bytes | None, new: bytes, where: str) -> None:
     """(rank 0, committed) Remove the data files of the replaced checkpoint that the new manifest
     does not list (taken from the old manifest, validated). A failure leaves unreferenced files."""
+    began = time.monotonic()
     stale = stale_files(old, new, where)
     if not stale:
         return
@@ -230,6 +235,12 @@ def _remove_stale(job: SaveJob, old: bytes | None, new: bytes, where: str) -> No
         )
     except (OSError, ValueError) as err:
         logger.warning("shardsafe: committed %s but could not remove old data files %s: %s", job.path, stale, err)
+    logger.debug(
+        "shardsafe: save %s rank 0: removed %d replaced file(s) in %.3fs",
+        job.path,
+        len(stale),
+        time.monotonic() - began,
+    )
 
 
 def _aborted(job: SaveJob, outcome: str) -> CoordinationError:

@@ -28,9 +28,10 @@ import torch
 import xxhash
 
 from shardsafe import knobs
+from shardsafe.engine.plan import PendingChunk
 from shardsafe.engine.read import read_manifest
 from shardsafe.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from shardsafe.format.datafile import PendingChunk, tensor_bytes
+from shardsafe.format.datafile import tensor_bytes
 from shardsafe.format.manifest import Chunk, Manifest, RefEntry, check_file_name
 from shardsafe.storage import Storage
 from shardsafe.storage.refs import check_ref_files, split

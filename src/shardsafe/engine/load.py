@@ -22,9 +22,11 @@ from typing import Any
 import torch
 
 from shardsafe.coord import Coordinator, Deadlines, fault_point
-from shardsafe.engine.read import check_allocation, check_sizes, read_manifest, run_tasks
+from shardsafe.engine.phases import PhaseLog
+from shardsafe.engine.read import Task, check_allocation, check_sizes, plan_reads, read_manifest, run_tasks
 from shardsafe.errors import CheckpointError, CoordinationError, CorruptCheckpointError, MissingKeysError
 from shardsafe.format.manifest import Manifest
+from shardsafe.state.layout import Box
 from shardsafe.state.restore import Op, Restorer
 from shardsafe.storage import get_storage
 
@@ -49,12 +51,13 @@ def load(
     single = state is None
     coord = None if single else Coordinator.join("load", path, deadlines=deadlines, group=group, heartbeat=True)
     started = time.monotonic()
-    phase = "manifest"
+    phases = PhaseLog("load", path, "manifest")
+    phase = phases.enter("manifest", None if coord is None else coord.global_rank)
     try:
         if coord is not None:
             fault_point("load.rendezvous", coord.global_rank)
         manifest = read_manifest(storage, path)
-        phase = "plan"
+        phase = phases.enter("plan")
         rank, world = (coord.rank, coord.world_size) if coord is not None else (None, 1)
         r = Restorer(manifest, path, rank=rank, world_size=world, cast=cast, device=device, allow_pickle=allow_pickle)
         extra: dict[str, Op] = {}
@@ -72,14 +75,14 @@ def load(
         check_sizes(storage, path, manifest, r.names())  # before allocating what the manifest sizes
         if device is None or device.type == "cpu":  # new host tensors must fit in the memory available
             check_allocation(storage, path, manifest, r.fresh_bytes())
-        early, tasks = r.prepare()
+        early, tasks = (_plan(manifest, boxes) for boxes in r.prepare())
         if early:  # new tensors whose values the plan must compare before the go (FSDP1 optimizer state)
             run_tasks(storage, path, manifest, early, lambda: None, deadlines.io)
         r.check()
         if coord is not None:
-            phase = "go"  # every rank planned and validated: only now may anything change
+            phase = phases.enter("go")  # every rank planned and validated: only now may anything change
             coord.barrier("go", timeout=deadlines.io)
-        phase = "read"
+        phase = phases.enter("read")
         first = (lambda: fault_point("load.read", coord.global_rank)) if coord else (lambda: None)
         try:
             nbytes = run_tasks(storage, path, manifest, tasks, first, deadlines.io)
@@ -92,7 +95,7 @@ def load(
                 "unless the whole checkpoint verifies, call shardsafe.verify(path) first or use "
                 "CheckpointManager.resume(state, verify=True)."
             ) from err
-        phase = "restore"
+        phase = phases.enter("restore")
         try:
             r.apply()
         except Exception as err:
@@ -104,7 +107,7 @@ def load(
         if r.missing:
             logger.warning("shardsafe: loaded %s without %s (not in the checkpoint; strict=False)", path, r.missing)
         if coord is not None:
-            phase = "confirm"
+            phase = phases.enter("confirm")
             coord.barrier("loaded", timeout=deadlines.io)
             coord.acknowledge(timeout=deadlines.arrive)  # rank 0 returns once every live rank knows
     except BaseException as err:
@@ -114,6 +117,7 @@ def load(
     finally:
         if coord is not None:
             coord.close()
+        phases.enter("done")
     took = time.monotonic() - started
     if coord is None or coord.rank == 0:
         logger.info(
@@ -124,6 +128,11 @@ def load(
             nbytes / 2**20 / max(took, 1e-9),
         )
     return out
+
+
+def _plan(manifest: Manifest, boxes: list[tuple[str, Box]]) -> list[Task]:
+    """(every rank, locally) The reads that fill each destination box from the saved chunks it meets."""
+    return [t for name, (offsets, dest) in boxes for t in plan_reads(name, manifest.tensors[name], dest, offsets)]
 
 
 def _missing_error(path: str, manifest: Manifest, missing: list[str]) -> MissingKeysError:

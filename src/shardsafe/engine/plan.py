@@ -9,11 +9,32 @@ placements) and the world size, so every rank computes the same assignment witho
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
 
 from shardsafe import knobs
-from shardsafe.format.datafile import PendingChunk
-from shardsafe.state.flatten import TensorItem
+from shardsafe.state.flatten import FlatState, TensorItem
+
+
+@dataclass
+class PendingChunk:
+    """A chunk this rank writes: its manifest tensor name, box, and the tensor holding the bytes."""
+
+    name: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    data: torch.Tensor  # contiguous CPU tensor of exactly ``sizes``
+
+    @property
+    def key(self) -> str:
+        return self.name if not any(self.offsets) else f"{self.name}@{','.join(map(str, self.offsets))}"
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.sizes) * self.data.dtype.itemsize
 
 
 def _row_ranges(rows: int, parts: int) -> list[tuple[int, int]]:
@@ -54,3 +75,8 @@ def plan_writes(items: Sequence[TensorItem], rank: int, world_size: int) -> list
     # An empty chunk arises only from an empty replicated tensor (sharded boxes without elements are
     # skipped above, row ranges of a non-empty tensor are never empty): kept, so the manifest records it.
     return mine
+
+
+def own_chunks(flat: FlatState) -> list[PendingChunk]:
+    """(every rank) The chunks of this rank's per-rank tensors: each written whole, by this rank."""
+    return [PendingChunk(i.name, (0,) * len(i.shape), i.shape, i.local) for i in flat.per_rank]

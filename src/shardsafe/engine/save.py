@@ -29,16 +29,18 @@ import torch
 from shardsafe import knobs
 from shardsafe.coord import Coordinator, Deadlines, fault_point
 from shardsafe.engine import commit, incremental, staging
-from shardsafe.engine.plan import plan_writes
+from shardsafe.engine.phases import PhaseLog
+from shardsafe.engine.plan import PendingChunk, own_chunks, plan_writes
 from shardsafe.errors import (
     CheckpointError,
     CheckpointExistsError,
     CoordinationError,
+    OperationTimeoutError,
     RankDeadError,
     RemoteRankError,
     UnsafeValueError,
 )
-from shardsafe.format.datafile import PendingChunk, write_file
+from shardsafe.format.datafile import write_file
 from shardsafe.format.manifest import Chunk, FileEntry, Manifest, TensorEntry
 from shardsafe.format.values import encode
 from shardsafe.state import per_rank
@@ -78,7 +80,7 @@ class SaveJob:
         self.allow_pickle = allow_pickle
         self.storage: Storage = get_storage(self.path, storage_options)
         self.coord: Coordinator | None = None
-        self.phase = "rendezvous"
+        self.phases = PhaseLog("save", self.path, "rendezvous")
         self.save_id = ""
         self.staging = ""
         self.block_bytes = 0  # rank 0's choice, the same for every writer of this save
@@ -89,6 +91,15 @@ class SaveJob:
         self.staged: staging.Staged | None = None
         self.started = time.monotonic()
         self.blocking_seconds = 0.0
+
+    @property
+    def phase(self) -> str:
+        """The protocol phase this rank is in (named in errors and stall reports)."""
+        return self.phases.phase
+
+    @phase.setter
+    def phase(self, name: str) -> None:
+        self.phases.enter(name, None if self.coord is None else self.coord.global_rank)
 
     # ------------------------------------------------------------------------------------ begin
 
@@ -125,7 +136,7 @@ class SaveJob:
             )
             per_rank.find_per_rank(self.flat, coord, self.deadlines)
             self.metadata_json = encode(self.metadata, "metadata", _no_tensors)
-            self.chunks = plan_writes(self.flat.items, coord.rank, coord.world_size) + per_rank.own_chunks(self.flat)
+            self.chunks = plan_writes(self.flat.items, coord.rank, coord.world_size) + own_chunks(self.flat)
             if self.base_manifest is not None:
                 self.chunks, self.ref_chunks = incremental.match(
                     self.chunks, self.base_manifest, self.base_name, self.block_bytes
@@ -222,6 +233,7 @@ class SaveJob:
         finally:
             coord.close()
             self._release()
+            self.phase = "done"
 
     def _release(self) -> None:
         self.chunks = []
@@ -262,14 +274,14 @@ class SaveJob:
                 )
             tensors[item.name] = TensorEntry(item.local.dtype, item.shape, tuple(mine))
         tensors.update(own)
-        import shardsafe
+        from shardsafe.version import __version__
 
         return Manifest(
             save_id=self.save_id,
             created=time.time(),
             world_size=coord.world_size,
             strategy=flat.strategy,
-            library={"shardsafe": shardsafe.__version__, "torch": torch.__version__.split("+")[0]},
+            library={"shardsafe": __version__, "torch": torch.__version__.split("+")[0]},
             block_bytes=self.block_bytes,
             metadata=self.metadata_json,
             objects=flat.objects,
@@ -363,10 +375,14 @@ class SaveHandle:
         """Block until the save is committed (or failed); ``timeout`` seconds at most (default: the
         bound of the save's own waits, :func:`~shardsafe.engine.commit.finish_bound`, plus a margin)."""
         if self._thread is not None:
-            limit = timeout if timeout is not None else commit.finish_bound(self.job.deadlines) + 60
+            limit = (
+                timeout
+                if timeout is not None
+                else commit.finish_bound(self.job.deadlines) + knobs.wait_margin_seconds()
+            )
             self._thread.join(limit)
             if self._thread.is_alive():
-                raise TimeoutError(
+                raise OperationTimeoutError(
                     f"save of {self.job.path!r} still running after {limit:.0f}s (phase {self.job.phase!r}); "
                     "call wait() again or raise the timeout"
                 )

@@ -32,8 +32,9 @@ import torch
 
 from shardsafe import knobs
 from shardsafe.engine import hostmem
+from shardsafe.engine.plan import PendingChunk
 from shardsafe.errors import CheckpointError
-from shardsafe.format.datafile import PendingChunk, tensor_bytes
+from shardsafe.format.datafile import tensor_bytes
 
 copy_cpu_sources = False  # tests: send the CPU sources of synchronous saves through the pool too
 

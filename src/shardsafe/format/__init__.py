@@ -1,1 +1,7 @@
-"""Format v1: manifest, typed JSON values and safetensors data files (docs/format.md is the spec)."""
+"""Format v1 (docs/format.md is the spec): the manifest model and its validation (``manifest``), typed
+JSON values (``values``), walking typed trees (``walk``), strict JSON text (``jsontext``), chunk
+tiling checks (``tiling``) and safetensors data files with their block checksums (``datafile``).
+
+Layer: may import storage (data files are written and read through the Storage interface), knobs and
+errors. Imported by storage.delete, state, engine and everything above. Nothing here knows about ranks
+or modules."""

@@ -9,12 +9,10 @@ verified in a buffer of the reader's before any of its bytes reach a destination
 from __future__ import annotations
 
 import json
-import math
 import struct
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import xxhash
@@ -46,25 +44,23 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
-@dataclass
-class PendingChunk:
-    """A chunk this rank writes: its manifest tensor name, box, and the tensor holding the bytes."""
+class ChunkToWrite(Protocol):
+    """What the writer needs of a planned chunk (:class:`shardsafe.engine.plan.ChunkToWrite`): its
+    manifest tensor name, box, data-file key, size and the contiguous CPU tensor holding the bytes."""
 
     name: str
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
-    data: torch.Tensor  # contiguous CPU tensor of exactly ``sizes``
+    data: torch.Tensor
 
     @property
-    def key(self) -> str:
-        return self.name if not any(self.offsets) else f"{self.name}@{','.join(map(str, self.offsets))}"
+    def key(self) -> str: ...
 
     @property
-    def nbytes(self) -> int:
-        return math.prod(self.sizes) * self.data.dtype.itemsize
+    def nbytes(self) -> int: ...
 
 
-def build_header(chunks: Sequence[PendingChunk]) -> bytes:
+def build_header(chunks: Sequence[ChunkToWrite]) -> bytes:
     """The safetensors header (length prefix included) for ``chunks`` laid out in order."""
     header: dict[str, object] = {"__metadata__": {"format": "pt", "writer": "shardsafe"}}
     pos = 0
@@ -83,7 +79,7 @@ def build_header(chunks: Sequence[PendingChunk]) -> bytes:
 def write_file(
     writer: Writer,
     file: str,
-    chunks: Sequence[PendingChunk],
+    chunks: Sequence[ChunkToWrite],
     block: int,
     on_first_piece: Callable[[], None],
     windows: Iterable[memoryview] | None = None,
@@ -116,7 +112,7 @@ def write_file(
     return FileEntry(size=pos, header_bytes=len(header), header_checksum=digest(header)), records
 
 
-def _own_memory(chunks: Sequence[PendingChunk], piece: int) -> Iterator[memoryview]:
+def _own_memory(chunks: Sequence[ChunkToWrite], piece: int) -> Iterator[memoryview]:
     for c in chunks:
         data = tensor_bytes(c.data)
         for start in range(0, len(data), piece):

@@ -22,7 +22,8 @@ import xxhash
 from shardsafe.errors import CorruptCheckpointError
 from shardsafe.format import jsontext
 from shardsafe.format.tiling import check_tiling
-from shardsafe.format.values import dtype_name, per_rank_counts, tensor_refs, validate
+from shardsafe.format.values import dtype_name, validate
+from shardsafe.format.walk import per_rank_counts, tensor_refs
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from shardsafe.errors import CorruptCheckpointError, UnsafeValueError
+from shardsafe.format.walk import has_per_rank
 
 Json = Any
 TensorSink = Callable[[str, torch.Tensor], str]
@@ -371,60 +372,3 @@ def _check_npscalar(node: dict[str, Any], where: str, level: int) -> None:
         ok = isinstance(v, float) and lo <= v <= hi
     if not ok:
         raise ValueError(f"value {_short(v)} is not a {name} npscalar")
-
-
-def has_per_rank(node: Json) -> bool:
-    """Whether a typed JSON tree holds a ``per_rank`` node anywhere."""
-    stack = [node]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            tag = item.get("$")
-            if tag == "per_rank":
-                return True
-            if tag in ("dict", "tuple") and isinstance(item.get("items"), list):
-                stack.extend(
-                    v[1] if tag == "dict" and isinstance(v, list) and len(v) == 2 else v for v in item["items"]
-                )
-    return False
-
-
-def per_rank_counts(node: Json) -> list[int]:
-    """The number of ranks of every ``per_rank`` node in a (validated) typed JSON tree."""
-    out: list[int] = []
-    stack = [node]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            tag = item.get("$")
-            if tag == "per_rank":
-                out.append(len(item["ranks"]))
-            elif tag == "dict":
-                stack.extend(v for _, v in item["items"])
-            elif tag == "tuple":
-                stack.extend(item["items"])
-    return out
-
-
-def tensor_refs(node: Json) -> list[str]:
-    """Every tensor name a (validated) typed JSON node refers to, in order."""
-    out: list[str] = []
-    stack = [node]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(reversed(item))
-        elif isinstance(item, dict):
-            if item.get("$") in ("tensor", "ndarray"):
-                out.append(str(item.get("ref")))
-            elif item.get("$") == "dict":
-                stack.extend(reversed([pair[1] for pair in item.get("items", [])]))
-            elif item.get("$") == "tuple":
-                stack.extend(reversed(item.get("items", [])))
-            elif item.get("$") == "per_rank":
-                stack.extend(reversed(item.get("ranks", [])))
-    return out

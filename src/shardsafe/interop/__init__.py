@@ -1,5 +1,7 @@
 """Interop with the rest of the ecosystem: export a checkpoint in the Hugging Face layout (or as one
-``torch.save`` file), import ``torch.save`` files and DCP folders. docs/interop.md describes both."""
+``torch.save`` file), import ``torch.save`` files and DCP folders. docs/interop.md describes both.
+
+Layer: may import engine, format, storage, knobs, errors; imported by the public package and the CLI."""
 
 from shardsafe.interop.hf import ExportResult, export_hf
 from shardsafe.interop.importer import ImportResult, import_checkpoint

@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Any, TextIO
 
-from shardsafe.errors import CheckpointError, UnsafeValueError
+from shardsafe.errors import CheckpointError, InvalidArgumentError, UnsafeValueError
 
 EXIT_OK, EXIT_BAD, EXIT_USAGE = 0, 1, 2
 
@@ -87,7 +87,7 @@ def _export(args: argparse.Namespace, out: TextIO) -> int:
     for fmt, flags in only.items():
         for flag in flags:
             if fmt != args.format and getattr(args, flag):
-                raise ValueError(f"--{flag.replace('_', '-')} applies to --format {fmt} only")
+                raise InvalidArgumentError(f"--{flag.replace('_', '-')} applies to --format {fmt} only")
     if args.format == "shardsafe":
         return _consolidate(args, out)
     if args.format == "torch":
@@ -122,7 +122,9 @@ def _consolidate(args: argparse.Namespace, out: TextIO) -> int:
 
     for flag in ("key", "dtype", "config", "strip_prefix", "overwrite", "allow_pickle"):
         if getattr(args, flag):
-            raise ValueError(f"--{flag.replace('_', '-')} does not apply to --format shardsafe (a whole, exact copy)")
+            raise InvalidArgumentError(
+                f"--{flag.replace('_', '-')} does not apply to --format shardsafe (a whole, exact copy)"
+            )
     result = consolidate(args.checkpoint, args.out)
     bases = f" (data of {', '.join(result.bases)} copied in)" if result.bases else ""
     out.write(

@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
+from shardsafe.engine.plan import PendingChunk
 from shardsafe.engine.read import read_manifest
 from shardsafe.errors import CheckpointExistsError, CorruptCheckpointError
-from shardsafe.format.datafile import PendingChunk, read_blocks, write_file
+from shardsafe.format.datafile import read_blocks, write_file
 from shardsafe.format.manifest import Chunk, FileEntry, Manifest, TensorEntry, parse_manifest
 from shardsafe.storage import get_storage
 from shardsafe.storage.base import Storage

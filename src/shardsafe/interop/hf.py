@@ -25,7 +25,7 @@ import torch
 
 from shardsafe import knobs
 from shardsafe.engine.read import check_sizes, read_manifest
-from shardsafe.errors import CheckpointError
+from shardsafe.errors import CheckpointError, InvalidArgumentError
 from shardsafe.format.datafile import tensor_bytes
 from shardsafe.format.manifest import SAFETENSORS_DTYPES, Manifest
 from shardsafe.interop.outdir import ExportDir, write_all
@@ -66,10 +66,10 @@ def parse_size(size: int | str) -> int:
     else:
         m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(size))
         if m is None or m.group(2).upper() not in _UNITS:
-            raise ValueError(f"max_shard_size {size!r} is not a size; give bytes or e.g. 5GB, 500MB, 2GiB")
+            raise InvalidArgumentError(f"max_shard_size {size!r} is not a size; give bytes or e.g. 5GB, 500MB, 2GiB")
         value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
     if value < 1:
-        raise ValueError(f"max_shard_size {size!r} must be at least one byte")
+        raise InvalidArgumentError(f"max_shard_size {size!r} must be at least one byte")
     return value
 
 
@@ -78,7 +78,7 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
         return dtype
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
         return DTYPES[dtype.removeprefix("torch.")]
-    raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    raise InvalidArgumentError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
 
 
 def export_hf(
@@ -116,7 +116,7 @@ def export_hf(
     out_dtype = resolve_dtype(dtype)
     limit = parse_size(max_shard_size)
     if tied not in ("auto", "keep"):
-        raise ValueError(f"tied={tied!r}: give 'auto' or 'keep'")
+        raise InvalidArgumentError(f"tied={tied!r}: give 'auto' or 'keep'")
     config_doc = _config(config)
     storage = get_storage(source, storage_options)
     manifest = read_manifest(storage, source)
@@ -214,9 +214,11 @@ def _config(config: str | os.PathLike[str] | Mapping[str, Any] | None) -> dict[s
         with open(path, "rb") as f:
             doc = json.loads(f.read(16 * 2**20))
     except (OSError, ValueError) as err:
-        raise ValueError(f"config {path!r} is not a readable JSON file ({err}); give the model's config.json") from err
+        raise InvalidArgumentError(
+            f"config {path!r} is not a readable JSON file ({err}); give the model's config.json"
+        ) from err
     if not isinstance(doc, dict):
-        raise ValueError(f"config {path!r} is not a JSON object; give the model's config.json")
+        raise InvalidArgumentError(f"config {path!r} is not a JSON object; give the model's config.json")
     return doc
 
 

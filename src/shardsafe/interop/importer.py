@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-import shardsafe
-from shardsafe.errors import CheckpointError, CheckpointNotFoundError, UnsafeValueError
+from shardsafe.engine import api
+from shardsafe.errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, UnsafeValueError
 from shardsafe.interop.outdir import inside
 from shardsafe.storage import MANIFEST_NAME, is_remote
 
@@ -65,16 +65,16 @@ def import_checkpoint(
     src, target = os.fspath(source), os.fspath(dest)
     _check_single_process()
     if is_remote(src):
-        raise ValueError(f"import reads a local file or folder, not {src!r}; download it first")
+        raise InvalidArgumentError(f"import reads a local file or folder, not {src!r}; download it first")
     if os.path.isdir(src):
         if os.path.exists(os.path.join(src, MANIFEST_NAME)):
-            raise ValueError(f"{src} is already a shardsafe checkpoint; load it with shardsafe.load")
+            raise InvalidArgumentError(f"{src} is already a shardsafe checkpoint; load it with shardsafe.load")
         if not os.path.isfile(os.path.join(src, DCP_METADATA)):
             raise CheckpointNotFoundError(
                 f"{src} is a folder without {DCP_METADATA}: not a DCP checkpoint (nor a torch.save file)"
             )
         if not is_remote(target) and inside(target, src):
-            raise ValueError(f"{target} lies inside the source {src}; import to a path outside it")
+            raise InvalidArgumentError(f"{target} lies inside the source {src}; import to a path outside it")
         fmt, state = "dcp", _read_dcp(src, allow_pickle)
     elif os.path.isfile(src):
         fmt, state = "torch.save", _read_torch(src, allow_pickle)
@@ -82,7 +82,7 @@ def import_checkpoint(
         raise CheckpointNotFoundError(f"{src} does not exist; give a torch.save file or a DCP checkpoint folder")
     wrapped = not _plain_keys(state)
     entries: dict[str, Any] = {WRAP_KEY: state} if wrapped else dict(state)
-    shardsafe.save(
+    api.save(
         target,
         entries,
         overwrite=overwrite,
@@ -90,7 +90,7 @@ def import_checkpoint(
         metadata={"imported_from": os.path.abspath(src), "source_format": fmt},
         allow_pickle=allow_pickle,
     )
-    summary = shardsafe.verify(target)
+    summary = api.verify(target)
     logger.info(
         "shardsafe: imported %s (%s) as %s: %d tensors, %.1f MiB verified, %.2fs",
         src,

@@ -21,7 +21,7 @@ import stat
 import uuid
 from typing import Any
 
-from shardsafe.errors import CheckpointExistsError
+from shardsafe.errors import CheckpointExistsError, InvalidArgumentError
 from shardsafe.storage import is_remote
 from shardsafe.storage.local import fsync_dir
 
@@ -84,13 +84,15 @@ class ExportDir:
 
     def __init__(self, target: str, *, source: str, overwrite: bool) -> None:
         if is_remote(target):
-            raise ValueError(f"export writes to a local directory, not {target!r}; export locally, then upload it")
+            raise InvalidArgumentError(
+                f"export writes to a local directory, not {target!r}; export locally, then upload it"
+            )
         self.target = os.path.abspath(target)
         self.parent, self.name = os.path.split(self.target)
         if not self.name:
-            raise ValueError(f"{target!r} is not a directory name an export can be written to")
+            raise InvalidArgumentError(f"{target!r} is not a directory name an export can be written to")
         if not is_remote(source) and inside(self.target, source):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{target} lies inside the checkpoint {source}: an export there would be mixed into the checkpoint "
                 "(and removed with it). Export to a directory outside it"
             )
@@ -136,7 +138,7 @@ class ExportDir:
     def create(self, name: str) -> int:
         """A new file ``name`` in staging, open for writing (the caller closes it after :func:`os.fsync`)."""
         if not plain_name(name) or name in self.written:
-            raise ValueError(f"export file name {name!r} is not a new plain name")
+            raise InvalidArgumentError(f"export file name {name!r} is not a new plain name")
         fd = os.open(os.path.join(self.staging, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         self.written.append(name)
         return fd

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from shardsafe.errors import InvalidArgumentError
 from shardsafe.format.manifest import Manifest
 
 ALL = "/"
@@ -49,13 +50,13 @@ def select(manifest: Manifest, key: str | None, where: str, *, strip_prefix: str
     seen: dict[str, str] = {}
     for name, ref in tensors:
         if name in seen:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{where}: entry {key!r} gives two tensors the export name {name!r} ({seen[name]!r} and {ref!r}); "
                 "pick a sub-tree whose names are unique with key="
             )
         seen[name] = ref
     if not tensors:
-        raise ValueError(f"{where}: entry {key!r} holds no tensors; nothing to export. Pick another key=")
+        raise InvalidArgumentError(f"{where}: entry {key!r} holds no tensors; nothing to export. Pick another key=")
     return Selection(key=key, node=node, tensors=tensors, skipped=skipped)
 
 
@@ -68,7 +69,7 @@ def _default_key(manifest: Manifest, where: str) -> str:
     modules = [k for k, o in manifest.objects.items() if o["kind"] == "module"]
     if len(modules) == 1:
         return modules[0]
-    raise ValueError(
+    raise InvalidArgumentError(
         f"{where} holds {len(modules)} module entries among: {describe(manifest)}. Name the one to export with "
         "key= (--key), e.g. --key model, or a path into an entry (--key state_dict), or --key / for everything"
     )
@@ -77,14 +78,16 @@ def _default_key(manifest: Manifest, where: str) -> str:
 def _descend(manifest: Manifest, key: str, where: str) -> Any:
     parts = key.split("/")
     if not parts[0] or parts[0] not in manifest.objects:
-        raise ValueError(f"{where} has no entry {parts[0]!r} (key {key!r}); it holds: {describe(manifest)}")
+        raise InvalidArgumentError(f"{where} has no entry {parts[0]!r} (key {key!r}); it holds: {describe(manifest)}")
     node = manifest.objects[parts[0]]["value"]
     for i, part in enumerate(parts[1:], 1):
         here = "/".join(parts[:i])
         children = dict(_children(node))
         if part not in children:
             shown = ", ".join(list(children)[:20]) + (", ..." if len(children) > 20 else "")
-            raise ValueError(f"{where}: {here!r} has no {part!r} (key {key!r}); it holds: {shown or 'no sub-keys'}")
+            raise InvalidArgumentError(
+                f"{where}: {here!r} has no {part!r} (key {key!r}); it holds: {shown or 'no sub-keys'}"
+            )
         node = children[part]
     return node
 
@@ -116,7 +119,7 @@ def _walk(node: Any, prefix: str) -> Iterator[tuple[str, str | None]]:
 
 def _strip(name: str, prefix: str, where: str, key: str) -> str:
     if not name.startswith(prefix) or len(name) == len(prefix):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{where}: tensor {name!r} of entry {key!r} does not start with the prefix {prefix!r} to strip; "
             "give the prefix every name shares, or pick a deeper key="
         )

@@ -19,7 +19,7 @@ import torch
 
 from shardsafe import knobs
 from shardsafe.engine.read import check_sizes, plan_reads, read_manifest, run_tasks
-from shardsafe.errors import CheckpointExistsError
+from shardsafe.errors import CheckpointExistsError, InvalidArgumentError
 from shardsafe.format.values import decode, validate
 from shardsafe.interop.hf import ExportResult, _out_dtype, resolve_dtype
 from shardsafe.interop.outdir import inside
@@ -47,9 +47,9 @@ def export_torch(
     source, target = os.fspath(checkpoint), os.path.abspath(os.fspath(out))
     out_dtype = resolve_dtype(dtype)
     if is_remote(os.fspath(out)):
-        raise ValueError(f"export writes a local file, not {out!r}; export locally, then upload it")
+        raise InvalidArgumentError(f"export writes a local file, not {out!r}; export locally, then upload it")
     if not is_remote(source) and inside(target, source):
-        raise ValueError(f"{target} lies inside the checkpoint {source}; export to a path outside it")
+        raise InvalidArgumentError(f"{target} lies inside the checkpoint {source}; export to a path outside it")
     if os.path.lexists(target):
         raise CheckpointExistsError(f"{target} exists: refused, nothing was changed. Export to a new file name")
     storage = get_storage(source, storage_options)

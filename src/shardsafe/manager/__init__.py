@@ -1,5 +1,11 @@
 """Checkpoint management: when to save, what to keep, where to resume from, and a clean stop on
-preemption. :class:`CheckpointManager` is the entry point; retention policies are pure functions."""
+preemption. :class:`CheckpointManager` is the entry point; retention policies are pure functions.
+
+Lives here: the manager (``manager``), its config (``config``), when to save (``schedule``), preemption
+signals (``preemption``), retention policies (``retention``), listing and ``ls`` (``listing``), cleanup
+of leftovers (``cleanup``) and resume (``resume``). Its store agreements live in coord.agreement.
+
+Layer: may import engine, storage, coord, display, errors; imported by the public package and the CLI."""
 
 from shardsafe.manager.config import ManagerConfig, NameTemplate
 from shardsafe.manager.listing import CheckpointRecord, ls_main

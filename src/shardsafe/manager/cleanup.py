@@ -20,7 +20,6 @@ from typing import Any
 from shardsafe.errors import CorruptCheckpointError
 from shardsafe.manager.listing import CheckpointRecord
 from shardsafe.manager.retention import RetentionPolicy
-from shardsafe.manager.rootfs import RootFS
 from shardsafe.storage.base import Storage
 from shardsafe.storage.delete import delete_checkpoint as _delete_checkpoint
 from shardsafe.storage.delete import delete_files, finish_deletion, remove_staging
@@ -82,7 +81,7 @@ def apply_retention(
 
 
 def remove_leftovers(
-    fs: RootFS,
+    fs: Storage,
     storage: Storage,
     records: Sequence[CheckpointRecord],
     *,

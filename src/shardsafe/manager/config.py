@@ -10,6 +10,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Literal
 
+from shardsafe.errors import InvalidArgumentError
 from shardsafe.storage.base import MANIFEST_NAME
 
 _INT_SPEC = re.compile(r"^0?\d*d?$")
@@ -32,24 +33,26 @@ class NameTemplate:
         try:
             parts = list(string.Formatter().parse(t))
         except ValueError as err:
-            raise ValueError(f"name={t!r} is not a format string ({err}); {fix}") from None
+            raise InvalidArgumentError(f"name={t!r} is not a format string ({err}); {fix}") from None
         fields = [(f, spec, conv) for _, f, spec, conv in parts if f is not None]
         if len(fields) != 1 or fields[0][0] != "step":
-            raise ValueError(f"name={t!r} must contain exactly one field, {{step}}; {fix}")
+            raise InvalidArgumentError(f"name={t!r} must contain exactly one field, {{step}}; {fix}")
         _, spec, conv = fields[0]
         if conv is not None or not _INT_SPEC.match(spec or ""):
-            raise ValueError(f"name={t!r}: the step field must be a plain integer format like {{step:08d}}; {fix}")
+            raise InvalidArgumentError(
+                f"name={t!r}: the step field must be a plain integer format like {{step:08d}}; {fix}"
+            )
         regex = "".join(re.escape(lit) + (r"(\d+)" if f is not None else "") for lit, f, _, _ in parts)
         object.__setattr__(self, "_pattern", re.compile(f"^{regex}$"))
         for step in (0, 7, 123456789):
             name = self.format(step)
             if "/" in name or "\\" in name or name.startswith(".") or name in (MANIFEST_NAME, ""):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"name={t!r} gives {name!r} for step {step}: a checkpoint name must be a plain, "
                     f"non-hidden name inside the root (no '/', no leading '.'); {fix}"
                 )
             if self.parse(name) != step:
-                raise ValueError(f"name={t!r}: the step cannot be read back from {name!r}; {fix}")
+                raise InvalidArgumentError(f"name={t!r}: the step cannot be read back from {name!r}; {fix}")
 
     def format(self, step: int) -> str:
         """The checkpoint name of ``step``."""
@@ -118,7 +121,7 @@ class ManagerConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.root, str) or not self.root:
-            raise ValueError(f"root={self.root!r} must be a non-empty path to the checkpoint directory")
+            raise InvalidArgumentError(f"root={self.root!r} must be a non-empty path to the checkpoint directory")
         _check_count("every_n_steps", self.every_n_steps, "or None to save on other triggers only")
         if self.every_seconds is not None and not (
             isinstance(self.every_seconds, (int, float))
@@ -126,47 +129,51 @@ class ManagerConfig:
             and math.isfinite(self.every_seconds)
             and self.every_seconds > 0
         ):
-            raise ValueError(f"every_seconds={self.every_seconds!r} must be a positive number of seconds, or None")
+            raise InvalidArgumentError(
+                f"every_seconds={self.every_seconds!r} must be a positive number of seconds, or None"
+            )
         if self.keep_last == 0:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "keep_last=0 would delete the checkpoint a run resumes from; use keep_last=1 to keep only "
                 "the newest (besides keep_best / keep_every_n_steps), or None to keep everything"
             )
         _check_count("keep_last", self.keep_last, "or None to keep every checkpoint")
         if not _is_int(self.keep_best) or self.keep_best < 0:
-            raise ValueError(f"keep_best={self.keep_best!r} must be an integer >= 0 (0 turns it off)")
+            raise InvalidArgumentError(f"keep_best={self.keep_best!r} must be an integer >= 0 (0 turns it off)")
         if self.keep_best > 0 and not self.monitor:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"keep_best={self.keep_best} needs monitor=, the name of the metric that ranks checkpoints "
                 "(e.g. monitor='val_loss', passed in save(..., metrics={'val_loss': ...}))"
             )
         if self.monitor is not None and (not isinstance(self.monitor, str) or not self.monitor):
-            raise ValueError(f"monitor={self.monitor!r} must be a metric name (a non-empty str)")
+            raise InvalidArgumentError(f"monitor={self.monitor!r} must be a metric name (a non-empty str)")
         if self.monitor and self.keep_best == 0:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"monitor={self.monitor!r} has no effect without keep_best; set keep_best=K to keep the K "
                 "best checkpoints, or drop monitor="
             )
         if self.mode not in ("min", "max"):
-            raise ValueError(f"mode={self.mode!r} must be 'min' (lower is better) or 'max' (higher is better)")
+            raise InvalidArgumentError(
+                f"mode={self.mode!r} must be 'min' (lower is better) or 'max' (higher is better)"
+            )
         _check_count("keep_every_n_steps", self.keep_every_n_steps, "or None for no milestones")
         if not isinstance(self.name, str):
-            raise ValueError(f"name={self.name!r} must be a str like 'step-{{step:08d}}'")
+            raise InvalidArgumentError(f"name={self.name!r} must be a str like 'step-{{step:08d}}'")
         object.__setattr__(self, "template", NameTemplate(self.name))
         if not isinstance(self.async_save, bool):
-            raise ValueError(f"async_save={self.async_save!r} must be True or False")
+            raise InvalidArgumentError(f"async_save={self.async_save!r} must be True or False")
         object.__setattr__(self, "save_on_signals", _signals(self.save_on_signals))
         if self.timeout is not None and not (
             isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool) and self.timeout > 0
         ):
-            raise ValueError(f"timeout={self.timeout!r} must be a positive number of seconds, or None")
+            raise InvalidArgumentError(f"timeout={self.timeout!r} must be a positive number of seconds, or None")
         if not isinstance(self.verify_on_resume, bool):
-            raise ValueError(f"verify_on_resume={self.verify_on_resume!r} must be True or False")
+            raise InvalidArgumentError(f"verify_on_resume={self.verify_on_resume!r} must be True or False")
         if not isinstance(self.incremental, bool):
-            raise ValueError(f"incremental={self.incremental!r} must be True or False")
+            raise InvalidArgumentError(f"incremental={self.incremental!r} must be True or False")
         _check_count("full_save_every", self.full_save_every, "or None for SHARDSAFE_FULL_SAVE_EVERY (default 10)")
         if not isinstance(self.leftover_age, (int, float)) or not self.leftover_age >= 0:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"leftover_age={self.leftover_age!r} must be a number of seconds >= 0 (default 3600); keep it "
                 "longer than your slowest save, or another run's save in progress could be removed"
             )
@@ -178,22 +185,24 @@ def _is_int(value: object) -> bool:
 
 def _check_count(name: str, value: object, alternative: str) -> None:
     if value is not None and (not _is_int(value) or value < 1):  # type: ignore[operator]
-        raise ValueError(f"{name}={value!r} must be a positive integer, {alternative}")
+        raise InvalidArgumentError(f"{name}={value!r} must be a positive integer, {alternative}")
 
 
 def _signals(given: object) -> tuple[signal.Signals, ...]:
     if isinstance(given, (int, signal.Signals)):
         given = (given,)
     if not isinstance(given, (tuple, list)):
-        raise ValueError(f"save_on_signals={given!r} must be a tuple of signals, e.g. (signal.SIGTERM,), or ()")
+        raise InvalidArgumentError(
+            f"save_on_signals={given!r} must be a tuple of signals, e.g. (signal.SIGTERM,), or ()"
+        )
     out: list[signal.Signals] = []
     for sig in given:
         try:
             s = signal.Signals(sig)
         except (ValueError, TypeError):
-            raise ValueError(f"save_on_signals: {sig!r} is not a signal; use e.g. signal.SIGTERM") from None
+            raise InvalidArgumentError(f"save_on_signals: {sig!r} is not a signal; use e.g. signal.SIGTERM") from None
         if s in (signal.SIGKILL, signal.SIGSTOP):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"save_on_signals: {s.name} cannot be caught by any process; use SIGTERM or SIGUSR1 and ask "
                 "the scheduler to send it before the kill"
             )

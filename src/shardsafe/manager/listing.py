@@ -17,11 +17,11 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, TextIO
 
+from shardsafe.display import binary_size, table
 from shardsafe.engine import api
 from shardsafe.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardsafe.manager.config import NameTemplate
-from shardsafe.manager.rootfs import RootFS, open_root
-from shardsafe.storage import get_storage
+from shardsafe.storage import Storage, get_storage
 from shardsafe.storage.base import MANIFEST_NAME
 from shardsafe.storage.names import TOMBSTONE
 from shardsafe.storage.refs import referenced_files
@@ -89,7 +89,7 @@ def _step_from_name(name: str, template: NameTemplate | None) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def scan(fs: RootFS, root: str, template: NameTemplate | None = None) -> list[CheckpointRecord]:
+def scan(fs: Storage, root: str, template: NameTemplate | None = None) -> list[CheckpointRecord]:
     """(any rank, local) Every checkpoint-like entry under ``root``, sorted by step then name.
 
     With ``template`` only entries of that naming are reported (a manager never looks at anything
@@ -105,7 +105,7 @@ def scan(fs: RootFS, root: str, template: NameTemplate | None = None) -> list[Ch
     return records
 
 
-def _leftover(fs: RootFS, name: str, path: str, template: NameTemplate | None) -> CheckpointRecord | None:
+def _leftover(fs: Storage, name: str, path: str, template: NameTemplate | None) -> CheckpointRecord | None:
     m = _LEFTOVER.match(name)
     if m is None or not fs.is_dir(path):
         return None
@@ -114,7 +114,7 @@ def _leftover(fs: RootFS, name: str, path: str, template: NameTemplate | None) -
     if template is not None and step is None:
         return None
     try:
-        created, size = fs.mtime(path), fs.size(path)
+        created, size = fs.mtime(path), fs.total_size(path)
     except FileNotFoundError:  # finished (renamed into place) or removed while we looked
         return None
     reason = (
@@ -125,7 +125,7 @@ def _leftover(fs: RootFS, name: str, path: str, template: NameTemplate | None) -
     return CheckpointRecord(name, path, "incomplete", step, created, size, reason=reason, target=target)
 
 
-def _checkpoint(fs: RootFS, name: str, path: str, template: NameTemplate | None) -> CheckpointRecord | None:
+def _checkpoint(fs: Storage, name: str, path: str, template: NameTemplate | None) -> CheckpointRecord | None:
     if not fs.is_dir(path):
         return None
     step = _step_from_name(name, template)
@@ -159,20 +159,20 @@ def _checkpoint(fs: RootFS, name: str, path: str, template: NameTemplate | None)
     if template is None and not any(_DATA_FILE.match(n) for n in names):
         return None  # some other directory, not a checkpoint
     try:
-        created, size = fs.mtime(path), fs.size(path)
+        created, size = fs.mtime(path), fs.total_size(path)
     except FileNotFoundError:
         return None
-    if TOMBSTONE in names and _referenced(path):
+    if TOMBSTONE in names and _referenced(fs, path):
         reason = "deleted by retention; its data files stay while newer (incremental) checkpoints refer to them"
         return CheckpointRecord(name, path, "retired", step, created, size, reason=reason, target=name)
     reason = "no MANIFEST.json: a save that did not commit, or a checkpoint whose deletion was interrupted"
     return CheckpointRecord(name, path, "incomplete", step, created, size, reason=reason, target=name)
 
 
-def _referenced(path: str) -> bool:
+def _referenced(fs: Storage, path: str) -> bool:
     """Whether a checkpoint beside ``path`` refers to its data files (a retired base, not a leftover)."""
     try:
-        return bool(referenced_files(get_storage(path), path))
+        return bool(referenced_files(fs, path))
     except (OSError, ValueError):
         return False
 
@@ -193,15 +193,6 @@ def verify_record(record: CheckpointRecord) -> CheckpointRecord:
     return record
 
 
-def human_size(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
-
-
 def _format_metrics(metrics: Mapping[str, Any]) -> str:
     return " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
 
@@ -211,10 +202,8 @@ def _table(records: list[CheckpointRecord]) -> list[str]:
     for r in records:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.created)) if r.created is not None else "-"
         step = str(r.step) if r.step is not None else "-"
-        rows.append((r.name, r.status, step, created, human_size(r.size), _format_metrics(r.metrics)))
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths, strict=True)) + "  " + row[5] for row in rows]
-    lines = [line.rstrip() for line in lines]
+        rows.append((r.name, r.status, step, created, binary_size(r.size), _format_metrics(r.metrics)))
+    lines = table(rows, pad_last=False)
     for r in records:
         if r.reason:
             lines.append(f"{r.name}: {r.reason}")
@@ -226,7 +215,7 @@ def ls_main(root: str, *, verify: bool, as_json: bool, out: TextIO) -> int:
     step, time, size and metrics. Exit code: 0 when fine, 1 when ``verify`` and any entry is incomplete
     or corrupt, 2 when ``root`` is not a directory (message on stderr)."""
     try:
-        fs = open_root(root)
+        fs = get_storage(root)
     except (ValueError, ImportError) as err:
         print(f"shardsafe ls: {err}", file=sys.stderr)
         return 2

@@ -15,19 +15,19 @@ import torch
 
 from shardsafe import knobs
 from shardsafe.coord import Deadlines
+from shardsafe.coord.agreement import StepBroadcast, StopAgreement, StoreKeys
 from shardsafe.coord.connection import preferred
-from shardsafe.coord.group import resolve_group
+from shardsafe.coord.resolve import resolve_group
 from shardsafe.engine import api
 from shardsafe.engine.guard import mapped_errors
-from shardsafe.manager.agreement import StepBroadcast, StoreKeys
+from shardsafe.errors import ClosedError, InvalidArgumentError
 from shardsafe.manager.cleanup import apply_retention, remove_leftovers
 from shardsafe.manager.config import ManagerConfig
 from shardsafe.manager.incremental import choose_base
 from shardsafe.manager.listing import CheckpointRecord, scan
-from shardsafe.manager.preemption import SignalFlag, StopAgreement
+from shardsafe.manager.preemption import SignalFlag
 from shardsafe.manager.resume import newest_verified, resume_newest
 from shardsafe.manager.retention import RetentionPolicy
-from shardsafe.manager.rootfs import open_root
 from shardsafe.manager.schedule import PREEMPTION, Schedule
 from shardsafe.storage import get_storage
 
@@ -104,7 +104,7 @@ class CheckpointManager:
             incremental=incremental,
             full_save_every=full_save_every,
         )
-        self._fs = open_root(self.config.root)
+        self._fs = get_storage(self.config.root)
         self._storage = get_storage(self.config.root)  # deletes go through shardsafe.storage.delete
         store, self.rank, self.world_size, _, namespace, identity = resolve_group(None)
         self._deadlines = Deadlines.resolve(self.config.timeout)
@@ -261,7 +261,7 @@ class CheckpointManager:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError(f"{self!r} is closed; create a new CheckpointManager to save or resume again")
+            raise ClosedError(f"{self!r} is closed; create a new CheckpointManager to save or resume again")
 
     def _base(self, name: str) -> str | None:
         """(rank 0 decides; the save takes rank 0's base for every rank) The base of an incremental save
@@ -323,7 +323,7 @@ class CheckpointManager:
 
 def _check_step(step: int) -> int:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step={step!r} must be an integer >= 0 (the training step)")
+        raise InvalidArgumentError(f"step={step!r} must be an integer >= 0 (the training step)")
     return step
 
 
@@ -331,16 +331,20 @@ def _check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
     if metrics is None:
         metrics = {}
     if not isinstance(metrics, Mapping):
-        raise ValueError(f"metrics={metrics!r} must be a dict of name -> number, e.g. {{'loss': 0.3}}")
+        raise InvalidArgumentError(f"metrics={metrics!r} must be a dict of name -> number, e.g. {{'loss': 0.3}}")
     out: dict[str, Any] = {}
     for key, value in metrics.items():
         if not isinstance(key, str):
-            raise ValueError(f"metrics key {key!r} must be a str")
+            raise InvalidArgumentError(f"metrics key {key!r} must be a str")
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
-                raise ValueError(f"metrics[{key!r}] is a tensor of shape {tuple(value.shape)}; pass one number")
+                raise InvalidArgumentError(
+                    f"metrics[{key!r}] is a tensor of shape {tuple(value.shape)}; pass one number"
+                )
             value = value.item()
         if value is not None and not isinstance(value, (int, float, str)):
-            raise ValueError(f"metrics[{key!r}]={value!r} ({type(value).__name__}) must be a number, str, bool or None")
+            raise InvalidArgumentError(
+                f"metrics[{key!r}]={value!r} ({type(value).__name__}) must be a number, str, bool or None"
+            )
         out[key] = value
     return out

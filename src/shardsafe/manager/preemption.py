@@ -3,7 +3,8 @@
 - :class:`SignalFlag` installs handlers that only set a flag (no I/O, no locks: a handler may run
   between any two bytecodes of the training loop) and puts the previous handlers back on
   :meth:`~SignalFlag.restore`.
-- :class:`StopAgreement` settles the step through the rendezvous store. The first rank to notice its
+- :class:`~shardsafe.coord.agreement.StopAgreement` (in :mod:`shardsafe.coord`, the only place that
+  touches the store) settles the step through the rendezvous store. The first rank to notice its
   flag proposes ``its step + 1`` with ``compare_set`` (first writer wins, so every proposal resolves
   to the same value); every rank checks the key (one cheap ``store.check``) at each ``maybe_save``
   and saves at the first step at or after the agreed one.
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from shardsafe.manager.agreement import StoreKeys
+from shardsafe.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class SignalFlag:
         self._previous: dict[signal.Signals, _Handler] = {}
         if signals and threading.current_thread() is not threading.main_thread():
             names = ", ".join(signal.Signals(s).name for s in signals)
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"CheckpointManager(save_on_signals=({names})) must be created in the main thread (Python "
                 "delivers signals only there); create it there, or pass save_on_signals=() and call "
                 "save() yourself on preemption"
@@ -65,28 +66,3 @@ class SignalFlag:
             else:
                 logger.debug("shardsafe: handler for %s was replaced by someone else; leaving theirs", sig.name)
         self._previous.clear()
-
-
-class StopAgreement:
-    """(every rank) The step at which all ranks take the preemption checkpoint, agreed through the
-    store under ``<manager keys>/stop_at``. With no store (one process) the agreement is local."""
-
-    def __init__(self, keys: StoreKeys | None) -> None:
-        self.keys = keys
-        self._local: int | None = None
-
-    def propose(self, step: int) -> int:
-        """Ask to stop at ``step`` unless a step is already agreed; return the agreed step."""
-        if self.keys is None:
-            if self._local is None:
-                self._local = step
-            return self._local
-        self._local = int(self.keys.compare_set(self.keys.key("stop_at"), str(step)))
-        return self._local
-
-    def agreed(self) -> int | None:
-        """The agreed step, or ``None`` when no rank has asked to stop (one ``check`` on the store
-        until a step is known, none after)."""
-        if self._local is None and self.keys is not None and self.keys.check(self.keys.key("stop_at")):
-            self._local = int(self.keys.get(self.keys.key("stop_at")))
-        return self._local

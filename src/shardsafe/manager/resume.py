@@ -29,7 +29,7 @@ from shardsafe.engine import api
 from shardsafe.errors import CorruptCheckpointError, RemoteRankError
 from shardsafe.manager.config import ManagerConfig
 from shardsafe.manager.listing import CheckpointRecord, scan
-from shardsafe.manager.rootfs import RootFS
+from shardsafe.storage import Storage
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class Resumed:
     damaged: tuple[str, ...]
 
 
-def _plan(fs: RootFS, config: ManagerConfig) -> dict[str, Any]:
+def _plan(fs: Storage, config: ManagerConfig) -> dict[str, Any]:
     records = scan(fs, config.root, config.template)
     committed = sorted(
         (r for r in records if r.status == "committed" and r.step is not None), key=lambda r: r.step or 0, reverse=True
@@ -66,7 +66,7 @@ def _outcome(err: Exception | None) -> dict[str, Any]:
 
 
 def resume_newest(
-    fs: RootFS,
+    fs: Storage,
     config: ManagerConfig,
     state: MutableMapping[str, Any],
     *,
@@ -170,7 +170,7 @@ def _warn_skipped(rank: int, skipped: list[list[Any]], chosen_step: int | None) 
             logger.warning("shardsafe: resume skips %s (step %s): %s", path, step, reason)
 
 
-def newest_verified(fs: RootFS, config: ManagerConfig) -> CheckpointRecord | None:
+def newest_verified(fs: Storage, config: ManagerConfig) -> CheckpointRecord | None:
     """(any rank, local) The newest committed checkpoint that passes :func:`shardsafe.verify`,
     skipping damaged ones with a WARNING. Reads every byte of each candidate it checks."""
     records = scan(fs, config.root, config.template)

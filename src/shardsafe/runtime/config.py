@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from shardsafe.errors import InvalidArgumentError, InvalidTypeError, LaunchError
 from shardsafe.runtime.env import ClusterEnv
-from shardsafe.runtime.errors import LaunchError
 
 logger = logging.getLogger(__name__)
 
@@ -40,20 +40,26 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         if self.accelerator not in ACCELERATORS:
-            raise ValueError(f"accelerator={self.accelerator!r}: choose one of {', '.join(map(repr, ACCELERATORS))}")
+            raise InvalidArgumentError(
+                f"accelerator={self.accelerator!r}: choose one of {', '.join(map(repr, ACCELERATORS))}"
+            )
         if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy={self.strategy!r}: choose one of {', '.join(map(repr, STRATEGIES))}")
+            raise InvalidArgumentError(f"strategy={self.strategy!r}: choose one of {', '.join(map(repr, STRATEGIES))}")
         if self.devices != "auto" and (
             isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 1
         ):
-            raise ValueError(f"devices={self.devices!r}: give a number of processes per node (>= 1) or 'auto'")
+            raise InvalidArgumentError(
+                f"devices={self.devices!r}: give a number of processes per node (>= 1) or 'auto'"
+            )
         if isinstance(self.num_nodes, bool) or not isinstance(self.num_nodes, int) or self.num_nodes < 1:
-            raise ValueError(f"num_nodes={self.num_nodes!r} must be an integer >= 1")
+            raise InvalidArgumentError(f"num_nodes={self.num_nodes!r} must be an integer >= 1")
         if self.timeout is not None and (isinstance(self.timeout, bool) or not self.timeout > 0):
-            raise ValueError(f"timeout={self.timeout!r} must be a positive number of seconds, or None")
+            raise InvalidArgumentError(f"timeout={self.timeout!r} must be a positive number of seconds, or None")
         for cls in self.block_types or ():
             if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-                raise TypeError(f"block_types holds {cls!r}; give nn.Module subclasses, e.g. block_types=[Block]")
+                raise InvalidTypeError(
+                    f"block_types holds {cls!r}; give nn.Module subclasses, e.g. block_types=[Block]"
+                )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,7 +95,7 @@ def resolve(config: RuntimeConfig, cluster: ClusterEnv | None) -> Plan:
         accelerator = "cuda" if torch.cuda.is_available() else "cpu"
         picked.append(f"accelerator={accelerator} ({'a GPU is' if accelerator == 'cuda' else 'no GPU'} visible)")
     elif accelerator == "cuda" and not torch.cuda.is_available():
-        raise ValueError("accelerator='cuda' but torch sees no GPU; use accelerator='cpu' or 'auto'")
+        raise InvalidArgumentError("accelerator='cuda' but torch sees no GPU; use accelerator='cpu' or 'auto'")
 
     devices = config.devices
     if devices == "auto":
@@ -104,7 +110,7 @@ def resolve(config: RuntimeConfig, cluster: ClusterEnv | None) -> Plan:
             picked.append("devices=1 (one process on CPU; ask for more with devices=N)")
     assert isinstance(devices, int)
     if accelerator == "cuda" and cluster is None and devices > torch.cuda.device_count():
-        raise ValueError(f"devices={devices} but only {torch.cuda.device_count()} GPU(s) are visible")
+        raise InvalidArgumentError(f"devices={devices} but only {torch.cuda.device_count()} GPU(s) are visible")
     if config.num_nodes > 1 and cluster is None:
         raise LaunchError(
             f"num_nodes={config.num_nodes} needs an outside launcher: start the script on every node with "
@@ -125,12 +131,12 @@ def resolve(config: RuntimeConfig, cluster: ClusterEnv | None) -> Plan:
         strategy = "single" if world == 1 else "ddp"
         picked.append(f"strategy={strategy} ({'one process' if world == 1 else f'{world} processes'})")
     elif strategy == "single" and world > 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"strategy='single' runs one process but devices={devices} x num_nodes={config.num_nodes} asks "
             f"for {world}; use strategy='ddp' or 'fsdp', or devices=1"
         )
     if config.block_types is not None and strategy != "fsdp":
-        raise ValueError(f"block_types= only applies to strategy='fsdp' (got strategy={strategy!r})")
+        raise InvalidArgumentError(f"block_types= only applies to strategy='fsdp' (got strategy={strategy!r})")
     backend = "nccl" if accelerator == "cuda" else "gloo"
     plan = Plan(
         accelerator=accelerator,

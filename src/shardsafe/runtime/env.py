@@ -10,6 +10,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from shardsafe.errors import InvalidArgumentError
+
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -57,7 +59,7 @@ def detect(environ: Mapping[str, str] | None = None) -> ClusterEnv | None:
 def _torchrun(env: Mapping[str, str]) -> ClusterEnv:
     missing = [k for k in _TORCHRUN_VARS if k not in env]
     if missing:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"torchrun-style environment without {', '.join(missing)}: start the script with torchrun "
             "(python -m torch.distributed.run) or set all of " + ", ".join(_TORCHRUN_VARS)
         )
@@ -99,7 +101,7 @@ def first_host(nodelist: str) -> str:
     """The first host of a SLURM node list: ``"gpu[07-09,12],cpu1"`` -> ``"gpu07"``."""
     head = re.match(r"^([^,\[]*)(?:\[([^\]]*)\])?", nodelist.strip())
     if head is None or (not head.group(1) and not head.group(2)):
-        raise ValueError(f"cannot read the SLURM node list {nodelist!r}; set MASTER_ADDR")
+        raise InvalidArgumentError(f"cannot read the SLURM node list {nodelist!r}; set MASTER_ADDR")
     prefix, ranges = head.group(1), head.group(2)
     if not ranges:
         return prefix
@@ -113,4 +115,4 @@ def _int(env: Mapping[str, str], key: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"environment variable {key}={raw!r} is not an integer") from None
+        raise InvalidArgumentError(f"environment variable {key}={raw!r} is not an integer") from None

@@ -1,22 +1,7 @@
-"""Errors of the runtime: misuse of launch/setup, and failures of worker processes."""
+"""The carrier of a worker's traceback. The runtime's errors (:class:`~shardsafe.errors.LaunchError`,
+:class:`~shardsafe.errors.WorkerError`) live in :mod:`shardsafe.errors` with every other error."""
 
 from __future__ import annotations
-
-
-class LaunchError(RuntimeError):
-    """The runtime was used in a way that cannot work (e.g. ``launch()`` twice, ``setup()`` before
-    ``launch()``, a world size that disagrees with torchrun's). Raised at once, never after a hang."""
-
-
-class WorkerError(RuntimeError):
-    """A worker process failed and its own exception could not be carried over (it died without
-    reporting, e.g. ``os._exit``, SIGKILL or a crash, or its exception could not be unpickled)."""
-
-    def __init__(self, message: str, *, rank: int, exitcode: int | None, remote_traceback: str = "") -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.exitcode = exitcode
-        self.remote_traceback = remote_traceback
 
 
 class WorkerTraceback(Exception):

@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from shardsafe.errors import LaunchError, WorkerError
 from shardsafe.runtime.config import Plan, RuntimeConfig
-from shardsafe.runtime.errors import LaunchError, WorkerError, WorkerTraceback
+from shardsafe.runtime.errors import WorkerTraceback
 
 if TYPE_CHECKING:  # torch.distributed re-exports these without declaring them for type checkers
     from torch._C._distributed_c10d import TCPStore

@@ -16,11 +16,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from shardsafe.coord import Coordinator, Deadlines, call_site
+from shardsafe.errors import InvalidArgumentError, LaunchError
 from shardsafe.runtime import launch as _launch
 from shardsafe.runtime import strategies
 from shardsafe.runtime.config import Plan, RuntimeConfig, resolve
 from shardsafe.runtime.env import ClusterEnv, detect
-from shardsafe.runtime.errors import LaunchError
 
 if TYPE_CHECKING:  # torch.distributed re-exports these without declaring them for type checkers
     from torch._C._distributed_c10d import Store, TCPStore
@@ -307,7 +307,7 @@ class Runtime:
         """(every rank) ``value`` reduced over all ranks (``"sum"``, ``"mean"``, ``"max"``, ``"min"``), as a new
         tensor; the input is left unchanged."""
         if op not in _REDUCE_OPS:
-            raise ValueError(f"all_reduce(op={op!r}): choose one of {', '.join(map(repr, _REDUCE_OPS))}")
+            raise InvalidArgumentError(f"all_reduce(op={op!r}): choose one of {', '.join(map(repr, _REDUCE_OPS))}")
         tensor = value.detach().clone() if isinstance(value, torch.Tensor) else torch.tensor(value)
         if not self._need_world("all_reduce") or self.world_size == 1:
             return tensor

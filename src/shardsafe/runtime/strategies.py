@@ -38,6 +38,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from shardsafe.errors import InvalidArgumentError, InvalidTypeError
 from shardsafe.runtime.config import Plan
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def setup_module(
     """(every rank, after the setup rendezvous) Wrap ``model`` for ``plan.strategy``; rebind ``optimizers``
     in place. FSDP and DDP run collectives on the training process group here."""
     if isinstance(model, (DistributedDataParallel, FSDPModule)):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"setup() got a model that is already wrapped ({type(model).__name__}); pass the plain module and "
             "let the Runtime wrap it"
         )
@@ -81,7 +82,7 @@ def fsdp_blocks(model: nn.Module, block_types: tuple[type[nn.Module], ...] | Non
     if block_types:
         found = [m for m in model.modules() if m is not model and isinstance(m, block_types)]
         if not found:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"block_types={[t.__name__ for t in block_types]} matches no submodule of "
                 f"{type(model).__name__}; name the class of its repeated blocks (e.g. the transformer layer)"
             )
@@ -185,16 +186,16 @@ def _to(model: nn.Module, device: torch.device) -> nn.Module:
 def _check_optimizers(optimizers: Sequence[torch.optim.Optimizer], names: dict[int, str], strategy: str) -> None:
     for i, opt in enumerate(optimizers):
         if not isinstance(opt, torch.optim.Optimizer):
-            raise TypeError(f"setup(): argument {i + 2} is a {type(opt).__name__}, not a torch.optim.Optimizer")
+            raise InvalidTypeError(f"setup(): argument {i + 2} is a {type(opt).__name__}, not a torch.optim.Optimizer")
         for group in opt.param_groups:
             for p in group["params"]:
                 if id(p) not in names:
-                    raise ValueError(
+                    raise InvalidArgumentError(
                         f"setup(): optimizer {i} ({type(opt).__name__}) holds a parameter of shape {tuple(p.shape)} "
                         "that is not a parameter of the model; build each optimizer from model.parameters()"
                     )
         if strategy == "fsdp" and len(opt.state) > 0:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"setup(): optimizer {i} ({type(opt).__name__}) has already stepped; with strategy='fsdp' its "
                 "state would not match the sharded parameters. Call setup() before the first optimizer step"
             )
@@ -213,7 +214,7 @@ def shard_loader(loader: DataLoader, *, rank: int, world_size: int, seed: int) -
     if world_size == 1 or isinstance(loader.sampler, DistributedSampler):
         return loader
     if isinstance(loader.dataset, IterableDataset):
-        raise ValueError(
+        raise InvalidArgumentError(
             "setup_dataloader(): an IterableDataset cannot be given a sampler, and unsharded every rank would "
             "read the same data. Shard it inside the dataset (by rt.rank and rt.world_size) and use the loader "
             "as it is"
@@ -222,7 +223,7 @@ def shard_loader(loader: DataLoader, *, rank: int, world_size: int, seed: int) -
         RandomSampler,
         SequentialSampler,
     ):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"setup_dataloader(): the loader uses its own sampler ({type(loader.sampler).__name__}) or batch "
             "sampler; make it shard by rank itself (e.g. wrap it in a DistributedSampler) and pass the loader "
             "on unchanged"

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardsafe.errors import UnsafeValueError
+from shardsafe.errors import InvalidTypeError, UnsafeValueError
 from shardsafe.format.manifest import SAFETENSORS_DTYPES
 from shardsafe.format.values import PerRank, encode
 from shardsafe.state import fsdp1
@@ -193,7 +193,7 @@ def flatten(
     ``gather`` (every rank's payload, through the rendezvous store; state/fsdp1.py), which waits for
     every rank. Without ``gather``, one process is assumed."""
     if not isinstance(state, Mapping):
-        raise TypeError(f"state must be a dict of str -> object, not {type(state).__name__}")
+        raise InvalidTypeError(f"state must be a dict of str -> object, not {type(state).__name__}")
     names = param_names(state)
     fsdp = _fsdp1_state(state, gather)  # FSDP1 hook: None unless the state holds an FSDP1 module
     items: list[TensorItem] = []

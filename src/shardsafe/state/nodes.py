@@ -11,6 +11,7 @@ import torch
 
 from shardsafe.format.manifest import Manifest
 from shardsafe.format.values import PerRank
+from shardsafe.format.walk import typed_nodes
 
 WRAPPERS = ("module.", "_orig_mod.", "_forward_module.")  # DDP, torch.compile, Lightning Fabric
 
@@ -30,24 +31,8 @@ def tag_of(node: Any) -> str | None:
 
 
 def refs(node: Any) -> list[tuple[str, str]]:
-    """(tag, name) of every tensor/ndarray reference in a typed JSON tree."""
-    out: list[tuple[str, str]] = []
-    stack = [node]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            tag = item.get("$")
-            if tag in ("tensor", "ndarray"):
-                out.append((tag, item["ref"]))
-            elif tag == "dict":
-                stack.extend(v for _, v in item["items"])
-            elif tag in ("tuple",):
-                stack.extend(item["items"])
-            elif tag == "per_rank":
-                stack.extend(item["ranks"])
-    return out
+    """(tag, name) of every tensor/ndarray reference in a typed JSON tree, in order."""
+    return [(n["$"], n["ref"]) for n in typed_nodes(node) if n.get("$") in ("tensor", "ndarray")]
 
 
 def holds_tensor(value: Any) -> bool:

@@ -32,7 +32,7 @@ import xxhash
 from shardsafe import knobs
 from shardsafe.coord import Coordinator, Deadlines
 from shardsafe.errors import CheckpointError, UnsafeValueError
-from shardsafe.format.datafile import PendingChunk, tensor_bytes
+from shardsafe.format.datafile import tensor_bytes
 from shardsafe.format.manifest import Chunk, TensorEntry
 from shardsafe.format.values import PerRank, dtype_from_name, dtype_name
 from shardsafe.state.flatten import FlatState, TensorItem
@@ -272,11 +272,6 @@ def _own(node: Any, path: Path, rank: int, items: dict[str, TensorItem], moved: 
 
 
 # ------------------------------------------------------------------------------------- writing
-
-
-def own_chunks(flat: FlatState) -> list[PendingChunk]:
-    """(every rank) The chunks of this rank's per-rank tensors: each written whole, by this rank."""
-    return [PendingChunk(i.name, (0,) * len(i.shape), i.shape, i.local) for i in flat.per_rank]
 
 
 def report(flat: FlatState) -> dict[str, Any]:

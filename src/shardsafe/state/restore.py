@@ -18,8 +18,9 @@ checkpoint's typed JSON and plans; it modifies nothing until :meth:`Restorer.app
   another world size the value is missing (docs/format.md, "Per-rank values").
 
 Call order: ``plan_entry``/``extra`` for each entry; then (after the size checks of :meth:`names`)
-:meth:`prepare`, which allocates the new tensors and returns the reads, early ones apart; after the
-early reads (into new tensors only) :meth:`check`, which may still refuse the load; then the go/no-go;
+:meth:`prepare`, which allocates the new tensors and returns the boxes to fill (global offsets and a
+view of the destination), early ones apart, from which the engine plans its reads; after the early
+reads (into new tensors only) :meth:`check`, which may still refuse the load; then the go/no-go;
 then, after the other reads, :meth:`apply`.
 """
 
@@ -31,12 +32,12 @@ from typing import Any
 
 import torch
 
-from shardsafe.engine.read import Task, plan_reads
 from shardsafe.errors import CheckpointError, CorruptCheckpointError
 from shardsafe.format.manifest import Manifest
-from shardsafe.format.values import PerRank, decode, dtype_name, has_per_rank
+from shardsafe.format.values import PerRank, decode, dtype_name
+from shardsafe.format.walk import has_per_rank
 from shardsafe.state.flatten import kind_of, load_module_state, module_state
-from shardsafe.state.layout import Layout, layout_of
+from shardsafe.state.layout import Box, Layout, layout_of
 from shardsafe.state.nodes import align, cpu_alloc, describe, describe_value, holds_tensor, refs, tag_of
 
 Op = Callable[[], Any]
@@ -374,22 +375,22 @@ class Restorer:
         the bytes each new tensor takes (a DTensor shard's local size, not the global one)."""
         return {name: self._fresh_bytes[name] for name in self._fresh}
 
-    def prepare(self) -> tuple[list[Task], list[Task]]:
-        """Allocate the new tensors, decode the new values and return the reads: ``(early, rest)``.
-        ``early`` reads only into new tensors, for :meth:`check` before the go/no-go. Still modifies
-        nothing of the caller's state."""
+    def prepare(self) -> tuple[list[tuple[str, Box]], list[tuple[str, Box]]]:
+        """Allocate the new tensors, decode the new values and return what to fill, as (manifest
+        tensor name, destination box) pairs: ``(early, rest)``. ``early`` fills only new tensors, for
+        :meth:`check` before the go/no-go. Still modifies nothing of the caller's state."""
         for name, alloc in self._fresh.items():
             self.tensors[name] = alloc()
         for todo in self._decodes:
             todo.value = decode(
                 todo.node, f"{self.path}: {todo.where}", self.tensors.__getitem__, allow_pickle=self.allow_pickle
             )
-        early: list[Task] = []
-        rest: list[Task] = []
+        early: list[tuple[str, Box]] = []
+        rest: list[tuple[str, Box]] = []
         fresh = [(name, layout_of(t, roles=False), name in self._early) for name, t in self.tensors.items()]
         for name, layout, first in [*((n, lay, False) for n, lay in self._fills), *fresh]:
-            for offsets, local in layout.boxes:
-                (early if first else rest).extend(plan_reads(name, self.manifest.tensors[name], local, offsets))
+            for box in layout.boxes:
+                (early if first else rest).append((name, box))
         return early, rest
 
     def check(self) -> None:

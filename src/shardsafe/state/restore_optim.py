@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from shardsafe.errors import CorruptCheckpointError
-from shardsafe.format.values import decode, has_per_rank
+from shardsafe.format.values import decode
+from shardsafe.format.walk import has_per_rank
 from shardsafe.state import fsdp1_load
 from shardsafe.state.flatten import load_optimizer_state, optimizer_current, param_names
 from shardsafe.state.fsdp1 import Fsdp1State

@@ -1,9 +1,19 @@
-"""Storage backends behind the narrow :class:`~shardsafe.storage.base.Storage` interface."""
+"""Storage backends behind one interface, :class:`~shardsafe.storage.base.Storage`, the same shape
+for the local POSIX backend (``local``) and the fsspec one (``remote``, ``uploads``, ``retry``,
+``fsspec_util``); it covers what the engine needs (staging, writers, publish, ranged reads) and what
+the manager needs (listing, sizes, ages). Every delete passes one gate (``unlink.delete_files``);
+``delete`` takes the names from a validated manifest, less the files sibling checkpoints refer to
+(``refs``). Also: bounded local I/O (``bounded``), regular-file
+checks (``regular``) and shardsafe's file names (``names``).
+
+Layer: may import coord (fault points), knobs and errors; ``refs`` and ``delete`` alone also import
+format (they validate manifests). Imported by format and everything above."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from shardsafe.errors import InvalidArgumentError
 from shardsafe.storage.base import MANIFEST_NAME, Storage, Writer
 from shardsafe.storage.local import LocalStorage
 
@@ -22,5 +32,7 @@ def get_storage(path: str, storage_options: dict[str, Any] | None = None) -> Sto
 
         return FsspecStorage.for_path(path, storage_options)  # type: ignore[no-any-return]
     if storage_options:
-        raise ValueError(f"storage_options= applies to remote paths (s3://...), not to the local path {path!r}")
+        raise InvalidArgumentError(
+            f"storage_options= applies to remote paths (s3://...), not to the local path {path!r}"
+        )
     return LocalStorage()

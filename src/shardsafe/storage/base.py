@@ -28,7 +28,8 @@ class Writer(Protocol):
 
 
 class Storage(Protocol):
-    """What the engine needs from a filesystem or object store. Deletions go through
+    """What the engine and the manager need from a filesystem or object store, the same for every
+    backend (:func:`shardsafe.storage.get_storage` picks one). Deletions go through
     :mod:`shardsafe.storage.delete` only, which calls the primitives at the end of this class."""
 
     def join(self, base: str, name: str) -> str:
@@ -90,6 +91,16 @@ class Storage(Protocol):
 
     def size(self, path: str) -> int:
         """Size in bytes of a regular file (as :meth:`read_bytes`). Raises ``FileNotFoundError``."""
+        ...
+
+    def total_size(self, path: str) -> int:
+        """Bytes of a file, or of the files directly inside a directory (the manager's listing).
+        Raises ``FileNotFoundError``."""
+        ...
+
+    def mtime(self, path: str) -> float:
+        """Last change (unix time) of ``path`` or of anything directly inside it: how long ago a save
+        last touched a staging directory (the manager's cleanup). Raises ``FileNotFoundError``."""
         ...
 
     def exists(self, path: str) -> bool: ...

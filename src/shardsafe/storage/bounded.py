@@ -2,7 +2,8 @@
 returns, and nothing can interrupt it; so the save path runs its local writes and fsyncs on a worker
 thread and waits for each with the save's deadline. At the deadline the caller raises
 ``TimeoutError`` (an ``OSError``) naming the path, and the save fails on that rank instead of hanging
-it; the stuck thread is a daemon and is left to the kernel.
+it (wrapped into a CheckpointError naming the rank and phase); the stuck thread is a daemon and is left
+to the kernel.
 """
 
 from __future__ import annotations

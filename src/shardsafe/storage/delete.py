@@ -33,7 +33,7 @@ from collections.abc import Iterable
 
 from shardsafe.errors import CorruptCheckpointError
 from shardsafe.format.manifest import parse_manifest
-from shardsafe.storage import refs
+from shardsafe.storage import refs, unlink
 from shardsafe.storage.base import MANIFEST_NAME, Storage
 from shardsafe.storage.names import (
     DATA_FILE,
@@ -42,7 +42,6 @@ from shardsafe.storage.names import (
     TOMBSTONE,
     basename,
     data_file,
-    is_own,
     temp_manifest,
 )
 
@@ -50,27 +49,18 @@ logger = logging.getLogger(__name__)
 
 
 def delete_files(storage: Storage, directory: str, names: Iterable[str]) -> list[str]:
-    """Remove ``names`` from ``directory`` (missing ones are fine), then fsync ``directory``; returns
-    the names removed: those asked for, less data files another checkpoint beside ``directory``
-    refers to (kept, logged). Raises ``ValueError`` without removing anything if one of them is not a
-    name shardsafe writes there, ``OSError`` if a removal fails."""
+    """Remove ``names`` from ``directory`` through the gate (:func:`shardsafe.storage.unlink.delete_files`),
+    less the data files another checkpoint beside ``directory`` refers to (kept, logged); returns the
+    names removed. Raises ``ValueError`` without removing anything if one of them is not a name
+    shardsafe writes there, ``OSError`` if a removal fails."""
     todo = sorted(set(names))
     in_staging = STAGING_DIR.match(basename(directory)) is not None
-    foreign = [n for n in todo if not is_own(n, in_staging=in_staging)]
-    if foreign:
-        raise ValueError(
-            f"refusing to delete {foreign} in {directory}: shardsafe deletes only the files it writes "
-            "(data-<rank>-<saveid>.safetensors and its own manifest files)"
-        )
     if not in_staging and any(DATA_FILE.match(n) for n in todo):
         kept = refs.referenced_files(storage, directory) & set(todo)
         if kept:
             logger.info("shardsafe: keeping %s in %s: other checkpoints refer to them", sorted(kept), directory)
             todo = [n for n in todo if n not in kept]
-    if todo:
-        storage.unlink_names(directory, todo)
-        storage.sync_dir(directory)
-    return todo
+    return unlink.delete_files(storage, directory, todo)
 
 
 def manifest_files(raw: bytes, where: str) -> tuple[str, list[str]]:

@@ -65,14 +65,14 @@ def _write_all(fd: int, data: memoryview) -> None:
 class LocalWriter:
     """A new file written with ``os.write`` and made durable with ``fsync`` on close, every call on
     a worker thread under the save's deadline (``deadline``, ``time.monotonic()`` seconds). Pieces
-    under ``SMALL`` bytes are gathered (copied) into one buffer and written together: a state of
-    thousands of small tensors costs a few hand-offs to the worker, not one per tensor."""
-
-    SMALL = 256 * 1024
-    GATHER = 4 * 1024 * 1024
+    under ``SMALL`` bytes (:func:`~shardsafe.knobs.local_gather_below_bytes`) are gathered (copied)
+    into one buffer of up to ``GATHER`` bytes and written together: a state of thousands of small
+    tensors costs a few hand-offs to the worker, not one per tensor."""
 
     def __init__(self, path: str, deadline: float | None = None) -> None:
         self.path = path
+        self.SMALL = knobs.local_gather_below_bytes()
+        self.GATHER = knobs.local_gather_bytes()
         self.io = IOThread(path, deadline)
         self.gathered = bytearray()
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
@@ -112,9 +112,9 @@ class LocalWriter:
                 self.io.stop()
 
     def abort(self) -> None:
-        """Close and remove the file (through :func:`shardsafe.storage.delete.delete_files`, like
+        """Close and remove the file (through :func:`shardsafe.storage.unlink.delete_files`, like
         every delete: only a name shardsafe writes goes)."""
-        from shardsafe.storage.delete import delete_files
+        from shardsafe.storage.unlink import delete_files
 
         fd, path = self.fd, self.path
         try:
@@ -234,6 +234,30 @@ class LocalStorage:
 
     def size(self, path: str) -> int:
         return regular.stat_regular(path).st_size
+
+    def total_size(self, path: str) -> int:
+        if not os.path.isdir(path):
+            return os.stat(path).st_size
+        total = 0
+        with os.scandir(path) as it:
+            for entry in it:
+                try:
+                    if entry.is_file(follow_symlinks=False):
+                        total += entry.stat(follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    continue
+        return total
+
+    def mtime(self, path: str) -> float:
+        newest = os.stat(path).st_mtime
+        if os.path.isdir(path):
+            with os.scandir(path) as it:
+                for entry in it:
+                    try:
+                        newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+                    except FileNotFoundError:  # removed while we looked: it no longer counts
+                        continue
+        return newest
 
     def exists(self, path: str) -> bool:
         return os.path.exists(path)

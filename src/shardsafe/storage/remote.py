@@ -18,7 +18,6 @@ resets and 5xx). On S3 (``s3fs``) large data files upload as parallel multipart 
 
 from __future__ import annotations
 
-import datetime
 import errno
 import functools
 import logging
@@ -27,10 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from shardsafe import knobs
-from shardsafe.errors import CorruptCheckpointError
+from shardsafe.errors import CorruptCheckpointError, InvalidArgumentError, RemoteIOError
 from shardsafe.storage import regular, retry
 from shardsafe.storage.base import MANIFEST_NAME, Writer
 from shardsafe.storage.bounded import run_bounded
+from shardsafe.storage.fsspec_util import check_name, import_fsspec, local_dir, mtime_of
 from shardsafe.storage.local import fsync_dir, make_dirs
 from shardsafe.storage.names import temp_manifest
 from shardsafe.storage.uploads import PartWriter, StreamWriter, abort_upload, is_s3, list_uploads, part_bytes, s3_call
@@ -42,18 +42,6 @@ T = TypeVar("T")
 # Object stores have no directories: nothing to create before writing (and creating a "directory"
 # with s3fs at a bucket path would create a bucket).
 _OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "oci", "r2"})
-_READ_THREADS = 4
-
-
-def _import_fsspec() -> Any:
-    try:
-        import fsspec
-    except ImportError as err:
-        raise ImportError(
-            "paths with a scheme (s3://, memory://, ...) need fsspec: pip install 'shardsafe[remote]', "
-            "or 'shardsafe[s3]' for S3"
-        ) from err
-    return fsspec
 
 
 class FsspecStorage:
@@ -70,7 +58,7 @@ class FsspecStorage:
         policy: retry.RetryPolicy | None = None,
     ) -> None:
         if isinstance(protocol_or_fs, str):
-            fsspec = _import_fsspec()
+            fsspec = import_fsspec()
             try:
                 self.fs = fsspec.filesystem(protocol_or_fs, **dict(storage_options or {}))
             except ImportError as err:
@@ -80,7 +68,9 @@ class FsspecStorage:
                 ) from err
         else:
             if storage_options:
-                raise ValueError("storage_options= applies when a protocol is given, not a filesystem instance")
+                raise InvalidArgumentError(
+                    "storage_options= applies when a protocol is given, not a filesystem instance"
+                )
             self.fs = protocol_or_fs
         self.policy = policy or retry.RetryPolicy.from_env()
         self.deadline: float | None = None
@@ -93,10 +83,12 @@ class FsspecStorage:
         """The storage for a URL such as ``s3://bucket/run/step-1``; ``storage_options`` are the
         filesystem's usual options (credentials, ``client_kwargs={"endpoint_url": ...}``)."""
         if "::" in path:
-            raise ValueError(f"{path!r}: chained fsspec URLs are not supported; give the URL of the store itself")
+            raise InvalidArgumentError(
+                f"{path!r}: chained fsspec URLs are not supported; give the URL of the store itself"
+            )
         protocol, sep, _ = path.partition("://")
         if not sep or not protocol:
-            raise ValueError(f"{path!r} has no scheme; plain paths use the local storage")
+            raise InvalidArgumentError(f"{path!r} has no scheme; plain paths use the local storage")
         return cls(protocol, storage_options)
 
     # -- paths -----------------------------------------------------------------------------------
@@ -111,7 +103,7 @@ class FsspecStorage:
         return retry.call(op, path, fn, self.policy)
 
     def join(self, base: str, name: str) -> str:
-        _check_name(name, base)
+        check_name(name, base)
         return f"{base.rstrip('/')}/{name}"
 
     # -- save ------------------------------------------------------------------------------------
@@ -129,7 +121,7 @@ class FsspecStorage:
         """(rank 0) Nothing on an object store; directories elsewhere (``file://``: made durable)."""
         if self.object_store:
             return
-        local = _local_dir(self.fs, self._p(staging))
+        local = local_dir(self.fs, self._p(staging))
         if local:
             run_bounded("creating the target directory", staging, self.deadline, lambda: make_dirs(local))
             return
@@ -142,7 +134,7 @@ class FsspecStorage:
             raise FileExistsError(f"{path} already exists; data objects are never overwritten")
         if self.s3:
             return PartWriter(self.fs, p, path, self.policy)
-        return StreamWriter(self.fs, p, self.deadline if _local_dir(self.fs, p) else None)
+        return StreamWriter(self.fs, p, self.deadline if local_dir(self.fs, p) else None)
 
     def stage_manifest(self, staging: str, target: str, save_id: str, manifest: bytes) -> None:
         """(rank 0, before the decision) Object stores: nothing (the manifest goes up in one PUT when
@@ -151,7 +143,7 @@ class FsspecStorage:
         if self.object_store:
             return
         tmp = self._p(self.join(target, temp_manifest(save_id)))
-        writer = StreamWriter(self.fs, tmp, self.deadline if _local_dir(self.fs, tmp) else None)
+        writer = StreamWriter(self.fs, tmp, self.deadline if local_dir(self.fs, tmp) else None)
         try:
             writer.write(memoryview(manifest))
         except BaseException:
@@ -177,7 +169,7 @@ class FsspecStorage:
         old = self.read_bytes(url) if self._exists(p, url) else None
         if old is not None and not overwrite:
             raise FileExistsError(f"{url} exists: {target} holds a committed checkpoint; pass overwrite=True")
-        local = _local_dir(self.fs, self._p(target))
+        local = local_dir(self.fs, self._p(target))
         if local:
             fsync_dir(local)  # the data files' entries are durable before the manifest names them
         at_commit()
@@ -197,7 +189,7 @@ class FsspecStorage:
         self._remove_paths(directory, [self._p(self.join(directory, n)) for n in names])
 
     def sync_dir(self, directory: str) -> None:
-        local = _local_dir(self.fs, self._p(directory))
+        local = local_dir(self.fs, self._p(directory))
         if local:
             try:
                 fsync_dir(local)
@@ -224,7 +216,7 @@ class FsspecStorage:
             self._retry("remove directory", path, lambda: self.fs.rmdir(self._p(path)))
         except FileNotFoundError:
             return True
-        local = _local_dir(self.fs, self._p(path))
+        local = local_dir(self.fs, self._p(path))
         if local:
             fsync_dir(local.rstrip("/").rsplit("/", 1)[0] or "/")
         return True
@@ -296,7 +288,9 @@ class FsspecStorage:
             for s, e in spans:
                 self._read_span(p, path, offset, out, s, e)
             return
-        with ThreadPoolExecutor(min(len(spans), _READ_THREADS), thread_name_prefix="shardsafe-read") as pool:
+        with ThreadPoolExecutor(
+            min(len(spans), knobs.remote_read_threads()), thread_name_prefix="shardsafe-read"
+        ) as pool:
             futures = [pool.submit(self._read_span, p, path, offset, out, s, e) for s, e in spans]
             for f in futures:
                 f.result()  # re-raises a reader thread's error here
@@ -310,7 +304,7 @@ class FsspecStorage:
             if err.errno == errno.ELOOP:
                 raise CorruptCheckpointError(f"{path} is a symlink loop, not a file") from None
             raise
-        local = _local_dir(self.fs, self._p(path))
+        local = local_dir(self.fs, self._p(path))
         if local is not None and info.get("type") != "directory":
             regular.stat_regular(local)
         return info
@@ -326,7 +320,7 @@ class FsspecStorage:
         lo, hi = offset + start, offset + end
         try:
             data = self._retry(f"read bytes {lo}-{hi}", url, lambda: self.fs.cat_file(p, start=lo, end=hi))
-        except (FileNotFoundError, retry.RemoteIOError):
+        except (FileNotFoundError, RemoteIOError):
             raise
         except OSError as err:  # S3 answers a range past the end with 416
             if self.size(url) < hi:
@@ -346,6 +340,10 @@ class FsspecStorage:
         if info.get("type") != "file":
             raise CorruptCheckpointError(f"{path} is not a regular file ({info.get('type')}); expected an object")
         return int(info["size"])
+
+    def total_size(self, path: str) -> int:
+        """As :meth:`size`, which counts the objects directly inside a prefix too."""
+        return self.size(path)
 
     def _info(self, path: str) -> dict[str, Any]:
         p = self._p(path)
@@ -372,9 +370,9 @@ class FsspecStorage:
         """Last change (unix time) of an object, or of the newest object directly inside a prefix.
         ``FileNotFoundError`` when there is nothing."""
         info = self._info(path)
-        times = [_mtime_of(info)]
+        times = [mtime_of(info)]
         if info.get("type") == "directory":
-            times += [_mtime_of(e) for e in self._entries(path)]
+            times += [mtime_of(e) for e in self._entries(path)]
         known = [t for t in times if t is not None]
         if not known:
             raise FileNotFoundError(f"{path}: the store reports no modification time for it or its objects")
@@ -390,35 +388,3 @@ class FsspecStorage:
     def list_dir(self, path: str) -> list[str]:
         """Names of the objects and sub-prefixes directly under ``path``; empty when there are none."""
         return sorted({str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in self._entries(path)})
-
-
-def _local_dir(fs: Any, path: str) -> str | None:
-    """``path`` when ``fs`` is fsspec's local filesystem (so ``os`` calls apply), else None."""
-    from fsspec.implementations.local import LocalFileSystem
-
-    return path if isinstance(fs, LocalFileSystem) else None
-
-
-def _mtime_of(entry: Mapping[str, Any]) -> float | None:
-    """Modification time of an fsspec ``info``/``ls`` entry; filesystems name and type it differently."""
-    for key in ("LastModified", "mtime", "last_modified", "updated", "created"):
-        value = entry.get(key)
-        if isinstance(value, datetime.datetime):
-            return value.timestamp()
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-            except ValueError:
-                continue
-    return None
-
-
-def _plain(name: str) -> bool:
-    return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..")
-
-
-def _check_name(name: str, base: str) -> None:
-    if not _plain(name):
-        raise ValueError(f"{name!r} is not a plain file name inside {base} (no '/', '..' or empty names)")

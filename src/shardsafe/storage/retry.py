@@ -15,11 +15,11 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from shardsafe import knobs
-from shardsafe.errors import CheckpointError
+from shardsafe.errors import InvalidArgumentError, RemoteIOError
 
 logger = logging.getLogger(__name__)
 
@@ -81,26 +81,22 @@ def retry_seconds() -> float:
     return knobs.remote_retry_seconds()
 
 
-class RemoteIOError(CheckpointError, OSError):
-    """A storage request still failed after retrying until its deadline."""
-
-
 @dataclass(frozen=True, kw_only=True)
 class RetryPolicy:
     """How long and how often to retry one request."""
 
     deadline: float = 120.0
     """Seconds from the first attempt after which a transient failure is final."""
-    base_delay: float = 0.1
+    base_delay: float = field(default_factory=knobs.remote_retry_first_delay)
     """Sleep before the first retry; doubles after each failed attempt."""
-    max_delay: float = 5.0
+    max_delay: float = field(default_factory=knobs.remote_retry_max_delay)
     """Longest sleep between two attempts."""
 
     def __post_init__(self) -> None:
         for name in ("deadline", "base_delay", "max_delay"):
             value = getattr(self, name)
             if not value > 0:
-                raise ValueError(f"RetryPolicy.{name}={value!r} must be a positive number of seconds")
+                raise InvalidArgumentError(f"RetryPolicy.{name}={value!r} must be a positive number of seconds")
 
     @staticmethod
     def from_env() -> RetryPolicy:

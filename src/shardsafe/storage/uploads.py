@@ -258,7 +258,7 @@ class PartWriter:
             f.cancel()
         running = [f for f in self.parts if not f.done()]
         if running:
-            wait(running, timeout=self.policy.deadline + 60)
+            wait(running, timeout=self.policy.deadline + knobs.wait_margin_seconds())
         for f in self.parts:
             if f.done() and not f.cancelled() and f.exception() is not None:
                 logger.debug("%s: part upload failed during abort: %s", self.url, f.exception())
@@ -308,8 +308,8 @@ class StreamWriter:
     def _discard(self) -> None:
         from fsspec.spec import AbstractBufferedFile
 
-        from shardsafe.storage.delete import delete_files
         from shardsafe.storage.remote import FsspecStorage
+        from shardsafe.storage.unlink import delete_files
 
         if isinstance(self.f, AbstractBufferedFile):
             self.f.discard()  # cancels an upload in progress where the filesystem supports it

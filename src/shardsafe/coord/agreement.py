@@ -1,4 +1,5 @@
-"""The manager's own keys in the rendezvous store, for the agreements it makes every step.
+"""The manager's own keys in the rendezvous store, for the agreements it makes every step: rank 0's
+per-step decisions (:class:`StepBroadcast`) and the preemption step (:class:`StopAgreement`).
 
 These are raw store keys under ``<group namespace>/manager/<n>/`` rather than a
 :class:`~shardsafe.coord.Coordinator` operation, because they run every step: a rendezvous costs
@@ -14,11 +15,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from shardsafe import knobs
+from shardsafe.coord.access import guarded
+from shardsafe.coord.waiting import wait_until
 from shardsafe.errors import RankDeadError, RankTimeoutError
 
 if TYPE_CHECKING:
@@ -67,14 +68,14 @@ class StoreKeys:
         return raw.decode()
 
     def _call(self, what: str, key: str, fn: Callable[[], Any]) -> Any:
-        try:
-            return fn()
-        except (RuntimeError, OSError) as err:
-            raise RankDeadError(
+        return guarded(
+            fn,
+            lambda err: RankDeadError(
                 f"CheckpointManager: lost the rendezvous store during {what} of {key!r} ({err}). The process "
                 "hosting it (rank 0 or the launcher) has most likely died; restart the job, it resumes from the "
                 "last committed checkpoint."
-            ) from err
+            ),
+        )
 
 
 class StepBroadcast:
@@ -109,27 +110,48 @@ class StepBroadcast:
         return got
 
     def _await(self, key: str, step: int) -> None:
-        started = time.monotonic()
-        delay = 0.002
-        warned = False
-        while not self.keys.check(key):  # type: ignore[union-attr]  # share() checked it
-            elapsed = time.monotonic() - started
-            if elapsed > self.timeout:
-                raise RankTimeoutError(
-                    f"CheckpointManager.should_save({step}) on rank {self.rank}: rank 0 gave no {self.name} "
-                    f"decision for step {step} within {self.timeout:.0f}s. Every rank must call should_save / "
-                    "maybe_save with the same steps in the same order; if rank 0 is merely slow, raise timeout=.",
-                    missing_ranks=[0],
-                )
-            if not warned and elapsed > knobs.stall_fraction() * self.timeout:
-                warned = True
-                logger.warning(
-                    "shardsafe: rank %d has waited %.1fs of %.0fs for rank 0's %s decision of step %d",
-                    self.rank,
-                    elapsed,
-                    self.timeout,
-                    self.name,
-                    step,
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, knobs.poll_seconds())
+        keys = self.keys
+        assert keys is not None  # share() checked it
+
+        def stalled(elapsed: float) -> None:
+            logger.warning(
+                "shardsafe: rank %d has waited %.1fs of %.0fs for rank 0's %s decision of step %d",
+                self.rank,
+                elapsed,
+                self.timeout,
+                self.name,
+                step,
+            )
+
+        if not wait_until(lambda: keys.check(key), timeout=self.timeout, stalled=stalled):
+            raise RankTimeoutError(
+                f"CheckpointManager.should_save({step}) on rank {self.rank}: rank 0 gave no {self.name} "
+                f"decision for step {step} within {self.timeout:.0f}s. Every rank must call should_save / "
+                "maybe_save with the same steps in the same order; if rank 0 is merely slow, raise timeout=.",
+                missing_ranks=[0],
+            )
+
+
+class StopAgreement:
+    """(every rank) The step at which all ranks take the preemption checkpoint, agreed through the
+    store under ``<manager keys>/stop_at``. With no store (one process) the agreement is local."""
+
+    def __init__(self, keys: StoreKeys | None) -> None:
+        self.keys = keys
+        self._local: int | None = None
+
+    def propose(self, step: int) -> int:
+        """Ask to stop at ``step`` unless a step is already agreed; return the agreed step."""
+        if self.keys is None:
+            if self._local is None:
+                self._local = step
+            return self._local
+        self._local = int(self.keys.compare_set(self.keys.key("stop_at"), str(step)))
+        return self._local
+
+    def agreed(self) -> int | None:
+        """The agreed step, or ``None`` when no rank has asked to stop (one ``check`` on the store
+        until a step is known, none after)."""
+        if self._local is None and self.keys is not None and self.keys.check(self.keys.key("stop_at")):
+            self._local = int(self.keys.get(self.keys.key("stop_at")))
+        return self._local

@@ -1,0 +1,47 @@
+"""Group resolution: which store, ranks and key namespace an operation uses (the default process group,
+a given group, or one process), its channel, and the user's call site named in desync errors."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch.distributed as dist
+from torch._C._distributed_c10d import Store
+
+from shardsafe.errors import InvalidArgumentError
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def channel_of(op: str) -> str:
+    """Saves and loads share the ``ckpt`` channel (so a save meeting a load is caught as out of step);
+    every other operation uses ``misc``."""
+    return "ckpt" if op in ("save", "load") else "misc"
+
+
+def call_site() -> str:
+    """``file:line`` of the innermost frame outside shardsafe: the user's call."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def resolve_group(group: Any) -> tuple[Store | None, int, int, int, str, int]:
+    """(store, rank in group, group size, global rank, namespace, identity) of ``group`` or the default
+    group. The identity (the default process group object) keys the per-process sequence counter: it
+    is stable while the group lives and new when the group is re-created over a fresh store."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise InvalidArgumentError("group= was given but torch.distributed is not initialized")
+        return None, 0, 1, 0, "shardsafe/local", 0
+    pg = group if group is not None else dist.group.WORLD
+    ranks = dist.get_process_group_ranks(pg)
+    name = "-".join(map(str, ranks)) if len(ranks) <= 8 else f"{len(ranks)}r{hash(tuple(ranks)) & 0xFFFFFFFF:x}"
+    store = dist.distributed_c10d._get_default_store()
+    identity = id(dist.group.WORLD)
+    return store, dist.get_rank(pg), dist.get_world_size(pg), dist.get_rank(), f"shardsafe/g{name}", identity

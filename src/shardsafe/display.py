@@ -1,0 +1,37 @@
+"""Text shown to people: aligned tables and byte sizes, for the ``shardsafe`` command (``inspect``,
+``verify``) and the manager's ``ls``. Imports nothing of shardsafe; the CLI and the manager use it."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def binary_size(n: int) -> str:
+    """``n`` bytes in the largest binary unit it reaches: ``512 B``, ``3.0 MiB``."""
+    size, i = float(n), 0
+    while size >= 1024 and i < len(_UNITS) - 1:
+        size, i = size / 1024, i + 1
+    return f"{n} B" if i == 0 else f"{size:.1f} {_UNITS[i]}"
+
+
+def exact_size(n: int) -> str:
+    """``n`` bytes, exactly, plus the binary-unit rounding when that reads easier:
+    ``3145728 bytes (3.0 MiB)``."""
+    return f"{n} bytes" if n < 1024 else f"{n} bytes ({binary_size(n)})"
+
+
+def table(rows: Sequence[Sequence[str]], *, right: Collection[int] = (), pad_last: bool = True) -> list[str]:
+    """``rows`` (the first one the header) as lines of columns two spaces apart, each column as wide as
+    its widest cell; columns in ``right`` are right-aligned. With ``pad_last=False`` the last column
+    is not padded (free text such as metrics). Trailing spaces are cut."""
+    padded = len(rows[0]) if pad_last else len(rows[0]) - 1
+    widths = [max(len(row[i]) for row in rows) for i in range(padded)]
+    lines = []
+    for row in rows:
+        cells = [
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row[:padded], widths, strict=True))
+        ]
+        lines.append("  ".join([*cells, *row[padded:]]).rstrip())
+    return lines

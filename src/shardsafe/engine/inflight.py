@@ -1,0 +1,67 @@
+"""The process-wide registry of asynchronous saves in flight: a new save or a load first waits for
+them (:func:`drain`), at most ``SHARDSAFE_MAX_INFLIGHT_SAVES`` run at once, an error nobody waited for
+is raised by the next save or load, and interpreter exit finishes them (or says loudly which could
+not). Every rank keeps its own registry; nothing here talks to other ranks."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import sys
+import threading
+
+from shardsafe import knobs
+from shardsafe.coord import Deadlines
+from shardsafe.engine.commit import finish_bound
+from shardsafe.engine.save import SaveHandle
+
+logger = logging.getLogger(__name__)
+
+_inflight: list[SaveHandle] = []  # asynchronous saves not yet known to be finished, oldest first
+_inflight_lock = threading.Lock()
+
+
+def add(handle: SaveHandle) -> None:
+    """(the saving rank, before its background thread starts) Track ``handle`` until it is seen done."""
+    with _inflight_lock:
+        _inflight.append(handle)
+
+
+def drain(deadlines: Deadlines, allowed: int) -> None:
+    """Wait until at most ``allowed`` asynchronous saves are in flight, oldest first; raise the error
+    of a finished one that nobody has seen yet (its wait() was never called)."""
+    while True:
+        with _inflight_lock:
+            finished = [h for h in _inflight if h.done()]
+            _inflight[:] = [h for h in _inflight if not h.done()]
+            oldest = _inflight[0] if len(_inflight) > allowed else None
+        for handle in finished:
+            _raise_unseen(handle, deadlines)
+        if oldest is None:
+            return
+        _raise_unseen(oldest, deadlines)
+
+
+def _raise_unseen(handle: SaveHandle, deadlines: Deadlines) -> None:
+    try:
+        handle.wait(finish_bound(deadlines) + knobs.wait_margin_seconds())
+    except BaseException:
+        if not handle._reported:
+            raise
+        logger.debug("shardsafe: earlier save of %s had failed (already reported)", handle.path)
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    """Interpreter exit: finish the saves in flight, or say loudly which could not."""
+    with _inflight_lock:
+        pending = list(_inflight)
+    for handle in pending:
+        if handle.done() and handle._reported:
+            continue
+        try:
+            handle.wait()
+        except BaseException as err:
+            msg = f"shardsafe: the asynchronous save of {handle.path} did NOT complete at exit: {err}"
+            logger.error(msg)
+            print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,30 @@
+"""The gate every delete of shardsafe passes, on every backend (:func:`delete_files`): only names
+shardsafe writes, each a plain name inside the directory given, then an fsync of that directory.
+Where the names come from (a validated manifest, a save id) is :mod:`shardsafe.storage.delete`'s
+business; this module sits below the format so that the backends' writers can discard their own file
+through the same gate."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from shardsafe.storage.base import Storage
+from shardsafe.storage.names import STAGING_DIR, basename, is_own
+
+
+def delete_files(storage: Storage, directory: str, names: Iterable[str]) -> list[str]:
+    """Remove ``names`` from ``directory`` (missing ones are fine), then fsync ``directory``; returns
+    the names asked for. Raises ``ValueError`` without removing anything if one of them is not a name
+    shardsafe writes there, ``OSError`` if a removal fails."""
+    todo = sorted(set(names))
+    in_staging = STAGING_DIR.match(basename(directory)) is not None
+    foreign = [n for n in todo if not is_own(n, in_staging=in_staging)]
+    if foreign:
+        raise ValueError(
+            f"refusing to delete {foreign} in {directory}: shardsafe deletes only the files it writes "
+            "(data-<rank>-<saveid>.safetensors and its own manifest files)"
+        )
+    if todo:
+        storage.unlink_names(directory, todo)
+        storage.sync_dir(directory)
+    return todo

@@ -1,0 +1,115 @@
+"""Every error shardsafe raises on purpose is a CheckpointError, defined in shardsafe.errors, and also the
+builtin it resembles, so both ``except CheckpointError`` and ``except TimeoutError`` (etc.) catch it."""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardsafe
+from shardsafe import errors
+from shardsafe.manager import CheckpointManager
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "shardsafe"
+
+# Deliberate raises of a builtin that stay builtin, each with its reason. Every one is either caught
+# and turned into a CheckpointError next to where it is raised, or is a signal that mimics the
+# standard library on purpose.
+ALLOWED_BUILTIN_RAISES = {
+    ("format/values.py", "TypeError"): "malformed typed-JSON field; _decode_node turns it into CorruptCheckpointError",
+    ("format/values.py", "ValueError"): "malformed typed-JSON field; _decode_node turns it into CorruptCheckpointError",
+    ("format/jsontext.py", "ValueError"): "json.loads hook; the caller turns it into CorruptCheckpointError",
+    ("format/datafile.py", "NotImplementedError"): "big-endian hosts: the platform, not the call, is unsupported",
+    # Inside the save pipeline, below the engine: SaveJob._wrap turns these into a CheckpointError that
+    # names the path, the rank and the phase (a CheckpointError would pass through without that context).
+    ("format/datafile.py", "RuntimeError"): "byte count off the plan; wrapped by the save with its phase",
+    ("format/datafile.py", "ValueError"): "internal precondition; wrapped by the save with its phase",
+    ("engine/commit.py", "TimeoutError"): "publish called off at the deadline; wrapped by the save",
+    ("storage/uploads.py", "TimeoutError"): "an upload part past its deadline; wrapped by the save",
+    ("storage/uploads.py", "OSError"): "more parts than S3 allows; wrapped by the save",
+    ("storage/uploads.py", "ValueError"): "writer used after close; wrapped by the save",
+    ("storage/remote.py", "OSError"): "a batch delete that failed for some objects, like os; callers catch OSError",
+    ("storage/delete.py", "ValueError"): "a name shardsafe did not write: refused; callers catch ValueError",
+    ("storage/unlink.py", "ValueError"): "a name shardsafe did not write: refused; callers catch ValueError",
+    ("runtime/launch.py", "TypeError"): "an unpicklable worker result/exception; caught and reported as WorkerError",
+    ("runtime/strategies.py", "AssertionError"): "unreachable branch",
+    ("manager/listing.py", "AssertionError"): "unreachable branch",
+    ("interop/ties.py", "TypeError"): "caught at once: falls back to writing every tensor",
+    ("storage/remote.py", "FileNotFoundError"): "mtime() of nothing, like os.stat; callers catch it",
+    # The storage interface speaks like ``os`` (its contract in storage/base.py); the engine maps these
+    # (EOFError -> CorruptCheckpointError in engine/guard.py, FileExistsError -> CheckpointExistsError).
+    ("storage/local.py", "EOFError"): "a truncated file, like os; mapped by the engine",
+    ("storage/local.py", "FileExistsError"): "a checkpoint committed meanwhile, like os; mapped by the engine",
+    ("storage/local.py", "NotADirectoryError"): "the target is a file, like os; mapped by the engine",
+    ("storage/remote.py", "EOFError"): "a truncated object, like os; mapped by the engine",
+    ("storage/remote.py", "FileExistsError"): "an object is there already, like os; mapped by the engine",
+    ("storage/fsspec_util.py", "ImportError"): "fsspec/s3fs not installed: the message names the extra to install",
+    ("storage/remote.py", "ImportError"): "fsspec/s3fs not installed: the message names the extra to install",
+    ("fabric.py", "NotImplementedError"): "Lightning's own contract for an unsupported load_raw target",
+}
+
+
+def _builtin_raises() -> set[tuple[str, str]]:
+    found: set[tuple[str, str]] = set()
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and isinstance(node.exc.func, ast.Name):
+                name = node.exc.func.id
+                cls = getattr(builtins, name, None)
+                if isinstance(cls, type) and issubclass(cls, BaseException):
+                    found.add((rel, name))
+    return found
+
+
+def test_no_deliberate_raise_of_a_bare_builtin_outside_the_reasoned_list() -> None:
+    unexplained = _builtin_raises() - set(ALLOWED_BUILTIN_RAISES)
+    assert not unexplained, f"raise a CheckpointError subclass from shardsafe.errors instead: {sorted(unexplained)}"
+
+
+def test_every_error_in_errors_derives_from_checkpoint_error_and_is_public() -> None:
+    classes = [c for _, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, BaseException)]
+    assert classes
+    for cls in classes:
+        assert issubclass(cls, errors.CheckpointError), cls
+        assert cls.__name__ in errors.__all__ and getattr(shardsafe, cls.__name__) is cls
+
+
+def test_runtime_and_remote_errors_are_checkpoint_errors() -> None:
+    assert issubclass(shardsafe.LaunchError, RuntimeError) and issubclass(shardsafe.LaunchError, errors.CheckpointError)
+    assert issubclass(shardsafe.WorkerError, errors.CheckpointError)
+    assert issubclass(errors.RemoteIOError, OSError)
+
+
+def test_save_handle_wait_timeout_is_a_checkpoint_error_and_a_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SHARDSAFE_FAULT", "save.report:rank=0:sleep=1.5")
+    handle = shardsafe.async_save(str(tmp_path / "ck"), {"w": torch.ones(4)})
+    with pytest.raises(errors.CheckpointError, match="still running") as caught:
+        handle.wait(timeout=0.05)
+    assert isinstance(caught.value, TimeoutError)
+    handle.wait()  # the save itself goes on and commits
+    assert torch.equal(shardsafe.load(str(tmp_path / "ck"))["w"], torch.ones(4))
+
+
+def test_closed_manager_raises_a_checkpoint_error_that_is_a_runtime_error(tmp_path: Path) -> None:
+    mgr = CheckpointManager(tmp_path, keep_last=1)
+    mgr.close()
+    with pytest.raises(errors.ClosedError, match="is closed") as caught:
+        mgr.save(1, {"w": torch.ones(2)})
+    assert isinstance(caught.value, RuntimeError) and isinstance(caught.value, errors.CheckpointError)
+
+
+def test_bad_knob_value_is_an_invalid_argument(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardsafe import knobs
+
+    monkeypatch.setenv("SHARDSAFE_IO_THREADS", "many")
+    with pytest.raises(errors.InvalidArgumentError, match="SHARDSAFE_IO_THREADS") as caught:
+        knobs.io_threads()
+    assert isinstance(caught.value, ValueError)

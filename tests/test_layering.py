@@ -1,0 +1,121 @@
+"""The import layering of src/shardsafe, checked on the source (ast): a module may import only from
+its own unit or from a lower layer, never from a higher one, nor from another unit of its own layer.
+
+Layers, lowest first (the real graph; docs/architecture.md explains each):
+
+  0  errors, version
+  1  knobs, display                 (tunables; text tables and sizes)
+  2  coord                          (the only code that talks to the rendezvous store)
+  3  storage                        (backends: local POSIX, fsspec; all but storage.delete)
+  4  format                         (manifest, typed values, data files: written through storage)
+  5  storage.refs                   (which sibling data files a checkpoint's manifest refers to)
+  6  storage.delete                 (the one delete path: removes names from a validated manifest)
+  7  state                          (user state <-> flat tensors and values, both directions)
+  8  engine                         (save, load, commit, read, verify, inspect)
+  9  manager, interop, runtime, fabric
+ 10  shardsafe (__init__: the public API)
+ 11  cli
+ 12  __main__                       (``python -m shardsafe``)
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+PKG = SRC / "shardsafe"
+
+LAYERS: dict[str, int] = {
+    "shardsafe.errors": 0,
+    "shardsafe.version": 0,
+    "shardsafe.knobs": 1,
+    "shardsafe.display": 1,
+    "shardsafe.coord": 2,
+    "shardsafe.storage": 3,
+    "shardsafe.format": 4,
+    "shardsafe.storage.refs": 5,
+    "shardsafe.storage.delete": 6,
+    "shardsafe.state": 7,
+    "shardsafe.engine": 8,
+    "shardsafe.manager": 9,
+    "shardsafe.interop": 9,
+    "shardsafe.runtime": 9,
+    "shardsafe.fabric": 9,
+    "shardsafe": 10,
+    "shardsafe.cli": 11,
+    "shardsafe.__main__": 12,
+}
+
+
+def _unit(module: str) -> str:
+    """The most specific entry of LAYERS that ``module`` falls under."""
+    best = ""
+    for unit in LAYERS:
+        if (module == unit or module.startswith(unit + ".")) and len(unit) > len(best):
+            best = unit
+    assert best, module
+    return best
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_module(name: str) -> bool:
+    rel = Path(*name.split("."))
+    return (SRC / rel).with_suffix(".py").exists() or (SRC / rel / "__init__.py").exists()
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every shardsafe module ``path`` imports, at any depth (lazy imports too)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "shardsafe"]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}:{node.lineno}: use absolute imports"
+            if node.module is None or node.module.split(".")[0] != "shardsafe":
+                continue
+            for alias in node.names:  # ``from shardsafe import knobs`` imports the module shardsafe.knobs
+                sub = f"{node.module}.{alias.name}"
+                found.append((node.lineno, sub if _is_module(sub) else node.module))
+    return found
+
+
+def _violations() -> list[str]:
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        importer = _module_name(path)
+        mine = _unit(importer)
+        for line, imported in _imports(path):
+            theirs = _unit(imported)
+            if theirs == mine:
+                continue
+            if LAYERS[theirs] >= LAYERS[mine]:
+                bad.append(
+                    f"{path.relative_to(SRC)}:{line}: {importer} (layer {LAYERS[mine]}, {mine}) imports "
+                    f"{imported} (layer {LAYERS[theirs]}, {theirs})"
+                )
+    return bad
+
+
+def test_no_module_imports_from_a_higher_or_sibling_layer() -> None:
+    bad = _violations()
+    assert not bad, "layering violations:\n" + "\n".join(bad)
+
+
+def test_every_module_has_a_layer() -> None:
+    for path in PKG.rglob("*.py"):
+        assert _unit(_module_name(path)) in LAYERS
+
+
+def test_the_check_catches_an_upward_import(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("from shardsafe.engine.read import plan_reads\nfrom shardsafe import knobs\n")
+    got = [(LAYERS[_unit(m)], m) for _, m in _imports(probe)]
+    assert got == [(8, "shardsafe.engine.read"), (1, "shardsafe.knobs")]
+    assert LAYERS[_unit("shardsafe.state.restore")] < LAYERS[_unit("shardsafe.engine.read")]  # the old violation
