@@ -5,6 +5,7 @@ Every rank calls the same functions; the library decides which rank writes which
 """
 
 from shardsafe.engine.api import CheckpointInfo, SaveHandle, VerifySummary, async_save, inspect, load, save, verify
+from shardsafe.engine.progress import Progress
 from shardsafe.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -21,6 +22,7 @@ from shardsafe.errors import (
 from shardsafe.format.values import PerRank
 from shardsafe.interop import ExportResult, ImportResult, export_hf, export_torch, import_checkpoint
 from shardsafe.manager import CheckpointManager, CheckpointRecord
+from shardsafe.progressbar import ProgressBar
 from shardsafe.runtime import LaunchError, Runtime, WorkerError
 from shardsafe.state.per_rank import per_rank
 
@@ -40,6 +42,8 @@ __all__ = [
     "LaunchError",
     "MissingKeysError",
     "PerRank",
+    "Progress",
+    "ProgressBar",
     "RankDeadError",
     "RankDesyncError",
     "RankTimeoutError",

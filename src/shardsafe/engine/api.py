@@ -19,6 +19,7 @@ from shardsafe.engine import load as _load
 from shardsafe.engine.commit import finish_bound
 from shardsafe.engine.guard import mapped_errors
 from shardsafe.engine.inspect import CheckpointInfo, EntryInfo, VerifySummary, inspect, verify
+from shardsafe.engine.progress import Progress, ProgressCallback, check_callback
 from shardsafe.engine.save import SaveHandle, SaveJob
 from shardsafe.storage import get_storage
 
@@ -30,6 +31,7 @@ _inflight_lock = threading.Lock()
 __all__ = [
     "CheckpointInfo",
     "EntryInfo",
+    "Progress",
     "SaveHandle",
     "VerifySummary",
     "async_save",
@@ -75,7 +77,9 @@ def _start(
     metadata: Any,
     allow_pickle: bool,
     storage_options: dict[str, Any] | None,
+    progress: ProgressCallback | None,
 ) -> SaveHandle:
+    progress = check_callback(progress)
     deadlines = Deadlines.resolve(timeout)
     _drain(deadlines, knobs.max_inflight_saves() - 1)
     job = SaveJob(
@@ -87,6 +91,7 @@ def _start(
         metadata=metadata,
         allow_pickle=allow_pickle,
         storage_options=storage_options,
+        progress=progress,
     )
     job.begin(copy=background)
     if not background:
@@ -111,6 +116,7 @@ def save(
     metadata: Any = None,
     allow_pickle: bool = False,
     storage_options: dict[str, Any] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> None:
     """Save ``state`` to ``path`` as one checkpoint, committed all-or-nothing.
 
@@ -125,6 +131,11 @@ def save(
     every rank a coordination error naming the rank and phase if any rank fails or never arrives.
     ``timeout`` (seconds) bounds every wait; default ``SHARDSAFE_TIMEOUT`` or 300 s for ranks to
     arrive and ``SHARDSAFE_IO_TIMEOUT`` or 1800 s for writes and the commit.
+
+    ``progress``: a callable that rank 0 calls with a :class:`Progress` record (all ranks' bytes
+    written so far, gathered through the store) at least every ``SHARDSAFE_PROGRESS_INTERVAL`` seconds
+    (default 2) and once at the end, from a thread of its own; ignored on other ranks. A callback that
+    raises is logged and not called again; the save goes on. See docs/progress.md.
     """
     _start(
         path,
@@ -136,6 +147,7 @@ def save(
         metadata=metadata,
         allow_pickle=allow_pickle,
         storage_options=storage_options,
+        progress=progress,
     )
 
 
@@ -149,12 +161,14 @@ def async_save(
     metadata: Any = None,
     allow_pickle: bool = False,
     storage_options: dict[str, Any] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> SaveHandle:
     """Like :func:`save`, but returns once this rank's share is copied into staging memory; writing
     and commit run in the background. Change the model freely after it returns: the checkpoint holds
     the values at the call. At most ``SHARDSAFE_MAX_INFLIGHT_SAVES`` (default 1) saves are in flight:
     a new save first waits for the oldest. Errors raise from ``handle.wait()`` (and from the next save
-    or load if never waited for) on every rank. See docs/async.md."""
+    or load if never waited for) on every rank. ``progress`` as for :func:`save`; its calls go on after
+    this returns, from a background thread, until the final one. See docs/async.md."""
     return _start(
         path,
         state,
@@ -165,6 +179,7 @@ def async_save(
         metadata=metadata,
         allow_pickle=allow_pickle,
         storage_options=storage_options,
+        progress=progress,
     )
 
 
@@ -179,6 +194,7 @@ def load(
     storage_options: dict[str, Any] | None = None,
     cast: bool = False,
     device: str | torch.device | None = None,
+    progress: ProgressCallback | None = None,
 ) -> dict[str, Any]:
     """Load the checkpoint at ``path``.
 
@@ -202,7 +218,10 @@ def load(
     :class:`CorruptCheckpointError` naming the file and tensor), raised in bounded time and memory;
     anything unforeseen is mapped to one with the original as its ``__cause__``. Usage errors (a bad
     ``timeout`` or ``storage_options``) raise ``ValueError``/``TypeError`` as usual.
+
+    ``progress``: as for :func:`save`, with the bytes read and verified by all ranks.
     """
+    progress = check_callback(progress)
     deadlines = Deadlines.resolve(timeout)
     path = os.fspath(path)
     get_storage(path, storage_options)  # usage errors are the caller's, raised as they are
@@ -218,6 +237,7 @@ def load(
             storage_options=storage_options,
             cast=cast,
             device=None if device is None else torch.device(device),
+            progress=progress,
         )
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from shardsafe.coord import Coordinator, Deadlines, fault_point
+from shardsafe.engine.progress import ProgressCallback, Tracker, load_bytes
 from shardsafe.engine.read import check_allocation, check_sizes, read_manifest, run_tasks
 from shardsafe.errors import CheckpointError, CoordinationError, CorruptCheckpointError, MissingKeysError
 from shardsafe.format.manifest import Manifest
@@ -42,6 +43,7 @@ def load(
     storage_options: dict[str, Any] | None,
     cast: bool = False,
     device: torch.device | None = None,
+    progress: ProgressCallback | None = None,
 ) -> dict[str, Any]:
     """(all ranks of the group, or one process) See :func:`shardsafe.load`."""
     path = str(path)
@@ -50,6 +52,10 @@ def load(
     coord = None if single else Coordinator.join("load", path, deadlines=deadlines, group=group, heartbeat=True)
     started = time.monotonic()
     phase = "manifest"
+    tracker = Tracker("load", path, progress)  # engine/progress.py; phases set below
+    tracker.start(coord)
+    tracker.phase = phase
+    error: BaseException | None = None
     try:
         if coord is not None:
             fault_point("load.rendezvous", coord.global_rank)
@@ -76,13 +82,14 @@ def load(
         if early:  # new tensors whose values the plan must compare before the go (FSDP1 optimizer state)
             run_tasks(storage, path, manifest, early, lambda: None, deadlines.io)
         r.check()
+        tracker.set_total(load_bytes(manifest, tasks))
         if coord is not None:
-            phase = "go"  # every rank planned and validated: only now may anything change
+            phase = tracker.phase = "go"  # every rank planned and validated: only now may anything change
             coord.barrier("go", timeout=deadlines.io)
-        phase = "read"
+        phase = tracker.phase = "read"
         first = (lambda: fault_point("load.read", coord.global_rank)) if coord else (lambda: None)
         try:
-            nbytes = run_tasks(storage, path, manifest, tasks, first, deadlines.io)
+            nbytes = run_tasks(storage, path, manifest, tasks, first, deadlines.io, on_bytes=tracker.add)
         except CorruptCheckpointError as err:
             if not r.fills_in_place():
                 raise
@@ -92,7 +99,7 @@ def load(
                 "unless the whole checkpoint verifies, call shardsafe.verify(path) first or use "
                 "CheckpointManager.resume(state, verify=True)."
             ) from err
-        phase = "restore"
+        phase = tracker.phase = "restore"
         try:
             r.apply()
         except Exception as err:
@@ -104,14 +111,17 @@ def load(
         if r.missing:
             logger.warning("shardsafe: loaded %s without %s (not in the checkpoint; strict=False)", path, r.missing)
         if coord is not None:
-            phase = "confirm"
+            phase = tracker.phase = "confirm"
+            tracker.flush()
             coord.barrier("loaded", timeout=deadlines.io)
             coord.acknowledge(timeout=deadlines.arrive)  # rank 0 returns once every live rank knows
     except BaseException as err:
+        error = err
         if coord is not None and not isinstance(err, CoordinationError):
             coord.fail(phase, err)
         raise
     finally:
+        tracker.end(error)  # before close: rank 0's final record reads this load's keys
         if coord is not None:
             coord.close()
     took = time.monotonic() - started

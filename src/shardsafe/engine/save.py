@@ -30,6 +30,7 @@ from shardsafe import knobs
 from shardsafe.coord import Coordinator, Deadlines, fault_point
 from shardsafe.engine import commit, staging
 from shardsafe.engine.plan import plan_writes
+from shardsafe.engine.progress import ProgressCallback, Tracker, file_bytes
 from shardsafe.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -63,6 +64,7 @@ class SaveJob:
         metadata: Any,
         allow_pickle: bool,
         storage_options: dict[str, Any] | None,
+        progress: ProgressCallback | None = None,
     ) -> None:
         self.path = str(path)
         self.state = state
@@ -84,6 +86,8 @@ class SaveJob:
         self.staged: staging.Staged | None = None
         self.started = time.monotonic()
         self.blocking_seconds = 0.0
+        self.tracker = Tracker("save", self.path, progress)  # engine/progress.py
+        self.header_bytes = 0
 
     # ------------------------------------------------------------------------------------ begin
 
@@ -93,6 +97,7 @@ class SaveJob:
         self.coord = coord = Coordinator.join(
             "save", self.path, deadlines=self.deadlines, group=self.group, heartbeat=True
         )
+        self.tracker.start(coord, lambda: self.phase)
         try:
             fault_point("save.rendezvous", coord.global_rank)
             self.phase = "plan"
@@ -116,6 +121,8 @@ class SaveJob:
             per_rank.find_per_rank(self.flat, coord, self.deadlines)
             self.metadata_json = encode(self.metadata, "metadata", _no_tensors)
             self.chunks = plan_writes(self.flat.items, coord.rank, coord.world_size) + per_rank.own_chunks(self.flat)
+            size, self.header_bytes = file_bytes(self.chunks)
+            self.tracker.set_total(size)
             fault_point("save.plan", coord.global_rank)
             self.phase = "stage"
             self.staged = staging.stage(self.chunks, snapshot=copy, wait=self.deadlines.io)
@@ -124,6 +131,7 @@ class SaveJob:
                 fault_point("save.stage", coord.global_rank)
         except BaseException as err:
             wrapped = self._failed(err)
+            self.tracker.end(wrapped)
             coord.close()
             self._release()
             if wrapped is err:
@@ -154,6 +162,7 @@ class SaveJob:
         coord, flat = self.coord, self.flat
         assert coord is not None and flat is not None
         writer: Writer | None = None
+        error: BaseException | None = None
         self.storage.set_deadline(time.monotonic() + self.deadlines.io)
         try:
             self.phase = "write"
@@ -175,7 +184,7 @@ class SaveJob:
                     self.chunks,
                     self.block_bytes,
                     lambda: fault_point("save.write", coord.global_rank),
-                    staging.windows(self.staged),
+                    self.tracker.counted(staging.windows(self.staged), self.header_bytes),
                 )
                 w, writer = writer, None
                 w.close()
@@ -183,6 +192,7 @@ class SaveJob:
                 report["chunks"] = [[c.name, r.to_json()] for c, r in zip(self.chunks, records, strict=True)]
             fault_point("save.report", coord.global_rank)
             self.phase = "report"
+            self.tracker.flush()
             self.reported = True
             reports = coord.barrier("written", json.dumps(report), timeout=self.deadlines.io, collect=coord.rank == 0)
             self.phase = "commit"
@@ -195,11 +205,12 @@ class SaveJob:
                 writer.abort()
             if isinstance(err, RankDeadError) and err.store_lost and commit.lost_store_but_committed(self, err):
                 return  # the store went away after this rank's part was done, and the checkpoint is committed
-            wrapped = self._failed(err)
+            error = wrapped = self._failed(err)
             if wrapped is err:
                 raise
             raise wrapped from err
         finally:
+            self.tracker.end(error)  # before close: rank 0's final record reads this save's keys
             coord.close()
             self._release()
 
