@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 import threading
 from typing import Any
 
@@ -316,3 +317,24 @@ def test_progress_bar_on_a_terminal_and_off() -> None:
     assert "phase write" in lines[0] and "finished" in lines[1]
     with pytest.raises(ValueError):
         ProgressBar(width=0)
+
+
+def test_cli_import_draws_the_bar_on_a_terminal(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardsafe.cli import main
+
+    src = tmp_path / "model.pt"
+    torch.save({"w": torch.randn(256, 256), "b": torch.zeros(3)}, src)
+    monkeypatch.setenv("SHARDSAFE_PROGRESS_INTERVAL", "0.05")
+    monkeypatch.setenv("SHARDSAFE_FAULT", "save.write:rank=0:sleep=0.3")
+    tty = _Tty()
+    monkeypatch.setattr("sys.stderr", tty)
+    assert main(["import", str(src), str(tmp_path / "c")]) == 0
+    text = tty.getvalue()
+    assert text.startswith("\rsave [") and re.search(r"100%.* done in \d+:\d\d\n$", text), text
+
+    plain = io.StringIO()
+    monkeypatch.setattr("sys.stderr", plain)
+    monkeypatch.delenv("SHARDSAFE_FAULT")
+    monkeypatch.setenv("SHARDSAFE_PROGRESS_INTERVAL", "60")
+    assert main(["import", str(src), str(tmp_path / "d")]) == 0
+    assert plain.getvalue() == ""  # a quick import off a terminal says nothing on stderr
