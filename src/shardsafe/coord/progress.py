@@ -8,7 +8,9 @@ Keys, under the operation's prefix (see :mod:`shardsafe.coord.group`)::
 They are registered as the operation's ``progress`` phase, so rank 0 deletes them with the operation's
 other keys once every rank has left it. Every call here is a single non-blocking store request
 (``set``, ``check``, or a ``get``/``multi_get`` of keys known to exist), bounded by the store's own
-timeout; callers run them on the progress thread, so a slow store never holds up a writer or reader.
+timeout. They run on the progress thread, so a slow store never holds up a writer or reader; the one
+exception is each rank's last ``set`` before the operation's last barrier, made on the operation's
+thread like the protocol's own requests (the barrier right after meets the same store).
 """
 
 from __future__ import annotations

@@ -171,6 +171,7 @@ class Tracker:
         self._store_failed = False
         self._logged = False
         self._ended = False
+        self._final_gather = False  # rank 0, end of a success: the progress thread reads every rank once more
 
     # --------------------------------------------------------------------------- the operation
 
@@ -224,21 +225,30 @@ class Tracker:
 
     def end(self, error: BaseException | None) -> None:
         """(every rank, the operation's thread, once, when the operation is over; before the
-        coordinator is closed) Stop the progress thread (waiting at most a second for a store request
-        in flight). Rank 0 builds the final record (after a success, from every rank's flushed counts),
+        coordinator is closed) Stop the progress thread. Rank 0 builds the final record (after a
+        success, from every rank's flushed counts, read by the progress thread: this thread makes no
+        store request here, and waits for that read at most ``SHARDSAFE_PROGRESS_FINAL_WAIT`` seconds),
         logs it if the operation ran past the interval, and hands it to the callback, waiting at most
         ``SHARDSAFE_PROGRESS_FINAL_WAIT`` seconds for the callback to take it."""
         if self._ended:
             return
         self._ended = True
+        self._final_gather = error is None and self.rank == 0
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(1.0)
+            self._thread.join(knobs.progress_final_wait() if self._final_gather else 1.0)
+            if self._thread.is_alive() and self._final_gather:
+                logger.warning(
+                    "shardsafe: rank 0 could not read the other ranks' final progress of the %s of %s within "
+                    "%.0fs (SHARDSAFE_PROGRESS_FINAL_WAIT; the store is slow); the final record has the counts "
+                    "seen last",
+                    self.op,
+                    self.path,
+                    knobs.progress_final_wait(),
+                )
         if self.rank != 0:
             return
-        if error is None:
-            self._merge_others()
         summary = None if error is None else (f"{type(error).__name__}: {error}".splitlines() or [""])[0][:500]
         record = self._record(finished=True, error=summary)
         if self._logged:
@@ -328,6 +338,8 @@ class Tracker:
             self._wake.wait(wait)
             self._wake.clear()
             if self._stop.is_set():
+                if self._final_gather:
+                    self._merge_others()
                 return
             try:
                 if shared(self.coord) and not self._store_failed:
@@ -343,7 +355,7 @@ class Tracker:
                     self._merge_others()
                     record = self._record()
                     if self._stop.is_set():
-                        return
+                        continue  # the operation ended meanwhile: its final record follows
                     self._logged = True
                     logger.info("shardsafe: %s", describe(record))
                     if self._caller is not None:
