@@ -280,7 +280,7 @@ def _record(**kw: Any) -> Progress:
 def test_format_bar() -> None:
     line = format_bar(_record(), width=20)
     assert line.startswith("save [##########----------]  50%")
-    assert "512.0 MiB/1.0 GiB" in line and "256.0 MiB/s" in line and "ETA 0:02" in line
+    assert "512.0 MiB/1.0 GiB" in line and "256.0 MiB/s" in line and "ETA 0:02  write" in line
     assert "rank 3 at 12%" in line  # lagging far behind the whole
     assert "rank 3" not in format_bar(_record(slowest_fraction=0.45), width=20)
     done = format_bar(_record(done_bytes=2**30, slowest_fraction=1.0, finished=True, phase="done"), width=4)

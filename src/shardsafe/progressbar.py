@@ -19,7 +19,8 @@ def _clock(seconds: float) -> str:
 
 
 def format_bar(p: Progress, width: int = 28) -> str:
-    """One line: ``save [#######-------]  45%  1.2 GiB/2.7 GiB  310.0 MiB/s  ETA 0:05  rank 3 at 20%``.
+    """One line: ``save [#######-------]  45%  1.2 GiB/2.7 GiB  310.0 MiB/s  ETA 0:05  write  rank 3 at 20%``
+    (the phase shows what a full bar still waits for: ``report``, ``commit``).
     The bar is ``width`` characters between the brackets; the slowest rank appears when it lags (more
     than 10 points behind the whole)."""
     filled = int(p.fraction * width + 1e-9)
@@ -31,6 +32,7 @@ def format_bar(p: Progress, width: int = 28) -> str:
         return line
     eta = p.eta_seconds
     line += f"  ETA {_clock(eta)}" if eta is not None else "  ETA --:--"
+    line += f"  {p.phase}"
     if p.ranks > 1 and p.slowest_fraction < p.fraction - 0.1:
         line += f"  rank {p.slowest_rank} at {100 * p.slowest_fraction:.0f}%"
     return line
