@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 from shardsafe.coord import Coordinator, Deadlines, fault_point
-from shardsafe.engine.progress import ProgressCallback, Tracker, load_bytes
+from shardsafe.engine.progress import ProgressCallback, load_bytes
 from shardsafe.engine.read import check_allocation, check_sizes, read_manifest, run_tasks
+from shardsafe.engine.tracker import Tracker
 from shardsafe.errors import CheckpointError, CoordinationError, CorruptCheckpointError, MissingKeysError
 from shardsafe.format.manifest import Manifest
 from shardsafe.state.restore import Op, Restorer
@@ -52,7 +53,7 @@ def load(
     coord = None if single else Coordinator.join("load", path, deadlines=deadlines, group=group, heartbeat=True)
     started = time.monotonic()
     phase = "manifest"
-    tracker = Tracker("load", path, progress)  # engine/progress.py; phases set below
+    tracker = Tracker("load", path, progress)  # engine/tracker.py; phases set below
     tracker.start(coord)
     tracker.phase = phase
     error: BaseException | None = None

@@ -30,7 +30,8 @@ from shardsafe import knobs
 from shardsafe.coord import Coordinator, Deadlines, fault_point
 from shardsafe.engine import commit, staging
 from shardsafe.engine.plan import plan_writes
-from shardsafe.engine.progress import ProgressCallback, Tracker, file_bytes
+from shardsafe.engine.progress import ProgressCallback, file_bytes
+from shardsafe.engine.tracker import Tracker
 from shardsafe.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -86,7 +87,7 @@ class SaveJob:
         self.staged: staging.Staged | None = None
         self.started = time.monotonic()
         self.blocking_seconds = 0.0
-        self.tracker = Tracker("save", self.path, progress)  # engine/progress.py
+        self.tracker = Tracker("save", self.path, progress)  # engine/tracker.py
         self.header_bytes = 0
 
     # ------------------------------------------------------------------------------------ begin
