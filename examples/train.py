@@ -167,8 +167,10 @@ def train(rt: Runtime, args: argparse.Namespace) -> dict[str, Any]:
         mgr.wait()
     finally:
         mgr.close()
-    rt.save(os.path.join(args.dir, "final"), state, overwrite=True, metadata={"step": args.steps})
-    rt.print(f"final state saved to {os.path.join(args.dir, 'final')}")
+    final = os.path.join(args.dir, "final")
+    # a progress bar on rank 0's terminal (plain lines off a terminal, for saves past the interval)
+    rt.save(final, state, overwrite=True, metadata={"step": args.steps}, progress=shardsafe.ProgressBar())
+    rt.print(f"final state saved to {final}")
     return {"resumed_from": resumed, "steps": args.steps}
 
 
@@ -188,7 +190,9 @@ def _report_checkpoint(rt: Runtime, mgr: CheckpointManager, step: int, seconds: 
 
 def compare(a: str, b: str) -> bool:
     """(one process) Whether the final states under run directories ``a`` and ``b`` hold the same bits."""
-    return same_bits(shardsafe.load(os.path.join(a, "final")), shardsafe.load(os.path.join(b, "final")), a, b)
+    bar = shardsafe.ProgressBar()
+    left = shardsafe.load(os.path.join(a, "final"), progress=bar)
+    return same_bits(left, shardsafe.load(os.path.join(b, "final"), progress=bar), a, b)
 
 
 def same_bits(left_state: dict[str, Any], right_state: dict[str, Any], a: str = "a", b: str = "b") -> bool:

@@ -5,6 +5,8 @@ Every rank calls the same functions; the library decides which rank writes which
 """
 
 from shardsafe.engine.api import CheckpointInfo, SaveHandle, VerifySummary, async_save, inspect, load, save, verify
+from shardsafe.engine.progress import Progress
+from shardsafe.engine.progressbar import ProgressBar
 from shardsafe.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -50,6 +52,8 @@ __all__ = [
     "MissingKeysError",
     "OperationTimeoutError",
     "PerRank",
+    "Progress",
+    "ProgressBar",
     "RankDeadError",
     "RankDesyncError",
     "RankTimeoutError",

@@ -165,3 +165,15 @@ def export_slab_bytes() -> int:
 def max_manifest_bytes() -> int:
     """Largest ``MANIFEST.json`` a reader reads (a file larger than this is refused before reading)."""
     return int(_float("MAX_MANIFEST_BYTES", 256 * 1024 * 1024))
+
+
+def progress_interval() -> float:
+    """Seconds between progress reports of a save or load: each rank publishes its byte counts to the
+    store at most this often, and rank 0 calls ``progress=`` and logs an INFO line this often."""
+    return _float("PROGRESS_INTERVAL", 2.0)
+
+
+def progress_final_wait() -> float:
+    """How long rank 0 waits, at the end of a save or load, for the ``progress=`` callback to take the
+    final record (a slower callback gets it later, from its own thread; the operation returns)."""
+    return _float("PROGRESS_FINAL_WAIT", 5.0)

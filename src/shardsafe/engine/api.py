@@ -18,6 +18,7 @@ from shardsafe.engine import inflight
 from shardsafe.engine import load as _load
 from shardsafe.engine.guard import mapped_errors
 from shardsafe.engine.inspect import CheckpointInfo, EntryInfo, VerifySummary, inspect, verify
+from shardsafe.engine.progress import Progress, ProgressCallback, check_callback
 from shardsafe.engine.save import SaveHandle, SaveJob
 from shardsafe.storage import get_storage
 
@@ -26,6 +27,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "CheckpointInfo",
     "EntryInfo",
+    "Progress",
     "SaveHandle",
     "VerifySummary",
     "async_save",
@@ -47,8 +49,10 @@ def _start(
     metadata: Any,
     allow_pickle: bool,
     storage_options: dict[str, Any] | None,
-    base: str | os.PathLike[str] | None = None,
+    base: str | os.PathLike[str] | None,
+    progress: ProgressCallback | None,
 ) -> SaveHandle:
+    progress = check_callback(progress)
     deadlines = Deadlines.resolve(timeout)
     inflight.drain(deadlines, knobs.max_inflight_saves() - 1)
     job = SaveJob(
@@ -61,6 +65,7 @@ def _start(
         allow_pickle=allow_pickle,
         storage_options=storage_options,
         base=None if base is None else os.fspath(base),
+        progress=progress,
     )
     job.begin(copy=background)
     if not background:
@@ -85,6 +90,7 @@ def save(
     allow_pickle: bool = False,
     storage_options: dict[str, Any] | None = None,
     base: str | os.PathLike[str] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> None:
     """Save ``state`` to ``path`` as one checkpoint, committed all-or-nothing.
 
@@ -104,6 +110,10 @@ def save(
     folder as ``path``; chunks whose bytes equal the same tensor's same box in ``base`` (compared by
     content hash) are not written again, the new manifest refers to ``base``'s files instead, so
     ``base`` must stay beside ``path`` for as long as ``path`` is used. Rank 0's ``base`` applies.
+    ``progress``: a callable that rank 0 calls with a :class:`Progress` record (all ranks' bytes
+    written so far, gathered through the store) at least every ``SHARDSAFE_PROGRESS_INTERVAL`` seconds
+    (default 2) and once at the end, from a thread of its own; ignored on other ranks. A callback that
+    raises is logged and not called again; the save goes on. See docs/progress.md.
     """
     _start(
         path,
@@ -116,6 +126,7 @@ def save(
         allow_pickle=allow_pickle,
         storage_options=storage_options,
         base=base,
+        progress=progress,
     )
 
 
@@ -130,12 +141,14 @@ def async_save(
     allow_pickle: bool = False,
     storage_options: dict[str, Any] | None = None,
     base: str | os.PathLike[str] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> SaveHandle:
     """Like :func:`save`, but returns once this rank's share is copied into staging memory; writing
     and commit run in the background. Change the model freely after it returns: the checkpoint holds
     the values at the call. At most ``SHARDSAFE_MAX_INFLIGHT_SAVES`` (default 1) saves are in flight:
     a new save first waits for the oldest. Errors raise from ``handle.wait()`` (and from the next save
-    or load if never waited for) on every rank. See docs/async.md. ``base``: as for :func:`save`."""
+    or load if never waited for) on every rank. ``base`` and ``progress`` as for :func:`save`; progress
+    calls go on after this returns, from a background thread, until the final one. See docs/async.md."""
     return _start(
         path,
         state,
@@ -147,6 +160,7 @@ def async_save(
         allow_pickle=allow_pickle,
         storage_options=storage_options,
         base=base,
+        progress=progress,
     )
 
 
@@ -161,6 +175,7 @@ def load(
     storage_options: dict[str, Any] | None = None,
     cast: bool = False,
     device: str | torch.device | None = None,
+    progress: ProgressCallback | None = None,
 ) -> dict[str, Any]:
     """Load the checkpoint at ``path``.
 
@@ -184,7 +199,10 @@ def load(
     :class:`CorruptCheckpointError` naming the file and tensor), raised in bounded time and memory;
     anything unforeseen is mapped to one with the original as its ``__cause__``. Usage errors (a bad
     ``timeout`` or ``storage_options``) raise ``ValueError``/``TypeError`` as usual.
+
+    ``progress``: as for :func:`save`, with the bytes read and verified by all ranks.
     """
+    progress = check_callback(progress)
     deadlines = Deadlines.resolve(timeout)
     path = os.fspath(path)
     get_storage(path, storage_options)  # usage errors are the caller's, raised as they are
@@ -200,4 +218,5 @@ def load(
             storage_options=storage_options,
             cast=cast,
             device=None if device is None else torch.device(device),
+            progress=progress,
         )

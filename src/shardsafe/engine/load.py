@@ -23,7 +23,9 @@ import torch
 
 from shardsafe.coord import Coordinator, Deadlines, fault_point
 from shardsafe.engine.phases import PhaseLog
+from shardsafe.engine.progress import ProgressCallback, load_bytes
 from shardsafe.engine.read import Task, check_allocation, check_sizes, plan_reads, read_manifest, run_tasks
+from shardsafe.engine.tracker import Tracker
 from shardsafe.errors import CheckpointError, CoordinationError, CorruptCheckpointError, MissingKeysError
 from shardsafe.format.manifest import Manifest
 from shardsafe.state.layout import Box
@@ -44,6 +46,7 @@ def load(
     storage_options: dict[str, Any] | None,
     cast: bool = False,
     device: torch.device | None = None,
+    progress: ProgressCallback | None = None,
 ) -> dict[str, Any]:
     """(all ranks of the group, or one process) See :func:`shardsafe.load`."""
     path = str(path)
@@ -53,6 +56,10 @@ def load(
     started = time.monotonic()
     phases = PhaseLog("load", path, "manifest")
     phase = phases.enter("manifest", None if coord is None else coord.global_rank)
+    tracker = Tracker("load", path, progress)  # engine/tracker.py; phases set below
+    tracker.start(coord)
+    tracker.phase = phase
+    error: BaseException | None = None
     try:
         if coord is not None:
             fault_point("load.rendezvous", coord.global_rank)
@@ -79,13 +86,14 @@ def load(
         if early:  # new tensors whose values the plan must compare before the go (FSDP1 optimizer state)
             run_tasks(storage, path, manifest, early, lambda: None, deadlines.io)
         r.check()
+        tracker.set_total(load_bytes(manifest, tasks))
         if coord is not None:
-            phase = phases.enter("go")  # every rank planned and validated: only now may anything change
+            phase = tracker.phase = phases.enter("go")  # every rank planned and validated: only now may anything change
             coord.barrier("go", timeout=deadlines.io)
-        phase = phases.enter("read")
+        phase = tracker.phase = phases.enter("read")
         first = (lambda: fault_point("load.read", coord.global_rank)) if coord else (lambda: None)
         try:
-            nbytes = run_tasks(storage, path, manifest, tasks, first, deadlines.io)
+            nbytes = run_tasks(storage, path, manifest, tasks, first, deadlines.io, on_bytes=tracker.add)
         except CorruptCheckpointError as err:
             if not r.fills_in_place():
                 raise
@@ -95,7 +103,7 @@ def load(
                 "unless the whole checkpoint verifies, call shardsafe.verify(path) first or use "
                 "CheckpointManager.resume(state, verify=True)."
             ) from err
-        phase = phases.enter("restore")
+        phase = tracker.phase = phases.enter("restore")
         try:
             r.apply()
         except Exception as err:
@@ -107,14 +115,17 @@ def load(
         if r.missing:
             logger.warning("shardsafe: loaded %s without %s (not in the checkpoint; strict=False)", path, r.missing)
         if coord is not None:
-            phase = phases.enter("confirm")
+            phase = tracker.phase = phases.enter("confirm")
+            tracker.flush()
             coord.barrier("loaded", timeout=deadlines.io)
             coord.acknowledge(timeout=deadlines.arrive)  # rank 0 returns once every live rank knows
     except BaseException as err:
+        error = err
         if coord is not None and not isinstance(err, CoordinationError):
             coord.fail(phase, err)
         raise
     finally:
+        tracker.end(error)  # before close: rank 0's final record reads this load's keys
         if coord is not None:
             coord.close()
         phases.enter("done")

@@ -148,6 +148,7 @@ def run_tasks(
     tasks: Sequence[Task],
     on_first: Callable[[], None],
     timeout: float,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> int:
     """(the loading rank, the caller's thread) Execute the reads on a few threads within ``timeout``
     seconds; returns the bytes read. Every block is read into a bounce buffer of the reading thread and
@@ -155,6 +156,7 @@ def run_tasks(
     caller's tensors. For CUDA destinations the bounce buffers are page-locked and the copies run
     asynchronously on a side stream of the destination's device (after the work queued on its current
     stream), overlapped with the next reads; the caller's current stream waits for them.
+    ``on_bytes(n)`` (progress) is called from the reader threads as verified bytes are delivered.
 
     When this returns or raises, no reader thread will touch the caller's tensors again: the threads
     have finished, or (a read hung past the deadline: raises) are fenced off from the destinations and
@@ -164,6 +166,7 @@ def run_tasks(
     deadline = time.monotonic() + timeout
     threads = max(1, min(knobs.io_threads(), len(tasks)))
     run = _Run(storage, path, manifest, tasks, threads)
+    run.on_bytes = on_bytes
     pool = ThreadPoolExecutor(threads, thread_name_prefix="shardsafe-read")
     futures: list[Future[int]] = []
     total = 0
@@ -250,6 +253,7 @@ class _Run:
     def __init__(self, storage: Storage, path: str, manifest: Manifest, tasks: Sequence[Task], threads: int) -> None:
         self.storage, self.path, self.manifest = storage, path, manifest
         self.fence = _Fence()
+        self.on_bytes: Callable[[int], None] | None = None
         self.streams: dict[torch.device, Any] = {}
         for t in tasks:
             dev = t.dest.device
@@ -370,6 +374,14 @@ def _read(
     bounce: _Bounce,
     deliver: Callable[[int, memoryview], None],
 ) -> None:
+    count = run.on_bytes
+    if count is not None:
+        inner = deliver
+
+        def deliver(off: int, data: memoryview) -> None:
+            inner(off, data)
+            count(len(data))
+
     try:
         read_blocks(
             run.storage,

@@ -31,6 +31,8 @@ from shardsafe.coord import Coordinator, Deadlines, fault_point
 from shardsafe.engine import commit, incremental, staging
 from shardsafe.engine.phases import PhaseLog
 from shardsafe.engine.plan import PendingChunk, own_chunks, plan_writes
+from shardsafe.engine.progress import ProgressCallback, file_bytes
+from shardsafe.engine.tracker import Tracker
 from shardsafe.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -66,6 +68,7 @@ class SaveJob:
         allow_pickle: bool,
         storage_options: dict[str, Any] | None,
         base: str | None = None,
+        progress: ProgressCallback | None = None,
     ) -> None:
         self.path = str(path)
         self.base = base  # rank 0's applies: it checks it and tells every rank
@@ -91,6 +94,8 @@ class SaveJob:
         self.staged: staging.Staged | None = None
         self.started = time.monotonic()
         self.blocking_seconds = 0.0
+        self.tracker = Tracker("save", self.path, progress)  # engine/tracker.py
+        self.header_bytes = 0
 
     @property
     def phase(self) -> str:
@@ -109,6 +114,7 @@ class SaveJob:
         self.coord = coord = Coordinator.join(
             "save", self.path, deadlines=self.deadlines, group=self.group, heartbeat=True
         )
+        self.tracker.start(coord, lambda: self.phase)
         try:
             fault_point("save.rendezvous", coord.global_rank)
             self.phase = "plan"
@@ -141,6 +147,8 @@ class SaveJob:
                 self.chunks, self.ref_chunks = incremental.match(
                     self.chunks, self.base_manifest, self.base_name, self.block_bytes
                 )
+            size, self.header_bytes = file_bytes(self.chunks)  # what this rank writes (references excluded)
+            self.tracker.set_total(size)
             fault_point("save.plan", coord.global_rank)
             self.phase = "stage"
             self.staged = staging.stage(self.chunks, snapshot=copy, wait=self.deadlines.io)
@@ -149,6 +157,7 @@ class SaveJob:
                 fault_point("save.stage", coord.global_rank)
         except BaseException as err:
             wrapped = self._failed(err)
+            self.tracker.end(wrapped)
             coord.close()
             self._release()
             if wrapped is err:
@@ -184,6 +193,7 @@ class SaveJob:
         coord, flat = self.coord, self.flat
         assert coord is not None and flat is not None
         writer: Writer | None = None
+        error: BaseException | None = None
         self.storage.set_deadline(time.monotonic() + self.deadlines.io)
         try:
             self.phase = "write"
@@ -205,7 +215,7 @@ class SaveJob:
                     self.chunks,
                     self.block_bytes,
                     lambda: fault_point("save.write", coord.global_rank),
-                    staging.windows(self.staged),
+                    self.tracker.counted(staging.windows(self.staged), self.header_bytes),
                 )
                 w, writer = writer, None
                 w.close()
@@ -214,6 +224,7 @@ class SaveJob:
             report["chunks"] += [[name, c.to_json()] for name, c in self.ref_chunks]
             fault_point("save.report", coord.global_rank)
             self.phase = "report"
+            self.tracker.flush()
             self.reported = True
             reports = coord.barrier("written", json.dumps(report), timeout=self.deadlines.io, collect=coord.rank == 0)
             self.phase = "commit"
@@ -226,11 +237,12 @@ class SaveJob:
                 writer.abort()
             if isinstance(err, RankDeadError) and err.store_lost and commit.lost_store_but_committed(self, err):
                 return  # the store went away after this rank's part was done, and the checkpoint is committed
-            wrapped = self._failed(err)
+            error = wrapped = self._failed(err)
             if wrapped is err:
                 raise
             raise wrapped from err
         finally:
+            self.tracker.end(error)  # before close: rank 0's final record reads this save's keys
             coord.close()
             self._release()
             self.phase = "done"

@@ -23,7 +23,7 @@ EXPORT_DOC = (
 IMPORT_DOC = (
     "Save a torch.save file or a DCP checkpoint folder as a shardsafe checkpoint, then verify it. torch.save "
     "files are read with weights_only=True; a DCP folder's metadata is a pickle, so it needs --allow-pickle "
-    "(exit 2 without it)."
+    "(exit 2 without it). On a terminal a progress bar shows the save."
 )
 
 
@@ -138,9 +138,12 @@ def _consolidate(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _import(args: argparse.Namespace, out: TextIO) -> int:
+    from shardsafe.engine.progressbar import ProgressBar
     from shardsafe.interop.importer import WRAP_KEY, import_checkpoint
 
-    result = import_checkpoint(args.source, args.dest, allow_pickle=args.allow_pickle, overwrite=args.overwrite)
+    result = import_checkpoint(
+        args.source, args.dest, allow_pickle=args.allow_pickle, overwrite=args.overwrite, progress=ProgressBar()
+    )
     entries = ", ".join(result.keys[:10]) + (", ..." if len(result.keys) > 10 else "")
     wrapped = f" (saved under {WRAP_KEY!r}: its keys are not plain strings)" if result.wrapped else ""
     out.write(

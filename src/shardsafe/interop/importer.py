@@ -16,7 +16,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,9 @@ from shardsafe.engine import api
 from shardsafe.errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, UnsafeValueError
 from shardsafe.interop.outdir import inside
 from shardsafe.storage import MANIFEST_NAME, is_remote
+
+if TYPE_CHECKING:
+    from shardsafe.engine.progress import ProgressCallback
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ def import_checkpoint(
     allow_pickle: bool = False,
     overwrite: bool = False,
     timeout: float | None = None,
+    progress: ProgressCallback | None = None,
 ) -> ImportResult:
     """Save what ``source`` holds (a ``torch.save`` file, or a DCP checkpoint folder) as the shardsafe
     checkpoint ``dest``, then verify it. One process, outside any distributed job.
@@ -59,7 +63,8 @@ def import_checkpoint(
     Raises :class:`UnsafeValueError` when reading would unpickle arbitrary objects (a DCP folder, or a
     ``torch.save`` file that ``weights_only`` refuses) without ``allow_pickle=True``; with it, values
     that typed JSON cannot hold are stored as pickle (loaded back only with ``allow_pickle=True``).
-    ``dest`` follows :func:`shardsafe.save` (``CheckpointExistsError`` unless ``overwrite``).
+    ``dest`` follows :func:`shardsafe.save` (``CheckpointExistsError`` unless ``overwrite``); so does
+    ``progress`` (called during the save).
     """
     started = time.monotonic()
     src, target = os.fspath(source), os.fspath(dest)
@@ -89,6 +94,7 @@ def import_checkpoint(
         timeout=timeout,
         metadata={"imported_from": os.path.abspath(src), "source_format": fmt},
         allow_pickle=allow_pickle,
+        progress=progress,
     )
     summary = api.verify(target)
     logger.info(

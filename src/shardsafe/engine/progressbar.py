@@ -1,0 +1,72 @@
+"""A progress bar for saves and loads on a terminal: pass ``progress=shardsafe.ProgressBar()``.
+
+On a terminal it redraws one line in place (``\\r``) and ends it when the operation ends. Off a terminal
+(a log file, a pipe, CI) it writes plain lines without control characters, and only for an operation
+that runs past ``SHARDSAFE_PROGRESS_INTERVAL`` (so quick saves leave the log alone).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+from shardsafe.engine.progress import Progress, describe, human_bytes
+from shardsafe.errors import InvalidArgumentError
+
+
+def _clock(seconds: float) -> str:
+    s = round(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def format_bar(p: Progress, width: int = 28) -> str:
+    """One line: ``save [#######-------]  45%  1.2 GiB/2.7 GiB  310.0 MiB/s  ETA 0:05  write  rank 3 at 20%``
+    (the phase shows what a full bar still waits for: ``report``, ``commit``).
+    The bar is ``width`` characters between the brackets; the slowest rank appears when it lags (more
+    than 10 points behind the whole)."""
+    filled = int(p.fraction * width + 1e-9)
+    bar = "#" * filled + "-" * (width - filled)
+    line = f"{p.op} [{bar}] {100 * p.fraction:3.0f}%  {human_bytes(p.done_bytes)}/{human_bytes(p.total_bytes)}"
+    line += f"  {human_bytes(p.bytes_per_second)}/s"
+    if p.finished:
+        line += f"  {'FAILED in ' + p.phase if p.error else 'done'} in {_clock(p.seconds)}"
+        return line
+    eta = p.eta_seconds
+    line += f"  ETA {_clock(eta)}" if eta is not None else "  ETA --:--"
+    line += f"  {p.phase}"
+    if p.ranks > 1 and p.slowest_fraction < p.fraction - 0.1:
+        line += f"  rank {p.slowest_rank} at {100 * p.slowest_fraction:.0f}%"
+    return line
+
+
+class ProgressBar:
+    """A ``progress=`` callback drawing :func:`format_bar` on ``stream`` (default ``sys.stderr`` at the
+    time of each call). One instance may serve many operations in turn; each ends its own line."""
+
+    def __init__(self, stream: TextIO | None = None, *, width: int = 28) -> None:
+        if width < 1:
+            raise InvalidArgumentError(f"width={width!r} must be at least 1")
+        self.stream = stream
+        self.width = width
+        self._drawn = 0  # length of the line now on the terminal
+        self._plain_started = False
+
+    def __call__(self, p: Progress) -> None:
+        out = self.stream if self.stream is not None else sys.stderr
+        if _is_tty(out):
+            line = format_bar(p, self.width)
+            pad = " " * max(0, self._drawn - len(line))
+            out.write("\r" + line + pad + ("\n" if p.finished else ""))
+            self._drawn = 0 if p.finished else len(line)
+        else:
+            if not p.finished or self._plain_started:
+                out.write(f"shardsafe: {describe(p)}\n")
+            self._plain_started = not p.finished
+        out.flush()
+
+
+def _is_tty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # a closed or file-like stream without a terminal
+        return False
