@@ -30,6 +30,7 @@ test: setup lint typecheck
 bench: setup
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements-bench.txt -c constraints-dev.txt
 	$(PY) bench/run.py
+	$(PY) bench/incremental.py --size-mib 1024 --reps 5
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .mypy_cache .ruff_cache
