@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 from shardsafe.coord.access import StoreAccess
 from shardsafe.errors import CoordinationError, RankDeadError, RemoteRankError
@@ -41,6 +42,11 @@ class Failures(StoreAccess):
         record = json.loads(self._get(key))
         if record["rank"] == self.global_rank:
             return None
+        return self.error_from(record)
+
+    def error_from(self, record: dict[str, Any]) -> CoordinationError:
+        """The error this rank raises for an abort ``record`` (``rank``, ``phase``, ``error``): the one
+        :meth:`fail` wrote, or the one a decision settled on."""
         if str(record["error"]).startswith("RankDeadError"):
             return RankDeadError(
                 f"{self.op} of {self.target!r}: rank {record['rank']} died in phase {record['phase']!r} (its heartbeat "

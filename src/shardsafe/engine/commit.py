@@ -136,7 +136,7 @@ def lead(job: SaveJob, coord: Coordinator, flat: FlatState, reports: list[dict[s
     job.phase = "decide"
     outcome = coord.decide(COMMIT)
     if outcome != COMMIT:
-        raise coord.remote_failure() or _aborted(job, outcome)
+        raise coord.remote_failure() or coord.error_from(json.loads(outcome))
     job.phase = "publish"
     old = _publish(job, coord, raw)
     coord.post("published", json.dumps({"ok": True}))
@@ -243,17 +243,6 @@ def _remove_stale(job: SaveJob, old: bytes | None, new: bytes, where: str) -> No
     )
 
 
-def _aborted(job: SaveJob, outcome: str) -> CoordinationError:
-    record = json.loads(outcome)
-    return RemoteRankError(
-        f"save of {job.path!r} was aborted by rank {record['rank']} in phase {record['phase']!r}: "
-        f"{record['error']}. Nothing was committed by this save.",
-        rank=record["rank"],
-        phase=record["phase"],
-        cause=record["error"],
-    )
-
-
 # ---------------------------------------------------------------------------------- other ranks
 
 
@@ -275,7 +264,7 @@ def follow(job: SaveJob, coord: Coordinator) -> None:
             raise
         outcome = _give_up(job, coord, dead)
     if outcome != COMMIT:
-        raise coord.remote_failure() or _aborted(job, outcome)
+        raise coord.remote_failure() or coord.error_from(json.loads(outcome))
     job.phase = "publish"
     wait = job.deadlines.io + job.deadlines.arrive  # outlasts rank 0's publish, which stops at io
     try:
