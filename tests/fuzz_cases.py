@@ -48,7 +48,10 @@ HOSTILE_VALUES: list[Any] = [
     {"$": "device", "v": "cpu\n"}, {"$": "tensor", "ref": "x"}, {"$": "tensor", "ref": "nowhere"},
     {"$": "ndarray", "ref": "arr"}, {"$": "bytes", "b64": "!!"}, {"$": "float", "v": "nan"},
     {"$": "pickle", "b64": "gASVAAAAAAAAAAA="}, {"$": "evil"}, {"$": "tensor", "ref": "x", "extra": 1},
+    "..", ".", "prev", "ckpt", "../prev", "prev/..", "prev\\x", "base", "0" * 32, "f" * 32,
 ]  # fmt: skip
+"""(The last row aims at references between siblings, format v2: names of the sibling, of the
+checkpoint itself, of nothing; paths out; digests.)"""
 RAW_VALUES = [
     deep_list(100_000),
     deep_list(130),
@@ -59,7 +62,7 @@ RAW_VALUES = [
     "1e400",
     '"\\ud800"',
 ]
-SECTION_WEIGHTS = {"tensors": 10, "objects": 10, "files": 4, "metadata": 3, "checksum": 2}
+SECTION_WEIGHTS = {"tensors": 10, "objects": 10, "files": 4, "refs": 4, "metadata": 3, "checksum": 2}
 """How often each part of a manifest is picked for an edit (others: 1): the big, deep parts most."""
 KINDS = ["json"] * 10 + ["header"] * 4 + ["bytes"] * 4 + ["fs"] * 3
 
@@ -130,12 +133,15 @@ def _copy(src: Path, dst: Path) -> None:
         shutil.copyfile(f, dst / f.name)
 
 
-def build(base: Path, case: Path, seed: int) -> dict[str, Any]:
-    """Create case number ``seed`` at ``case/ckpt`` from the checkpoint ``base``; returns its
-    description (``kind``, ``what``)."""
+def build(base: Path, case: Path, seed: int, siblings: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Create case number ``seed`` at ``case/ckpt`` from the checkpoint ``base``, with intact copies of
+    the ``siblings`` it refers to (an incremental checkpoint) beside it; returns its description
+    (``kind``, ``what``)."""
     rng = random.Random(seed)
     ckpt = case / "ckpt"
     _copy(base, ckpt)
+    for sibling in siblings:
+        _copy(sibling, case / sibling.name)
     kind = rng.choice(KINDS)
     what = {"json": _json, "header": _header, "bytes": _bytes, "fs": _fs}[kind](rng, ckpt, case)
     return {"kind": kind, "what": what}

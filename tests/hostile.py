@@ -82,11 +82,13 @@ def fresh_state() -> dict[str, Any]:
     }
 
 
-def save_base(path: Path) -> None:
+def save_base(path: Path, base: Path | None = None) -> None:
+    """The fuzz and hostile tests' checkpoint of :func:`make_state`; with ``base``, an incremental save
+    that refers to ``base`` (a sibling) for every chunk it holds unchanged."""
     old = os.environ.get("SHARDSAFE_CHECKSUM_BLOCK_BYTES")
     os.environ["SHARDSAFE_CHECKSUM_BLOCK_BYTES"] = str(BLOCK)
     try:
-        shardsafe.save(path, make_state(), metadata={"step": 7, "note": ("a", 1.5)})
+        shardsafe.save(path, make_state(), metadata={"step": 7, "note": ("a", 1.5)}, base=base)
     finally:
         if old is None:
             del os.environ["SHARDSAFE_CHECKSUM_BLOCK_BYTES"]

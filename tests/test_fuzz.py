@@ -166,17 +166,31 @@ def fuzz(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     save_base(base)
     reshard(base, "x", [0, 3, 7])  # a tensor in three chunks, in three more data files
     shardsafe.verify(base)
+    # Every fourth case mutates an incremental checkpoint (format v2 references) of the same state,
+    # whose unchanged chunks live in the sibling "prev" (a copy of base; x is resharded there, so
+    # written again): the references, the refs table and the sibling's files are attacked too.
+    inc = root / "inc"
+    shutil.copytree(base, inc / "prev")
+    save_base(inc / "ckpt", base=inc / "prev")
+    assert shardsafe.inspect(inc / "ckpt").bases == ["prev"]
+    shardsafe.verify(inc / "ckpt")
     started = time.monotonic()
     cases = []
     for i in range(CASES):
-        meta = build(base, root / "cases" / f"c{i:05d}", SEED * 1_000_003 + i)
-        cases.append({"id": i, "dir": str(root / "cases" / f"c{i:05d}"), **meta})
+        incremental = i % 4 == 3
+        src, siblings = (inc / "ckpt", (inc / "prev",)) if incremental else (base, ())
+        meta = build(src, root / "cases" / f"c{i:05d}", SEED * 1_000_003 + i, siblings)
+        cases.append({"id": i, "dir": str(root / "cases" / f"c{i:05d}"), "base": str(src), **meta})
     built = time.monotonic()
     before = _tree(root, ("scratch-", "results-", "spec-", "stderr-"))
     results: dict[int, dict[str, Any]] = {}
-    threads = [
-        threading.Thread(target=_worker, args=(root, str(w), cases[w::WORKERS], base, results)) for w in range(WORKERS)
-    ]
+
+    def lane(w: int) -> None:  # each worker runs its share of the cases of each source checkpoint
+        for src in (base, inc / "ckpt"):
+            mine = [c for c in cases[w::WORKERS] if c["base"] == str(src)]
+            _worker(root, f"{w}{src.parent.name}", mine, src, results)
+
+    threads = [threading.Thread(target=lane, args=(w,)) for w in range(WORKERS)]
     for t in threads:
         t.start()
     for t in threads:
