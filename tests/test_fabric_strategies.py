@@ -109,6 +109,11 @@ SCRIPT = textwrap.dedent(
                 out["guard"] = [type(err).__name__, err.missing_ranks, str(err)]
         with open(f"{root}/rank{rank}.json", "w") as f:
             json.dump(out, f)
+        # an orderly teardown: a rank that exits while another is still in the guarded save above can
+        # abort in gloo's teardown ("terminate called without an active exception")
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
 
 
     if __name__ == "__main__":
