@@ -67,14 +67,27 @@ def test_save_and_load_log_each_phase_at_debug_with_rank_and_timings(
     assert torch.equal(state["w"], torch.ones(6))
 
 
-def test_every_knob_has_an_env_override_and_is_read_somewhere() -> None:
-    tree = ast.parse((SRC / "knobs.py").read_text())
-    names = [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")]
+def test_every_knob_has_an_env_override_and_is_read_somewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    named = {name: k for name, k in vars(knobs).items() if isinstance(k, knobs.Knob)}
+    assert sorted(map(id, named.values())) == sorted(map(id, knobs.ALL)), "a knob outside ALL, or bound twice"
     text = {p: p.read_text() for p in SRC.rglob("*.py") if p.name != "knobs.py"}
-    for name in names:
-        fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
-        assert "_float(" in ast.unparse(fn), f"knobs.{name} has no SHARDSAFE_ override"
+    for name, knob in named.items():
+        assert callable(knob)
+        monkeypatch.setenv(knob.env, "7")
+        assert knob() == 7, f"knobs.{name} ignores {knob.env}"
+        monkeypatch.setenv(knob.env, "-1")
+        with pytest.raises(shardsafe.InvalidArgumentError, match=knob.env):
+            knob()
+        monkeypatch.delenv(knob.env)
+        assert knob() > 0
         assert any(re.search(rf"\bknobs\.{name}\b", t) for t in text.values()), f"knobs.{name} is never read"
+
+
+def test_docs_list_every_knob_with_its_default() -> None:
+    """docs/knobs.md holds knobs.markdown() as it is: a new or changed knob changes the doc."""
+    doc = (SRC.parent.parent / "docs" / "knobs.md").read_text()
+    assert knobs.markdown() in doc, "docs/knobs.md is out of date: paste shardsafe.knobs.markdown() into it"
+    assert "| `SHARDSAFE_IO_TIMEOUT` | see text |" in doc and "| `SHARDSAFE_STAGING_POOL_BYTES` | 256 MiB |" in doc
 
 
 def test_storage_tunables_come_from_knobs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

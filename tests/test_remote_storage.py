@@ -19,7 +19,7 @@ import pytest
 
 from shardsafe.errors import RemoteIOError
 from shardsafe.format.manifest import FileEntry, Manifest, seal_manifest
-from shardsafe.storage import MANIFEST_NAME, get_storage
+from shardsafe.storage import MANIFEST_NAME, Commit, get_storage
 from shardsafe.storage.delete import delete_checkpoint, delete_files, discard_save, stale_files
 from shardsafe.storage.names import TOMBSTONE
 from shardsafe.storage.remote import FsspecStorage
@@ -41,8 +41,9 @@ def _manifest(save_id: str, files: list[str]) -> bytes:
 
 def _publish(st: FsspecStorage, target: str, save_id: str, files: list[str], *, overwrite: bool) -> bytes | None:
     raw = _manifest(save_id, files)
-    st.stage_manifest(target, target, save_id, raw)
-    return st.publish(target, target, save_id, raw, overwrite=overwrite, at_commit=lambda: None)
+    commit = Commit(target, target, save_id, raw)
+    st.stage_manifest(commit)
+    return st.publish(commit, overwrite=overwrite, at_commit=lambda: None)
 
 
 def _put(st: FsspecStorage, url: str, data: bytes, piece: int = 100_000) -> None:

@@ -38,7 +38,7 @@ from shardsafe.errors import (
 )
 from shardsafe.format.manifest import parse_manifest
 from shardsafe.state.flatten import FlatState
-from shardsafe.storage import MANIFEST_NAME, is_remote
+from shardsafe.storage import MANIFEST_NAME, Commit, is_remote
 from shardsafe.storage.bounded import IOThread, run_bounded
 from shardsafe.storage.delete import delete_files, discard_save, stale_files
 from shardsafe.storage.refs import check_ref_files
@@ -132,13 +132,14 @@ def lead(job: SaveJob, coord: Coordinator, flat: FlatState, reports: list[dict[s
     if manifest.refs:  # an incremental save: the files it refers to are still there (not deleted meanwhile)
         check_ref_files(job.storage, job.path, manifest)
     job.storage.set_deadline(time.monotonic() + job.deadlines.io)  # the barrier may have used up the first
-    job.storage.stage_manifest(job.staging, job.path, job.save_id, raw)
+    commit = Commit(job.staging, job.path, job.save_id, raw)
+    job.storage.stage_manifest(commit)
     job.phase = "decide"
     outcome = coord.decide(COMMIT)
     if outcome != COMMIT:
         raise coord.remote_failure() or coord.error_from(json.loads(outcome))
     job.phase = "publish"
-    old = _publish(job, coord, raw)
+    old = _publish(job, coord, commit)
     coord.post("published", json.dumps({"ok": True}))
     _remove_stale(job, old, raw, where)
     fault_point("save.confirm", coord.global_rank)
@@ -180,7 +181,7 @@ class _Gate:
             return not self.passed
 
 
-def _publish(job: SaveJob, coord: Coordinator, raw: bytes) -> bytes | None:
+def _publish(job: SaveJob, coord: Coordinator, commit: Commit) -> bytes | None:
     """(rank 0, "commit" won) Make the manifest visible under the io deadline; on failure, post the
     ``published`` error record, discard staging when the publish surely did not happen, and raise."""
     gate = _Gate()
@@ -189,7 +190,7 @@ def _publish(job: SaveJob, coord: Coordinator, raw: bytes) -> bytes | None:
         fault_point("save.publish", coord.global_rank)
         if gate.cancelled:  # called off while this thread was held up: touch nothing
             raise TimeoutError("publish called off: the save's deadline passed")
-        return job.storage.publish(job.staging, job.path, job.save_id, raw, overwrite=job.overwrite, at_commit=gate)
+        return job.storage.publish(commit, overwrite=job.overwrite, at_commit=gate)
 
     io = IOThread(job.path, time.monotonic() + job.deadlines.io)
     try:

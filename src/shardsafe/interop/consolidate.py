@@ -22,7 +22,7 @@ from shardsafe.errors import CheckpointExistsError, CorruptCheckpointError
 from shardsafe.format.datafile import read_blocks, write_file
 from shardsafe.format.manifest import Chunk, FileEntry, Manifest, TensorEntry, parse_manifest
 from shardsafe.storage import get_storage
-from shardsafe.storage.base import Storage
+from shardsafe.storage.base import Commit, Storage
 from shardsafe.storage.names import data_file, refusal
 from shardsafe.storage.refs import chunk_path, missing_base
 
@@ -82,8 +82,9 @@ def consolidate(
     copy = replace(manifest, save_id=save_id, created=time.time(), tensors=tensors, files=files, refs={})
     raw = copy.to_bytes()
     parse_manifest(raw, dest.join(out, "MANIFEST.json"))  # never commit what a loader would refuse
-    dest.stage_manifest(staging, out, save_id, raw)
-    dest.publish(staging, out, save_id, raw, overwrite=False, at_commit=lambda: None)
+    commit = Commit(staging, out, save_id, raw)
+    dest.stage_manifest(commit)
+    dest.publish(commit, overwrite=False, at_commit=lambda: None)
     total = sum(f.size for f in files.values())
     return ConsolidateResult(out, len(tensors), total, sorted(files), sorted(manifest.refs))
 

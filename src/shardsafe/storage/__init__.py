@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 from shardsafe.errors import InvalidArgumentError
-from shardsafe.storage.base import MANIFEST_NAME, Storage, Writer
+from shardsafe.storage.base import MANIFEST_NAME, Commit, Storage, Writer
 from shardsafe.storage.local import LocalStorage
 
-__all__ = ["MANIFEST_NAME", "LocalStorage", "Storage", "Writer", "get_storage", "is_remote"]
+__all__ = ["MANIFEST_NAME", "Commit", "LocalStorage", "Storage", "Writer", "get_storage", "is_remote"]
 
 
 def is_remote(path: str) -> bool:

@@ -11,9 +11,22 @@ overwritten (their names carry the save id).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 MANIFEST_NAME = "MANIFEST.json"
+
+
+@dataclass(frozen=True)
+class Commit:
+    """One save's manifest on its way to ``<target>/MANIFEST.json``: where its data files are staged
+    (``staging``: :meth:`Storage.staging_dir`), the checkpoint's path, the save id its data file names
+    carry, and the manifest's bytes."""
+
+    staging: str
+    target: str
+    save_id: str
+    manifest: bytes
 
 
 class Writer(Protocol):
@@ -55,23 +68,14 @@ class Storage(Protocol):
         """(writing ranks) Create a new file; fail if it exists."""
         ...
 
-    def stage_manifest(self, staging: str, target: str, save_id: str, manifest: bytes) -> None:
-        """(rank 0, before deciding to commit) Make ``manifest`` durable where :meth:`publish` takes it
-        from, without making it visible at ``target``."""
+    def stage_manifest(self, commit: Commit) -> None:
+        """(rank 0, before deciding to commit) Make the manifest durable where :meth:`publish` takes it
+        from, without making it visible at the target."""
         ...
 
-    def publish(
-        self,
-        staging: str,
-        target: str,
-        save_id: str,
-        manifest: bytes,
-        *,
-        overwrite: bool,
-        at_commit: Callable[[], None],
-    ) -> bytes | None:
+    def publish(self, commit: Commit, *, overwrite: bool, at_commit: Callable[[], None]) -> bytes | None:
         """(rank 0, after it won the "commit" decision) Commit: make the staged manifest visible at
-        ``target`` in one atomic step, after the data files. ``at_commit()`` is called right before
+        the target in one atomic step, after the data files. ``at_commit()`` is called right before
         that step and may raise to prevent it. Returns the bytes of the manifest it replaced (for
         the removal of old data files), or ``None``."""
         ...

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from shardsafe import knobs
 from shardsafe.coord.faults import fault_point
 from shardsafe.storage import regular
-from shardsafe.storage.base import MANIFEST_NAME
+from shardsafe.storage.base import MANIFEST_NAME, Commit
 from shardsafe.storage.bounded import IOThread, run_bounded
 from shardsafe.storage.names import DATA_FILE
 
@@ -160,13 +160,14 @@ class LocalStorage:
     def open_writer(self, path: str) -> LocalWriter:
         return LocalWriter(path, self.deadline)
 
-    def stage_manifest(self, staging: str, target: str, save_id: str, manifest: bytes) -> None:
+    def stage_manifest(self, commit: Commit) -> None:
+        staging = commit.staging
         staged = os.path.join(staging, MANIFEST_NAME)
         tmp = staged + ".tmp"
 
         def write() -> None:
             with open(tmp, "xb") as f:
-                f.write(manifest)
+                f.write(commit.manifest)
                 f.flush()
                 os.fsync(f.fileno())
             os.rename(tmp, staged)
@@ -174,16 +175,8 @@ class LocalStorage:
 
         run_bounded("writing the staged manifest", staged, self.deadline, write)
 
-    def publish(
-        self,
-        staging: str,
-        target: str,
-        save_id: str,
-        manifest: bytes,
-        *,
-        overwrite: bool,
-        at_commit: Callable[[], None],
-    ) -> bytes | None:
+    def publish(self, commit: Commit, *, overwrite: bool, at_commit: Callable[[], None]) -> bytes | None:
+        staging, target = commit.staging, commit.target
         parent = os.path.dirname(os.path.abspath(target))
         committed = os.path.join(target, MANIFEST_NAME)
         if not os.path.lexists(target) or (os.path.isdir(target) and not os.listdir(target)):
@@ -198,7 +191,7 @@ class LocalStorage:
             raise FileExistsError(errno.EEXIST, "a checkpoint was committed there meanwhile", committed)
         for name in os.listdir(staging):
             m = DATA_FILE.match(name)
-            if m is not None and m["sid"] == save_id:
+            if m is not None and m["sid"] == commit.save_id:
                 os.rename(os.path.join(staging, name), os.path.join(target, name))
         fsync_dir(target)
         at_commit()

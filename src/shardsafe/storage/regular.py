@@ -15,8 +15,12 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
+from typing import TypeVar
 
 from shardsafe.errors import CorruptCheckpointError
+
+T = TypeVar("T")
 
 _KINDS = (
     (stat.S_ISDIR, "a directory"),
@@ -31,14 +35,19 @@ def _kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a file")
 
 
-def stat_regular(path: str) -> os.stat_result:
-    """``os.stat`` of ``path``, which must be a regular file inside its own directory."""
+def no_loop(path: str, look: Callable[[], T]) -> T:
+    """``look()`` (a stat of ``path``), a symlink loop there raising :class:`CorruptCheckpointError`."""
     try:
-        st = os.stat(path)
+        return look()
     except OSError as err:
         if err.errno == errno.ELOOP:
-            raise CorruptCheckpointError(f"{path} is a symlink loop, not a regular file") from None
+            raise CorruptCheckpointError(f"{path} is a symlink loop, not a file") from None
         raise
+
+
+def stat_regular(path: str) -> os.stat_result:
+    """``os.stat`` of ``path``, which must be a regular file inside its own directory."""
+    st = no_loop(path, lambda: os.stat(path))
     if not stat.S_ISREG(st.st_mode):
         raise CorruptCheckpointError(
             f"{path} is not a regular file ({_kind(st.st_mode)}); a checkpoint's files are plain files"

@@ -18,7 +18,6 @@ resets and 5xx). On S3 (``s3fs``) large data files upload as parallel multipart 
 
 from __future__ import annotations
 
-import errno
 import functools
 import logging
 from collections.abc import Callable, Mapping
@@ -28,7 +27,7 @@ from typing import Any, TypeVar
 from shardsafe import knobs
 from shardsafe.errors import CorruptCheckpointError, InvalidArgumentError, RemoteIOError
 from shardsafe.storage import regular, retry
-from shardsafe.storage.base import MANIFEST_NAME, Writer
+from shardsafe.storage.base import MANIFEST_NAME, Commit, Writer
 from shardsafe.storage.bounded import run_bounded
 from shardsafe.storage.fsspec_util import check_name, import_fsspec, local_dir, mtime_of
 from shardsafe.storage.local import fsync_dir, make_dirs
@@ -136,34 +135,26 @@ class FsspecStorage:
             return PartWriter(self.fs, p, path, self.policy)
         return StreamWriter(self.fs, p, self.deadline if local_dir(self.fs, p) else None)
 
-    def stage_manifest(self, staging: str, target: str, save_id: str, manifest: bytes) -> None:
+    def stage_manifest(self, commit: Commit) -> None:
         """(rank 0, before the decision) Object stores: nothing (the manifest goes up in one PUT when
         published). Elsewhere: ``.MANIFEST.json.tmp-<saveid>`` in the target, durable, renamed over
         ``MANIFEST.json`` when published."""
         if self.object_store:
             return
-        tmp = self._p(self.join(target, temp_manifest(save_id)))
+        tmp = self._p(self.join(commit.target, temp_manifest(commit.save_id)))
         writer = StreamWriter(self.fs, tmp, self.deadline if local_dir(self.fs, tmp) else None)
         try:
-            writer.write(memoryview(manifest))
+            writer.write(memoryview(commit.manifest))
         except BaseException:
             writer.abort()
             raise
         writer.close()
 
-    def publish(
-        self,
-        staging: str,
-        target: str,
-        save_id: str,
-        manifest: bytes,
-        *,
-        overwrite: bool,
-        at_commit: Callable[[], None],
-    ) -> bytes | None:
+    def publish(self, commit: Commit, *, overwrite: bool, at_commit: Callable[[], None]) -> bytes | None:
         """(rank 0, after it won the commit decision, every data object durable) Make ``MANIFEST.json``
         visible: one PUT on object stores, the rename of the staged temporary file elsewhere (the
         directory fsynced around it on a local disk). Returns the manifest it replaced."""
+        target = commit.target
         url = self.join(target, MANIFEST_NAME)
         p = self._p(url)
         old = self.read_bytes(url) if self._exists(p, url) else None
@@ -174,9 +165,9 @@ class FsspecStorage:
             fsync_dir(local)  # the data files' entries are durable before the manifest names them
         at_commit()
         if self.object_store:
-            self._retry("upload manifest", url, lambda: self.fs.pipe_file(p, manifest))
+            self._retry("upload manifest", url, lambda: self.fs.pipe_file(p, commit.manifest))
         else:
-            tmp = self._p(self.join(target, temp_manifest(save_id)))
+            tmp = self._p(self.join(target, temp_manifest(commit.save_id)))
             self._retry("rename manifest", url, lambda: self.fs.mv(tmp, p))
             if local:
                 fsync_dir(local)
@@ -298,12 +289,7 @@ class FsspecStorage:
     def _stat(self, path: str) -> dict[str, Any]:
         """``fs.info`` of ``path``; on the local filesystem anything but a directory must also pass
         :func:`~shardsafe.storage.regular.stat_regular` (no FIFO, device, loop or symlink out)."""
-        try:
-            info = self._info(path)
-        except OSError as err:
-            if err.errno == errno.ELOOP:
-                raise CorruptCheckpointError(f"{path} is a symlink loop, not a file") from None
-            raise
+        info = regular.no_loop(path, lambda: self._info(path))
         local = local_dir(self.fs, self._p(path))
         if local is not None and info.get("type") != "directory":
             regular.stat_regular(local)
