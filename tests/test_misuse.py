@@ -135,3 +135,31 @@ def test_out_of_step_ranks_raise_on_every_rank_with_what_each_did(tmp_path: Any)
     assert r0["after_structure"] == [], "a save refused for mismatched state left something behind"
     assert r0["structure"]["type"] == "CheckpointError" and "ranks [1]" in r0["structure"]["msg"], r0["structure"]
     assert r1["structure"]["type"] == "RemoteRankError" and "rank 0" in r1["structure"]["msg"], r1["structure"]
+
+
+def test_a_misspelt_save_option_raises_type_error_before_anything_is_written(tmp_path: Any) -> None:
+    """The options are keyword arguments in one table (SaveOptions): a typo is refused, as Python refuses
+    one for a plain function, naming the keyword and the known options, and nothing is created."""
+    path = tmp_path / "c"
+    for fn in (shardsafe.save, shardsafe.async_save):
+        try:
+            fn(str(path), {"x": torch.ones(3)}, overwite=True)  # type: ignore[call-arg]
+        except TypeError as err:
+            assert isinstance(err, shardsafe.CheckpointError)
+            assert "'overwite'" in str(err) and "overwrite" in str(err).split(";")[1], err
+        else:
+            raise AssertionError(f"{fn.__name__} accepted a misspelt keyword")
+        assert not path.exists() and os.listdir(tmp_path) == []
+
+
+def test_save_and_async_save_show_every_option_with_its_default() -> None:
+    import inspect
+
+    from shardsafe.engine.options import DEFAULTS
+
+    for fn in (shardsafe.save, shardsafe.async_save):
+        params = inspect.signature(fn).parameters
+        assert list(params) == ["path", "state", *shardsafe.SaveOptions.__annotations__], fn.__name__
+        assert {k: params[k].default for k in DEFAULTS} == DEFAULTS
+        assert all(params[k].kind is inspect.Parameter.KEYWORD_ONLY for k in DEFAULTS)
+    assert DEFAULTS["overwrite"] is False and DEFAULTS["allow_pickle"] is False

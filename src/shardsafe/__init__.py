@@ -4,7 +4,17 @@ pickle-free and never hang.
 Every rank calls the same functions; the library decides which rank writes which bytes.
 """
 
-from shardsafe.engine.api import CheckpointInfo, SaveHandle, VerifySummary, async_save, inspect, load, save, verify
+from shardsafe.engine.api import (
+    CheckpointInfo,
+    SaveHandle,
+    SaveOptions,
+    VerifySummary,
+    async_save,
+    inspect,
+    load,
+    save,
+    verify,
+)
 from shardsafe.engine.progress import Progress
 from shardsafe.engine.progressbar import ProgressBar
 from shardsafe.errors import (
@@ -61,6 +71,7 @@ __all__ = [
     "RemoteRankError",
     "Runtime",
     "SaveHandle",
+    "SaveOptions",
     "UnsafeValueError",
     "VerifySummary",
     "WorkerError",

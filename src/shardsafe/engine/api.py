@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from collections.abc import Mapping, MutableMapping
 from typing import Any
@@ -18,9 +19,15 @@ from shardsafe.engine import inflight
 from shardsafe.engine import load as _load
 from shardsafe.engine.guard import mapped_errors
 from shardsafe.engine.inspect import CheckpointInfo, EntryInfo, VerifySummary, inspect, verify
+from shardsafe.engine.options import SaveOptions, complete, spelled_out
 from shardsafe.engine.progress import Progress, ProgressCallback, check_callback
 from shardsafe.engine.save import SaveHandle, SaveJob
 from shardsafe.storage import get_storage
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # pragma: no cover
+    from typing_extensions import Unpack
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +36,7 @@ __all__ = [
     "EntryInfo",
     "Progress",
     "SaveHandle",
+    "SaveOptions",
     "VerifySummary",
     "async_save",
     "inspect",
@@ -38,35 +46,13 @@ __all__ = [
 ]
 
 
-def _start(
-    path: str | os.PathLike[str],
-    state: Mapping[str, Any],
-    *,
-    background: bool,
-    overwrite: bool,
-    timeout: float | Deadlines | None,
-    group: Any,
-    metadata: Any,
-    allow_pickle: bool,
-    storage_options: dict[str, Any] | None,
-    base: str | os.PathLike[str] | None,
-    progress: ProgressCallback | None,
-) -> SaveHandle:
-    progress = check_callback(progress)
-    deadlines = Deadlines.resolve(timeout)
+def _start(path: str | os.PathLike[str], state: Mapping[str, Any], call: str, given: Mapping[str, Any]) -> SaveHandle:
+    options = complete(call, given)
+    options["progress"] = check_callback(options["progress"])
+    deadlines = Deadlines.resolve(options["timeout"])
     inflight.drain(deadlines, knobs.max_inflight_saves() - 1)
-    job = SaveJob(
-        os.fspath(path),
-        state,
-        overwrite=overwrite,
-        deadlines=deadlines,
-        group=group,
-        metadata=metadata,
-        allow_pickle=allow_pickle,
-        storage_options=storage_options,
-        base=None if base is None else os.fspath(base),
-        progress=progress,
-    )
+    background = call == "async_save"
+    job = SaveJob(os.fspath(path), state, options, deadlines)
     job.begin(copy=background)
     if not background:
         job.finish()
@@ -79,19 +65,8 @@ def _start(
     return handle
 
 
-def save(
-    path: str | os.PathLike[str],
-    state: Mapping[str, Any],
-    *,
-    overwrite: bool = False,
-    timeout: float | Deadlines | None = None,
-    group: Any = None,
-    metadata: Any = None,
-    allow_pickle: bool = False,
-    storage_options: dict[str, Any] | None = None,
-    base: str | os.PathLike[str] | None = None,
-    progress: ProgressCallback | None = None,
-) -> None:
+@spelled_out
+def save(path: str | os.PathLike[str], state: Mapping[str, Any], **options: Unpack[SaveOptions]) -> None:
     """Save ``state`` to ``path`` as one checkpoint, committed all-or-nothing.
 
     Call it on EVERY rank of the default process group (or of ``group``), or in a single process;
@@ -103,8 +78,15 @@ def save(
     :class:`CheckpointExistsError` if ``path`` is committed and not ``overwrite`` (an overwrite
     replaces it atomically), :class:`UnsafeValueError` for a value that would need pickle, and on
     every rank a coordination error naming the rank and phase if any rank fails or never arrives.
-    ``timeout`` (seconds) bounds every wait; default ``SHARDSAFE_TIMEOUT`` or 300 s for ranks to
-    arrive and ``SHARDSAFE_IO_TIMEOUT`` or 1800 s for writes and the commit.
+
+    Keyword options (:class:`SaveOptions`; a misspelt one raises ``TypeError``):
+    ``overwrite`` (default False) replace a committed checkpoint at ``path``, atomically.
+    ``timeout`` (seconds, or a :class:`~shardsafe.coord.Deadlines`) bounds every wait; default
+    ``SHARDSAFE_TIMEOUT`` or 300 s for ranks to arrive and ``SHARDSAFE_IO_TIMEOUT`` or 1800 s for
+    writes and the commit. ``group``: the process group whose ranks save (default: the default group).
+    ``metadata``: a JSON-like value stored with the checkpoint (``inspect(path).metadata``).
+    ``allow_pickle`` (default False): let values that only pickle can hold be saved (loading them needs
+    ``allow_pickle=True`` too). ``storage_options``: passed to fsspec for remote paths (``s3://``...).
 
     ``base``: an incremental save (docs/incremental.md). The path of a committed checkpoint in the same
     folder as ``path``; chunks whose bytes equal the same tensor's same box in ``base`` (compared by
@@ -115,53 +97,18 @@ def save(
     (default 2) and once at the end, from a thread of its own; ignored on other ranks. A callback that
     raises is logged and not called again; the save goes on. See docs/progress.md.
     """
-    _start(
-        path,
-        state,
-        background=False,
-        overwrite=overwrite,
-        timeout=timeout,
-        group=group,
-        metadata=metadata,
-        allow_pickle=allow_pickle,
-        storage_options=storage_options,
-        base=base,
-        progress=progress,
-    )
+    _start(path, state, "save", options)
 
 
-def async_save(
-    path: str | os.PathLike[str],
-    state: Mapping[str, Any],
-    *,
-    overwrite: bool = False,
-    timeout: float | Deadlines | None = None,
-    group: Any = None,
-    metadata: Any = None,
-    allow_pickle: bool = False,
-    storage_options: dict[str, Any] | None = None,
-    base: str | os.PathLike[str] | None = None,
-    progress: ProgressCallback | None = None,
-) -> SaveHandle:
+@spelled_out
+def async_save(path: str | os.PathLike[str], state: Mapping[str, Any], **options: Unpack[SaveOptions]) -> SaveHandle:
     """Like :func:`save`, but returns once this rank's share is copied into staging memory; writing
     and commit run in the background. Change the model freely after it returns: the checkpoint holds
     the values at the call. At most ``SHARDSAFE_MAX_INFLIGHT_SAVES`` (default 1) saves are in flight:
     a new save first waits for the oldest. Errors raise from ``handle.wait()`` (and from the next save
     or load if never waited for) on every rank. ``base`` and ``progress`` as for :func:`save`; progress
     calls go on after this returns, from a background thread, until the final one. See docs/async.md."""
-    return _start(
-        path,
-        state,
-        background=True,
-        overwrite=overwrite,
-        timeout=timeout,
-        group=group,
-        metadata=metadata,
-        allow_pickle=allow_pickle,
-        storage_options=storage_options,
-        base=base,
-        progress=progress,
-    )
+    return _start(path, state, "async_save", options)
 
 
 def load(

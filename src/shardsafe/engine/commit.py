@@ -190,7 +190,7 @@ def _publish(job: SaveJob, coord: Coordinator, commit: Commit) -> bytes | None:
         fault_point("save.publish", coord.global_rank)
         if gate.cancelled:  # called off while this thread was held up: touch nothing
             raise TimeoutError("publish called off: the save's deadline passed")
-        return job.storage.publish(commit, overwrite=job.overwrite, at_commit=gate)
+        return job.storage.publish(commit, overwrite=job.options["overwrite"], at_commit=gate)
 
     io = IOThread(job.path, time.monotonic() + job.deadlines.io)
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import threading
 import time
 import uuid
@@ -29,9 +30,10 @@ import torch
 from shardsafe import knobs
 from shardsafe.coord import Coordinator, Deadlines, fault_point
 from shardsafe.engine import commit, incremental, staging
+from shardsafe.engine.options import SaveOptions
 from shardsafe.engine.phases import PhaseLog
 from shardsafe.engine.plan import PendingChunk, own_chunks, plan_writes
-from shardsafe.engine.progress import ProgressCallback, file_bytes
+from shardsafe.engine.progress import file_bytes
 from shardsafe.engine.tracker import Tracker
 from shardsafe.errors import (
     CheckpointError,
@@ -56,32 +58,17 @@ logger = logging.getLogger(__name__)
 class SaveJob:
     """One save of ``state`` to ``path``; see the module docstring for the call order."""
 
-    def __init__(
-        self,
-        path: str,
-        state: Mapping[str, Any],
-        *,
-        overwrite: bool,
-        deadlines: Deadlines,
-        group: Any,
-        metadata: Any,
-        allow_pickle: bool,
-        storage_options: dict[str, Any] | None,
-        base: str | None = None,
-        progress: ProgressCallback | None = None,
-    ) -> None:
+    def __init__(self, path: str, state: Mapping[str, Any], options: SaveOptions, deadlines: Deadlines) -> None:
+        """``options``: complete (:func:`shardsafe.engine.options.complete`); ``deadlines`` resolved
+        from its ``timeout``."""
         self.path = str(path)
-        self.base = base  # rank 0's applies: it checks it and tells every rank
+        self.options = options  # its "base": rank 0's applies: it checks it and tells every rank
         self.base_name = ""
         self.base_manifest: Manifest | None = None
         self.ref_chunks: list[tuple[str, Chunk]] = []  # (tensor, reference) for chunks the base holds
         self.state = state
-        self.overwrite = overwrite
         self.deadlines = deadlines
-        self.group = group
-        self.metadata = metadata
-        self.allow_pickle = allow_pickle
-        self.storage: Storage = get_storage(self.path, storage_options)
+        self.storage: Storage = get_storage(self.path, options["storage_options"])
         self.coord: Coordinator | None = None
         self.phases = PhaseLog("save", self.path, "rendezvous")
         self.save_id = ""
@@ -94,7 +81,7 @@ class SaveJob:
         self.staged: staging.Staged | None = None
         self.started = time.monotonic()
         self.blocking_seconds = 0.0
-        self.tracker = Tracker("save", self.path, progress)  # engine/tracker.py
+        self.tracker = Tracker("save", self.path, options["progress"])  # engine/tracker.py
         self.header_bytes = 0
 
     @property
@@ -112,7 +99,7 @@ class SaveJob:
         """(all ranks, caller's thread) Rendezvous, plan and stage. With ``copy`` the chunks are copied
         into staging buffers, so the caller may change its tensors as soon as this returns."""
         self.coord = coord = Coordinator.join(
-            "save", self.path, deadlines=self.deadlines, group=self.group, heartbeat=True
+            "save", self.path, deadlines=self.deadlines, group=self.options["group"], heartbeat=True
         )
         self.tracker.start(coord, lambda: self.phase)
         try:
@@ -135,13 +122,13 @@ class SaveJob:
             # FSDP1 optimizers with use_orig_params=True (a rank may hold no state for some parameters)
             self.flat = flatten(
                 self.state,
-                allow_pickle=self.allow_pickle,
+                allow_pickle=self.options["allow_pickle"],
                 gather=lambda phase, payload: coord.barrier(
                     phase, payload, timeout=self.deadlines.arrive, collect=True
                 ),
             )
             per_rank.find_per_rank(self.flat, coord, self.deadlines)
-            self.metadata_json = encode(self.metadata, "metadata", _no_tensors)
+            self.metadata_json = encode(self.options["metadata"], "metadata", _no_tensors)
             self.chunks = plan_writes(self.flat.items, coord.rank, coord.world_size) + own_chunks(self.flat)
             if self.base_manifest is not None:
                 self.chunks, self.ref_chunks = incremental.match(
@@ -171,12 +158,12 @@ class SaveJob:
         staging, and the checksum block size every writer uses (rank 0's, so ranks configured
         differently still write one loadable checkpoint)."""
         self.storage.set_deadline(time.monotonic() + self.deadlines.arrive)
-        why = refusal(self.storage, self.path, overwrite=self.overwrite)
+        why = refusal(self.storage, self.path, overwrite=self.options["overwrite"])
         if why is not None:
             return json.dumps({"exists": why})
         base: dict[str, Any] = {}
-        if self.base is not None:
-            base = json.loads(incremental.check_base(self.storage, self.path, self.base))
+        if self.options["base"] is not None:
+            base = json.loads(incremental.check_base(self.storage, self.path, os.fspath(self.options["base"])))
             if "base_error" in base:
                 return json.dumps(base)
         self.save_id = f"{int(time.time())}{uuid.uuid4().hex[:10]}"
