@@ -59,6 +59,19 @@ class CheckpointInfo:
     """Bytes of the base checkpoints' data files it refers to (not counted in ``total_bytes``)."""
 
 
+_AS_SAVED = (
+    "format_version",
+    "save_id",
+    "created",
+    "world_size",
+    "strategy",
+    "total_bytes",
+    "library",
+    "referenced_bytes",
+)
+"""The fields of :class:`CheckpointInfo` that are the manifest's own, as they are."""
+
+
 def verify(
     path: str | os.PathLike[str],
     *,
@@ -128,18 +141,12 @@ def inspect(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | N
                 )
             )
         metadata = decode(manifest.metadata, f"{path}: metadata", lambda ref: ref)
+    copied = {name: getattr(manifest, name) for name in _AS_SAVED}
     return CheckpointInfo(
         path=path,
-        format_version=manifest.format_version,
-        save_id=manifest.save_id,
-        created=manifest.created,
-        world_size=manifest.world_size,
-        strategy=manifest.strategy,
-        total_bytes=manifest.total_bytes,
         metadata=metadata,
         files=sorted(manifest.files),
         entries=entries,
-        library=manifest.library,
         bases=sorted(manifest.refs),
-        referenced_bytes=manifest.referenced_bytes,
+        **copied,
     )

@@ -25,6 +25,8 @@ IMPORT_DOC = (
     "files are read with weights_only=True; a DCP folder's metadata is a pickle, so it needs --allow-pickle "
     "(exit 2 without it). On a terminal a progress bar shows the save."
 )
+_HF_OPTIONS = ("max_shard_size", "config", "tied", "strip_prefix", "overwrite")
+"""The ``export`` flags passed on, by the same names, to :func:`~shardsafe.interop.hf.export_hf`."""
 
 
 def add_commands(commands: Any) -> None:
@@ -93,17 +95,8 @@ def _export(args: argparse.Namespace, out: TextIO) -> int:
     if args.format == "torch":
         result = export_torch(args.checkpoint, args.out, key=args.key, dtype=args.dtype, allow_pickle=args.allow_pickle)
     else:
-        result = export_hf(
-            args.checkpoint,
-            args.out,
-            key=args.key,
-            dtype=args.dtype,
-            max_shard_size=args.max_shard_size,
-            config=args.config,
-            tied=args.tied,
-            strip_prefix=args.strip_prefix,
-            overwrite=args.overwrite,
-        )
+        hf = {name: getattr(args, name) for name in _HF_OPTIONS}
+        result = export_hf(args.checkpoint, args.out, key=args.key, dtype=args.dtype, **hf)
     line = (
         f"OK {args.checkpoint} [{result.key}] -> {result.path}: {result.tensors} tensor(s), {result.bytes} bytes "
         f"in {len(result.files)} file(s)"

@@ -64,15 +64,15 @@ def _torchrun(env: Mapping[str, str]) -> ClusterEnv:
             "(python -m torch.distributed.run) or set all of " + ", ".join(_TORCHRUN_VARS)
         )
     world = _int(env, "WORLD_SIZE", 1)
+    port = _int(env, "MASTER_PORT", 0)
+    place = _place(env, "RANK", "LOCAL_RANK", "GROUP_RANK")
     return ClusterEnv(
         kind="torchrun",
-        rank=_int(env, "RANK", 0),
+        **place,
         world_size=world,
-        local_rank=_int(env, "LOCAL_RANK", 0),
         local_world_size=_int(env, "LOCAL_WORLD_SIZE", world),
-        node_rank=_int(env, "GROUP_RANK", 0),
         master_addr=env["MASTER_ADDR"],
-        master_port=_int(env, "MASTER_PORT", 0),
+        master_port=port,
     )
 
 
@@ -84,17 +84,18 @@ def _slurm(env: Mapping[str, str]) -> ClusterEnv:
     local_world = int(match.group(1)) if match else max(1, world // nodes)
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
     job_id = _int(env, "SLURM_JOB_ID", 0)
+    # Every task derives the same port from the job id: nothing is bound and released first.
+    port = _int(env, "MASTER_PORT", 10000 + job_id % 20000)
+    addr = env.get("MASTER_ADDR") or first_host(nodelist)
+    place = _place(env, "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID")
     return ClusterEnv(
-        kind="slurm",
-        rank=_int(env, "SLURM_PROCID", 0),
-        world_size=world,
-        local_rank=_int(env, "SLURM_LOCALID", 0),
-        local_world_size=local_world,
-        node_rank=_int(env, "SLURM_NODEID", 0),
-        master_addr=env.get("MASTER_ADDR") or first_host(nodelist),
-        # Every task derives the same port from the job id: nothing is bound and released first.
-        master_port=_int(env, "MASTER_PORT", 10000 + job_id % 20000),
+        kind="slurm", **place, world_size=world, local_world_size=local_world, master_addr=addr, master_port=port
     )
+
+
+def _place(env: Mapping[str, str], rank: str, local_rank: str, node_rank: str) -> dict[str, int]:
+    """This process's ranks (global, on its node, of its node) from the launcher's variables of those names."""
+    return {"rank": _int(env, rank, 0), "local_rank": _int(env, local_rank, 0), "node_rank": _int(env, node_rank, 0)}
 
 
 def first_host(nodelist: str) -> str:

@@ -209,6 +209,22 @@ def _rebind(optimizers: Sequence[torch.optim.Optimizer], names: dict[int, str], 
             group["params"] = [current[names[id(p)]] for p in group["params"]]
 
 
+_LOADER_SETTINGS = (
+    "batch_size",
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "drop_last",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "persistent_workers",
+    "pin_memory_device",
+)
+"""What a rebuilt loader keeps of the user's (its sampler is replaced by a ``DistributedSampler``)."""
+
+
 def shard_loader(loader: DataLoader, *, rank: int, world_size: int, seed: int) -> DataLoader:  # type: ignore[type-arg]
     """(every rank) ``loader`` with a ``DistributedSampler``: each rank reads ``1/world_size`` of the data."""
     if world_size == 1 or isinstance(loader.sampler, DistributedSampler):
@@ -236,19 +252,6 @@ def shard_loader(loader: DataLoader, *, rank: int, world_size: int, seed: int) -
         seed=seed,
         drop_last=loader.drop_last,
     )
-    return DataLoader(
-        loader.dataset,
-        batch_size=loader.batch_size,
-        sampler=sampler,
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        drop_last=loader.drop_last,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
-        prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
-        persistent_workers=loader.persistent_workers,
-        pin_memory_device=loader.pin_memory_device,
-    )
+    kept = {name: getattr(loader, name) for name in _LOADER_SETTINGS}
+    prefetch = loader.prefetch_factor if loader.num_workers > 0 else None
+    return DataLoader(loader.dataset, sampler=sampler, prefetch_factor=prefetch, **kept)

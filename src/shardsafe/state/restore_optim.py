@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -26,6 +26,15 @@ from shardsafe.state.fsdp1 import Fsdp1State
 from shardsafe.state.restore import Op, Restorer
 
 Json = Any
+Entries = list[tuple[str, Json]]
+
+
+class SavedOptimizer(NamedTuple):
+    """A saved optimizer entry, validated: ``state`` lists ``(parameter name, [(key, node)])``,
+    ``groups`` lists ``(parameter names, [(hyperparameter, node)])``."""
+
+    state: list[tuple[str, Entries]]
+    groups: list[tuple[list[str], Entries]]
 
 
 def _items(node: Json, where: str, what: str) -> list[tuple[Any, Json]]:
@@ -34,12 +43,9 @@ def _items(node: Json, where: str, what: str) -> list[tuple[Any, Json]]:
     return [(k, v) for k, v in node["items"]]
 
 
-def parse_optimizer(
-    node: Json, where: str
-) -> tuple[list[tuple[str, list[tuple[str, Json]]]], list[tuple[list[str], list[tuple[str, Json]]]]]:
-    """The saved optimizer entry as ``(state, groups)``: ``state`` lists ``(parameter name, [(key,
-    node)])``, ``groups`` lists ``(parameter names, [(hyperparameter, node)])``. Raises
-    :class:`CorruptCheckpointError` naming what is malformed."""
+def parse_optimizer(node: Json, where: str) -> SavedOptimizer:
+    """The saved optimizer entry, parsed. Raises :class:`CorruptCheckpointError` naming what is
+    malformed."""
     top = dict(_items(node, where, "the optimizer entry"))
     if set(top) != {"state", "param_groups"}:
         raise CorruptCheckpointError(f"{where}: an optimizer entry holds 'state' and 'param_groups', not {sorted(top)}")
@@ -62,29 +68,28 @@ def parse_optimizer(
                 f"{where}/param_groups/{g}: 'params' is not a list of distinct parameter names"
             )
         groups.append((names, [(k, v) for k, v in entries if k != "params"]))
-    return state, groups
+    return SavedOptimizer(state, groups)
 
 
 def plan_optimizer(r: Restorer, key: str, opt: torch.optim.Optimizer, node: Json, state: Mapping[str, Any]) -> None:
     """Plan restoring optimizer ``opt`` (entry ``key``) into ``r``; a mismatch of its parameters with
     the saved ones is recorded as missing (``strict`` decides), never half applied."""
     where = f"{r.path}: {key}"
-    saved_state, saved_groups = parse_optimizer(node, where)
+    saved = parse_optimizer(node, where)
     r.cpu_only = True  # torch's load_state_dict places state by its parameter (``step`` stays on CPU)
     try:
-        planned = _plan(r, key, opt, saved_state, saved_groups, state)
+        planned = _plan(r, key, opt, saved, state)
     finally:
         r.cpu_only = False
     if planned is not None and type(opt).load_state_dict is torch.optim.Optimizer.load_state_dict:
-        _trial(r, where, opt, saved_state, saved_groups, *planned)
+        _trial(r, where, opt, saved, *planned)
 
 
 def _trial(
     r: Restorer,
     where: str,
     opt: torch.optim.Optimizer,
-    saved_state: list[tuple[str, list[tuple[str, Json]]]],
-    saved_groups: list[tuple[list[str], list[tuple[str, Json]]]],
+    saved: SavedOptimizer,
     index: dict[str, int],
     group_params: list[list[int]],
 ) -> None:
@@ -100,13 +105,13 @@ def _trial(
     def value(node: Json, here: str) -> Any:
         return decode(node, here, stand_in, allow_pickle=r.allow_pickle)
 
-    if any(has_per_rank(v) for _, entries in saved_state for _, v in entries):
+    if any(has_per_rank(v) for _, entries in saved.state for _, v in entries):
         return  # per-rank optimizer state: its rank's value is chosen at restore; nothing to try here
     trial = {
-        "state": {index[p]: {k: value(v, f"{where}/state/{p}/{k}") for k, v in entries} for p, entries in saved_state},
+        "state": {index[p]: {k: value(v, f"{where}/state/{p}/{k}") for k, v in entries} for p, entries in saved.state},
         "param_groups": [
             {**{k: value(v, f"{where}/param_groups/{k}") for k, v in entries}, "params": params}
-            for (_, entries), params in zip(saved_groups, group_params, strict=True)
+            for (_, entries), params in zip(saved.groups, group_params, strict=True)
         ],
     }
     shadow = copy.copy(opt)
@@ -137,8 +142,7 @@ def _plan(
     r: Restorer,
     key: str,
     opt: torch.optim.Optimizer,
-    saved_state: list[tuple[str, list[tuple[str, Json]]]],
-    saved_groups: list[tuple[list[str], list[tuple[str, Json]]]],
+    saved: SavedOptimizer,
     state: Mapping[str, Any],
 ) -> tuple[dict[str, int], list[list[int]]] | None:
     """Plan the restore; returns (saved name -> parameter index, the indices of each group), or
@@ -150,32 +154,32 @@ def _plan(
         start = sum(len(g) for g in group_params)
         group_params.append(list(range(start, start + len(group["params"]))))
     group_names = [[n for i in g for n in per_param[i]] for g in group_params]
-    if len(saved_groups) != len(group_names) or any(
-        sorted(s) != sorted(g) for (s, _), g in zip(saved_groups, group_names, strict=False)
+    if len(saved.groups) != len(group_names) or any(
+        sorted(s) != sorted(g) for (s, _), g in zip(saved.groups, group_names, strict=False)
     ):
-        r.missing.append(f"{key}: parameter groups differ (saved {[s for s, _ in saved_groups]}, now {group_names})")
+        r.missing.append(f"{key}: parameter groups differ (saved {[s for s, _ in saved.groups]}, now {group_names})")
         return None
     index = {n: i for i, ns in enumerate(per_param) for n in ns}
-    unknown = [n for n, _ in saved_state if n not in index]
+    unknown = [n for n, _ in saved.state if n not in index]
     if unknown:
         r.missing.append(f"{key}: state for parameters the optimizer does not have: {unknown}")
         return None
     params = [p for g in opt.param_groups for p in g["params"]]
-    saved = dict(saved_state)
+    by_name = dict(saved.state)
     current = optimizer_current(opt)
     state_ops: dict[int, list[tuple[str, Op]]] = {}
     for i, p in enumerate(params):
         now = current["state"].get(i, {})
         if fsdp is not None and fsdp.manages(p):
-            ops = fsdp1_load.plan_state(r, fsdp, p, now, saved, f"{key}/state")
-        elif per_param[i][0] in saved:
-            ops = _state(r, p, now, saved[per_param[i][0]], f"{key}/state/{per_param[i][0]}")
+            ops = fsdp1_load.plan_state(r, fsdp, p, now, by_name, f"{key}/state")
+        elif per_param[i][0] in by_name:
+            ops = _state(r, p, now, by_name[per_param[i][0]], f"{key}/state/{per_param[i][0]}")
         else:
             ops = None
         if ops is not None:
             state_ops[i] = ops
     group_ops = []
-    for (_, entries), now_group in zip(saved_groups, current["param_groups"], strict=True):
+    for (_, entries), now_group in zip(saved.groups, current["param_groups"], strict=True):
         ops = []
         for k, v in entries:
             here = f"{key}/param_groups/{k}"
