@@ -142,11 +142,10 @@ def _saves_of(root: Path, steps: range, state: dict[str, Any], every: int = 3, *
 
 def test_full_save_every_counts_across_restarts(tmp_path: Path) -> None:
     state = frozen_state(frozen=3, trained=1)
-    assert _saves_of(tmp_path, range(1, 8), state, keep_last=2) == [1, 4, 7]
-    # the full saves released what came before: 1 is gone, 4 stays (retired) for 6, which refers to it
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004", "step-00000006", "step-00000007"]
-    for s in (6, 7):
-        assert_holds(tmp_path / f"step-{s:08d}", expected(s, frozen=3, trained=1))
+    # keep_last=1: the base of each incremental save but the first after a full one is retired (a tombstone)
+    assert _saves_of(tmp_path, range(1, 8), state, keep_last=1) == [1, 4, 7]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000007"]  # the full save released the rest
+    assert_holds(tmp_path / "step-00000007", expected(7, frozen=3, trained=1))
 
 
 def _reseal(path: Path, edit: Any) -> None:
@@ -167,15 +166,10 @@ def test_a_reference_cycle_makes_the_next_save_full(tmp_path: Path, caplog: pyte
     state = frozen_state(frozen=3, trained=1)
     assert _saves_of(tmp_path, range(1, 4), state, every=10) == [1]
     one, three = tmp_path / "step-00000001", tmp_path / "step-00000003"
-    doc3 = manifest(three)
-    assert sorted(doc3["refs"]) == ["step-00000001"]
+    assert sorted(manifest(three)["refs"]) == ["step-00000001"]
 
     def refer_to_three(doc: dict[str, Any]) -> None:  # 1 now also takes a tensor from 3: 1 -> 3 -> 1
-        entry = doc3["tensors"]["train0"]
-        (chunk,) = entry["chunks"]
-        assert chunk["ref"] is None
-        doc["tensors"]["extra"] = {**entry, "chunks": [{**chunk, "ref": three.name}]}
-        doc["refs"] = {three.name: {"save_id": doc3["save_id"], "files": {chunk["file"]: doc3["files"][chunk["file"]]}}}
+        _add_reference(doc, three, "train0")
         _set_count(doc, 1)  # looks consistent: fewer saves since a full one than 3's two
 
     _reseal(one, refer_to_three)
@@ -192,8 +186,16 @@ def _garbage(doc: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize(
     "damage",
-    ["base not json", "base refs garbage", "base manifest gone", "base count too high", "count missing",
-     "count not int", "count negative", "count huge", "count over the refs"],
+    [
+        "base not json",
+        "base refs garbage",
+        "base manifest gone",
+        "count missing",
+        "count not int",
+        "count negative",
+        "count huge",
+        "count zero with references",
+    ],
 )
 def test_a_chain_that_cannot_be_followed_makes_the_next_save_full(tmp_path: Path, damage: str) -> None:
     state = frozen_state(frozen=3, trained=1)
@@ -205,13 +207,36 @@ def test_a_chain_that_cannot_be_followed_makes_the_next_save_full(tmp_path: Path
         _reseal(base, _garbage)
     elif damage == "base manifest gone":
         (base / "MANIFEST.json").unlink()
-    elif damage == "base count too high":
-        _reseal(base, lambda doc: _set_count(doc, 5))
     else:
-        value = {"count missing": _ABSENT, "count not int": "1", "count negative": -1, "count huge": 10**30,
-                 "count over the refs": 0}[damage]
+        value = {
+            "count missing": _ABSENT,
+            "count not int": "1",
+            "count negative": -1,
+            "count huge": 10**30,
+            "count zero with references": 0,
+        }[damage]
         _reseal(newest, lambda doc: _set_count(doc, value))
     shardsafe.verify(newest)  # the newest checkpoint itself still loads
     assert _saves_of(tmp_path, range(4, 6), state, every=10) == [4]  # full, then incremental again on it
     for s in (4, 5):
         assert_holds(tmp_path / f"step-{s:08d}", expected(s, frozen=3, trained=1))
+
+
+def _add_reference(doc: dict[str, Any], to: Path, tensor: str) -> None:
+    """Make ``doc`` also take ``tensor``, as ``extra``, from the checkpoint ``to`` (which holds it itself)."""
+    theirs = manifest(to)
+    entry = theirs["tensors"][tensor]
+    (chunk,) = entry["chunks"]
+    assert chunk["ref"] is None
+    doc["tensors"]["extra"] = {**entry, "chunks": [{**chunk, "ref": to.name}]}
+    doc["refs"][to.name] = {"save_id": theirs["save_id"], "files": {chunk["file"]: theirs["files"][chunk["file"]]}}
+
+
+def test_more_references_than_saves_since_a_full_one_makes_the_next_save_full(tmp_path: Path) -> None:
+    state = frozen_state(frozen=3, trained=1)
+    assert _saves_of(tmp_path, range(1, 5), state, every=2, keep_last=None) == [1, 3]  # 4 refers to 3, records 1
+    four = tmp_path / "step-00000004"
+    _reseal(four, lambda doc: _add_reference(doc, tmp_path / "step-00000001", "train0"))  # and now to 1 too
+    shardsafe.verify(four)
+    assert sorted(manifest(four)["refs"]) == ["step-00000001", "step-00000003"]  # each a full save
+    assert _saves_of(tmp_path, range(5, 6), state, every=10) == [5]

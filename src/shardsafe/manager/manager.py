@@ -23,7 +23,7 @@ from shardsafe.engine.guard import mapped_errors
 from shardsafe.errors import ClosedError, InvalidArgumentError
 from shardsafe.manager.cleanup import apply_retention, remove_leftovers
 from shardsafe.manager.config import ManagerConfig
-from shardsafe.manager.incremental import choose_base
+from shardsafe.manager.incremental import COUNT, choose_base
 from shardsafe.manager.listing import CheckpointRecord, scan
 from shardsafe.manager.preemption import SignalFlag
 from shardsafe.manager.resume import newest_verified, resume_newest
@@ -130,7 +130,6 @@ class CheckpointManager:
         self._resumed_step: int | None = None
         self._damaged: set[str] = set()
         self._closed = False
-        self._since_full = 0  # incremental saves since the last full one (rank 0 decides)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.config.root!r}, rank={self.rank}/{self.world_size})"
@@ -175,11 +174,11 @@ class CheckpointManager:
         self._finish_pending()
         name = self.config.template.format(step)
         path = self._fs.join(self.config.root, name)
-        metadata = {"step": step, "metrics": clean}
+        metadata: dict[str, Any] = {"step": step, "metrics": clean}
         if self.rank == 0:
             logger.debug("shardsafe: manager saves step %d to %s (trigger: %s)", step, path, reason or "save()")
         self._schedule.started()
-        base = self._base(name)
+        base = self._base(name, metadata)
         if self.config.async_save:
             handle = api.async_save(
                 path, state, overwrite=True, timeout=self.config.timeout, metadata=metadata, base=base
@@ -263,15 +262,16 @@ class CheckpointManager:
         if self._closed:
             raise ClosedError(f"{self!r} is closed; create a new CheckpointManager to save or resume again")
 
-    def _base(self, name: str) -> str | None:
+    def _base(self, name: str, metadata: dict[str, Any]) -> str | None:
         """(rank 0 decides; the save takes rank 0's base for every rank) The base of an incremental save
-        to ``name``, or ``None`` for a full save."""
+        to ``name``, or ``None`` for a full save; records in ``metadata`` how many incremental saves
+        this one makes since the last full one (read back from storage by the next save, whatever
+        process makes it: manager.incremental)."""
         if not self.config.incremental or self.rank != 0:
-            return None
+            return None  # rank 0's metadata is the one committed
         every = self.config.full_save_every or knobs.full_save_every()
         records = scan(self._fs, self.config.root, self.config.template)
-        base = choose_base(records, name, since_full=self._since_full, every=every, exclude=self._damaged)
-        self._since_full = 0 if base is None else self._since_full + 1
+        base, metadata[COUNT] = choose_base(self._fs, records, name, every=every, exclude=self._damaged)
         logger.debug("shardsafe: manager saves %s %s", name, f"incrementally on {base}" if base else "in full")
         return base
 
