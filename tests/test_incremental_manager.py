@@ -240,3 +240,24 @@ def test_more_references_than_saves_since_a_full_one_makes_the_next_save_full(tm
     shardsafe.verify(four)
     assert sorted(manifest(four)["refs"]) == ["step-00000001", "step-00000003"]  # each a full save
     assert _saves_of(tmp_path, range(5, 6), state, every=10) == [5]
+
+
+def test_one_manager_reads_each_referenced_manifest_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardsafe.manager import incremental
+
+    reads: list[str] = []
+    real = incremental._referenced_manifest
+    monkeypatch.setattr(
+        incremental, "_referenced_manifest", lambda fs, base, sid: reads.append(base) or real(fs, base, sid)
+    )
+    state = frozen_state(frozen=3, trained=1)
+    with CheckpointManager(tmp_path, incremental=True, full_save_every=4, keep_last=1, save_on_signals=()) as mgr:
+        for s in range(1, 10):
+            mgr.save(s, state)
+            step(state)
+    assert [r.step for r in mgr.list()] == [9]
+    assert not shardsafe.inspect(tmp_path / "step-00000009").bases  # full: 1, 5, 9
+    assert reads == []  # each was read as the newest checkpoint already
+    reads.clear()
+    assert _saves_of(tmp_path, range(10, 13), expected(10, frozen=3, trained=1), every=4, keep_last=1) == []
+    assert reads  # a new manager per save: read from storage again

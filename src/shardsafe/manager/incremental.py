@@ -20,8 +20,9 @@ checkpoint and the full save it still refers to; the recorded count can, and the
 
 Anything else (a manifest that does not validate, a count missing or out of range, a referenced
 manifest gone or replaced, a cycle) is a chain that cannot be followed: the next save is full. Reads:
-the newest candidate's manifest and at most ``full_save_every - 1`` referenced ones; nothing is
-followed further, so no manifest can make this loop.
+the newest candidate's manifest and at most ``full_save_every - 1`` referenced ones (a manager
+remembers those it read, by save id, so in a long run each is read once); nothing is followed further,
+so no manifest can make this loop.
 """
 
 from __future__ import annotations
@@ -45,13 +46,28 @@ logger = logging.getLogger(__name__)
 COUNT = "saves_since_full"
 """The metadata key of a manager's incremental saves: incremental saves since the last full one."""
 
+Link = tuple[int, frozenset[str]]
+"""What a manifest says of its place in the chain: the count it records (0 when it refers to nothing)
+and the names of the checkpoints it refers to."""
+
+Known = dict[tuple[str, str], Link]
+"""Links already read, by (checkpoint name, save id): all are siblings in the manager's root. A save id names one save, whose manifest
+(committed, or its tombstone once retired) says the same for good, so a manager keeps these between
+saves and reads each referenced manifest once; a new process starts empty and reads them again."""
+
 
 def choose_base(
-    fs: Storage, records: Sequence[CheckpointRecord], target: str, *, every: int, exclude: Collection[str] = ()
+    fs: Storage,
+    records: Sequence[CheckpointRecord],
+    target: str,
+    *,
+    every: int,
+    exclude: Collection[str] = (),
+    known: Known | None = None,
 ) -> tuple[str | None, int]:
     """(rank 0) The path of the base for the save to ``target`` (a checkpoint name), or ``None`` for a
     full save, and the count this save records under :data:`COUNT`. ``records`` come from a scan of the
-    root, oldest first; ``every`` is ``full_save_every``."""
+    root, oldest first; ``every`` is ``full_save_every``; ``known`` is updated with what was read."""
     for record in reversed(records):
         if record.status != "committed" or record.name == target or record.name in exclude:
             continue
@@ -61,7 +77,7 @@ def choose_base(
                 check_ref_files(fs, record.path, manifest)  # its own bases are there
                 if target in manifest.refs:
                     return None, 0  # it refers to data in the target, which this save replaces
-                since = saves_since_full(fs, record.path, manifest)
+                since = saves_since_full(fs, record.path, manifest, {} if known is None else known)
         except (CheckpointError, OSError) as err:
             logger.warning("shardsafe: %s cannot serve as a base (%s); this save is a full one", record.path, err)
             return None, 0
@@ -71,32 +87,41 @@ def choose_base(
     return None, 0
 
 
-def saves_since_full(fs: Storage, path: str, manifest: Manifest) -> int:
+def saves_since_full(fs: Storage, path: str, manifest: Manifest, known: Known) -> int:
     """(rank 0) The incremental saves since the last full one, up to the checkpoint at ``path`` with
-    ``manifest`` (0: it is full). Raises :class:`CorruptCheckpointError` naming what breaks the chain."""
-    if not manifest.refs:
-        return 0
-    count = _count(manifest, path)
-    if len(manifest.refs) > count:
+    ``manifest`` (0: it is full). Raises :class:`CorruptCheckpointError` naming what breaks the chain.
+    Reads the manifests it refers to that ``known`` lacks; leaves in ``known`` the links of ``path``
+    and of what it refers to (what the next save's check needs)."""
+    count, names = _link(manifest, path)
+    if len(names) > count:
         raise CorruptCheckpointError(
-            f"{path}: refers to {len(manifest.refs)} checkpoints but records {count} save(s) since a full one"
+            f"{path}: refers to {len(names)} checkpoints but records {count} save(s) since a full one"
         )
     own = split(path)[1]
+    keep: Known = {(own, manifest.save_id): (count, names)}
     for name, ref in sorted(manifest.refs.items()):
         base = sibling(fs, path, name)
-        other = _referenced_manifest(fs, base, ref.save_id)
-        if own in other.refs:
+        key = (name, ref.save_id)
+        link = known.get(key)
+        if link is None:
+            link = _link(_referenced_manifest(fs, base, ref.save_id), base)
+        keep[key] = link
+        if own in link[1]:
             raise CorruptCheckpointError(f"{path}: refers to {name!r}, which refers back to it (a cycle)")
-        theirs = _count(other, base) if other.refs else 0
-        if theirs >= count:
+        if link[0] >= count:
             raise CorruptCheckpointError(
-                f"{path}: records {count} save(s) since a full one, but {name!r}, which it refers to, records {theirs}"
+                f"{path}: records {count} save(s) since a full one, but {name!r}, which it refers to, records {link[0]}"
             )
+    known.clear()
+    known.update(keep)
     return count
 
 
-def _count(manifest: Manifest, path: str) -> int:
-    """The :data:`COUNT` an incremental checkpoint records (an integer >= 1)."""
+def _link(manifest: Manifest, path: str) -> Link:
+    """The count a manifest records (an integer >= 1 when it refers to checkpoints; 0 when it refers to
+    none, whatever it records) and the names it refers to."""
+    if not manifest.refs:
+        return 0, frozenset()
     metadata = decode(manifest.metadata, f"{path}: metadata", lambda ref: ref)
     value = metadata.get(COUNT) if isinstance(metadata, dict) else None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -104,7 +129,7 @@ def _count(manifest: Manifest, path: str) -> int:
             f"{path}: has references but metadata[{COUNT!r}] is {value!r}, not a count >= 1 (not saved by an "
             "incremental CheckpointManager, or altered)"
         )
-    return value
+    return value, frozenset(manifest.refs)
 
 
 def _referenced_manifest(fs: Storage, base: str, save_id: str) -> Manifest:

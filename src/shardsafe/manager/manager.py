@@ -24,7 +24,7 @@ from shardsafe.engine.progress import ProgressCallback, check_callback
 from shardsafe.errors import ClosedError, InvalidArgumentError
 from shardsafe.manager.cleanup import apply_retention, remove_leftovers
 from shardsafe.manager.config import ManagerConfig
-from shardsafe.manager.incremental import COUNT, choose_base
+from shardsafe.manager.incremental import COUNT, Known, choose_base
 from shardsafe.manager.listing import CheckpointRecord, scan
 from shardsafe.manager.preemption import SignalFlag
 from shardsafe.manager.resume import newest_verified, resume_newest
@@ -137,6 +137,7 @@ class CheckpointManager:
         self._damaged: set[str] = set()
         self._closed = False
         self._progress = check_callback(progress)
+        self._links: Known = {}  # manifests of the incremental chain already read (rank 0; a cache only)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.config.root!r}, rank={self.rank}/{self.world_size})"
@@ -330,7 +331,9 @@ class CheckpointManager:
             return None  # rank 0's metadata is the one committed
         every = self.config.full_save_every or knobs.full_save_every()
         records = scan(self._fs, self.config.root, self.config.template)
-        base, metadata[COUNT] = choose_base(self._fs, records, name, every=every, exclude=self._damaged)
+        base, metadata[COUNT] = choose_base(
+            self._fs, records, name, every=every, exclude=self._damaged, known=self._links
+        )
         logger.debug("shardsafe: manager saves %s %s", name, f"incrementally on {base}" if base else "in full")
         return base
 
