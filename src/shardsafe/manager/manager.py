@@ -178,7 +178,8 @@ class CheckpointManager:
         progress: ProgressCallback | None = None,
     ) -> None:
         """(every rank) Save ``state`` as the checkpoint of ``step`` (replacing one of that step
-        atomically), with ``metadata={"step": step, "metrics": metrics}``.
+        atomically), with ``metadata={"step": step, "metrics": metrics}`` (and, with ``incremental``,
+        ``saves_since_full``: whether the next save is full is read back from it after a restart).
 
         Waits first for an async save still in flight. Synchronous: returns once committed on every
         rank, after rank 0 applied retention. Async: returns once the state is staged; retention runs
