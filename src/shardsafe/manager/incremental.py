@@ -51,9 +51,10 @@ Link = tuple[int, frozenset[str]]
 and the names of the checkpoints it refers to."""
 
 Known = dict[tuple[str, str], Link]
-"""Links already read, by (checkpoint name, save id): all are siblings in the manager's root. A save id names one save, whose manifest
-(committed, or its tombstone once retired) says the same for good, so a manager keeps these between
-saves and reads each referenced manifest once; a new process starts empty and reads them again."""
+"""Links already read, by (checkpoint name, save id): all are siblings in the manager's root. A save
+id names one save, whose manifest (committed, or its tombstone once retired) says the same for good, so
+a manager keeps these between saves and reads each referenced manifest once; a new process starts
+empty and reads them again."""
 
 
 def choose_base(
