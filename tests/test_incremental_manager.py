@@ -5,6 +5,8 @@ deltas, and a crash in the middle of an incremental save leaves the previous che
 from __future__ import annotations
 
 import io
+import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -13,8 +15,9 @@ import pytest
 import torch
 
 import shardsafe
+from shardsafe.format.manifest import seal_manifest
 from shardsafe.manager import CheckpointManager, ls_main
-from test_incremental import disk_bytes, frozen_state, step
+from test_incremental import disk_bytes, frozen_state, manifest, step
 
 from harness import check_ok, run_ranks
 
@@ -116,3 +119,145 @@ def test_a_crash_during_an_incremental_save_leaves_the_previous_checkpoints_load
             mgr.save(s, state)
         for r in mgr.list():
             assert_holds(r.path, expected(r.step or 0, frozen=3, trained=1))
+
+
+# ---------------------------------------------------------------------- full_save_every over restarts
+
+
+def _saves_of(root: Path, steps: range, state: dict[str, Any], every: int = 3, **kw: Any) -> list[int]:
+    """Save ``steps`` as a preemptible job does: a new manager (a restart) resumes, trains one step
+    and saves. Returns the steps whose checkpoint came out full (no references)."""
+    full = []
+    for s in steps:
+        with CheckpointManager(
+            root, incremental=True, full_save_every=every, leftover_age=0, save_on_signals=(), **kw
+        ) as mgr:
+            if mgr.resume(state) is not None:
+                step(state)  # train from the step resumed
+            mgr.save(s, state)
+        if not shardsafe.inspect(root / f"step-{s:08d}").bases:
+            full.append(s)
+    return full
+
+
+def test_full_save_every_counts_across_restarts(tmp_path: Path) -> None:
+    state = frozen_state(frozen=3, trained=1)
+    # keep_last=1: the base of each incremental save but the first after a full one is retired (a tombstone)
+    assert _saves_of(tmp_path, range(1, 8), state, keep_last=1) == [1, 4, 7]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000007"]  # the full save released the rest
+    assert_holds(tmp_path / "step-00000007", expected(7, frozen=3, trained=1))
+
+
+def _reseal(path: Path, edit: Any) -> None:
+    doc = manifest(path)
+    edit(doc)
+    (path / "MANIFEST.json").write_text(json.dumps(seal_manifest(doc)))
+
+
+def _set_count(doc: dict[str, Any], value: Any) -> None:
+    items = [kv for kv in doc["metadata"]["items"] if kv[0] != "saves_since_full"]
+    doc["metadata"]["items"] = items if value is _ABSENT else [*items, ["saves_since_full", value]]
+
+
+_ABSENT = object()
+
+
+def test_a_reference_cycle_makes_the_next_save_full(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    state = frozen_state(frozen=3, trained=1)
+    assert _saves_of(tmp_path, range(1, 4), state, every=10) == [1]
+    one, three = tmp_path / "step-00000001", tmp_path / "step-00000003"
+    assert sorted(manifest(three)["refs"]) == ["step-00000001"]
+
+    def refer_to_three(doc: dict[str, Any]) -> None:  # 1 now also takes a tensor from 3: 1 -> 3 -> 1
+        _add_reference(doc, three, "train0")
+        _set_count(doc, 1)  # looks consistent: fewer saves since a full one than 3's two
+
+    _reseal(one, refer_to_three)
+    shardsafe.verify(one)  # a valid checkpoint, only circular
+    with caplog.at_level(logging.WARNING, logger="shardsafe.manager"):
+        assert _saves_of(tmp_path, range(4, 5), state, every=10) == [4]
+    assert any("step-00000001" in r.getMessage() and "full" in r.getMessage() for r in caplog.records), caplog.text
+    assert_holds(tmp_path / "step-00000004", expected(4, frozen=3, trained=1))
+
+
+def _garbage(doc: dict[str, Any]) -> None:
+    doc["refs"] = {"..": {"save_id": "x", "files": {}}}
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "base not json",
+        "base refs garbage",
+        "base manifest gone",
+        "count missing",
+        "count not int",
+        "count negative",
+        "count huge",
+        "count zero with references",
+    ],
+)
+def test_a_chain_that_cannot_be_followed_makes_the_next_save_full(tmp_path: Path, damage: str) -> None:
+    state = frozen_state(frozen=3, trained=1)
+    assert _saves_of(tmp_path, range(1, 4), state, every=10) == [1]
+    base, newest = tmp_path / "step-00000001", tmp_path / "step-00000003"
+    if damage == "base not json":
+        (base / "MANIFEST.json").write_bytes(b'{"format_version": 2, "refs": {')
+    elif damage == "base refs garbage":
+        _reseal(base, _garbage)
+    elif damage == "base manifest gone":
+        (base / "MANIFEST.json").unlink()
+    else:
+        value = {
+            "count missing": _ABSENT,
+            "count not int": "1",
+            "count negative": -1,
+            "count huge": 10**30,
+            "count zero with references": 0,
+        }[damage]
+        _reseal(newest, lambda doc: _set_count(doc, value))
+    shardsafe.verify(newest)  # the newest checkpoint itself still loads
+    assert _saves_of(tmp_path, range(4, 6), state, every=10) == [4]  # full, then incremental again on it
+    for s in (4, 5):
+        assert_holds(tmp_path / f"step-{s:08d}", expected(s, frozen=3, trained=1))
+
+
+def _add_reference(doc: dict[str, Any], to: Path, tensor: str) -> None:
+    """Make ``doc`` also take ``tensor``, as ``extra``, from the checkpoint ``to`` (which holds it itself)."""
+    theirs = manifest(to)
+    entry = theirs["tensors"][tensor]
+    (chunk,) = entry["chunks"]
+    assert chunk["ref"] is None
+    doc["tensors"]["extra"] = {**entry, "chunks": [{**chunk, "ref": to.name}]}
+    doc["refs"][to.name] = {"save_id": theirs["save_id"], "files": {chunk["file"]: theirs["files"][chunk["file"]]}}
+
+
+def test_more_references_than_saves_since_a_full_one_makes_the_next_save_full(tmp_path: Path) -> None:
+    state = frozen_state(frozen=3, trained=1)
+    assert _saves_of(tmp_path, range(1, 5), state, every=2, keep_last=None) == [1, 3]  # 4 refers to 3, records 1
+    four = tmp_path / "step-00000004"
+    _reseal(four, lambda doc: _add_reference(doc, tmp_path / "step-00000001", "train0"))  # and now to 1 too
+    shardsafe.verify(four)
+    assert sorted(manifest(four)["refs"]) == ["step-00000001", "step-00000003"]  # each a full save
+    assert _saves_of(tmp_path, range(5, 6), state, every=10) == [5]
+
+
+def test_one_manager_reads_each_referenced_manifest_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardsafe.manager import incremental
+
+    reads: list[str] = []
+    real = incremental._referenced_manifest
+    monkeypatch.setattr(
+        incremental, "_referenced_manifest", lambda fs, base, sid: reads.append(base) or real(fs, base, sid)
+    )
+    state = frozen_state(frozen=3, trained=1)
+    with CheckpointManager(tmp_path, incremental=True, full_save_every=4, keep_last=1, save_on_signals=()) as mgr:
+        for s in range(1, 10):
+            mgr.save(s, state)
+            step(state)
+    assert [r.step for r in mgr.list()] == [9]
+    assert not shardsafe.inspect(tmp_path / "step-00000009").bases  # full: 1, 5, 9
+    assert reads == []  # each was read as the newest checkpoint already
+    reads.clear()
+    assert _saves_of(tmp_path, range(10, 13), expected(10, frozen=3, trained=1), every=4, keep_last=1) == []
+    assert reads  # a new manager per save: read from storage again

@@ -115,7 +115,8 @@ class ManagerConfig:
     refers to. Every ``full_save_every``-th save is a full one."""
     full_save_every: int | None = None
     """With ``incremental``: a full save every this many saves, bounding how long old data is kept
-    for reference; ``None``: ``SHARDSAFE_FULL_SAVE_EVERY`` (default 10)."""
+    for reference; ``None``: ``SHARDSAFE_FULL_SAVE_EVERY`` (default 10). Counted from what is on
+    storage (each save records ``saves_since_full`` in its metadata), so restarts do not reset it."""
     template: NameTemplate = field(init=False, repr=False, compare=False)
     """``name``, parsed."""
 

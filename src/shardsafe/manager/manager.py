@@ -20,10 +20,11 @@ from shardsafe.coord.connection import preferred
 from shardsafe.coord.resolve import resolve_group
 from shardsafe.engine import api
 from shardsafe.engine.guard import mapped_errors
+from shardsafe.engine.progress import ProgressCallback, check_callback
 from shardsafe.errors import ClosedError, InvalidArgumentError
 from shardsafe.manager.cleanup import apply_retention, remove_leftovers
 from shardsafe.manager.config import ManagerConfig
-from shardsafe.manager.incremental import choose_base
+from shardsafe.manager.incremental import COUNT, Known, choose_base
 from shardsafe.manager.listing import CheckpointRecord, scan
 from shardsafe.manager.preemption import SignalFlag
 from shardsafe.manager.resume import newest_verified, resume_newest
@@ -63,7 +64,11 @@ class CheckpointManager:
                 if mgr.should_stop():
                     break
 
-    Arguments are those of :class:`~shardsafe.manager.ManagerConfig`, which checks them.
+    Arguments are those of :class:`~shardsafe.manager.ManagerConfig`, which checks them, and
+    ``progress``: the callback (e.g. :class:`shardsafe.ProgressBar`) of every save and resume the
+    manager makes, including the ones it triggers itself (scheduled and preemption saves); rank 0 calls
+    it with :class:`shardsafe.Progress` records (docs/progress.md). ``progress=`` on a call replaces it
+    for that call. A callback that is not callable raises ``TypeError`` here.
     """
 
     def __init__(
@@ -85,6 +90,7 @@ class CheckpointManager:
         verify_on_resume: bool = False,
         incremental: bool = False,
         full_save_every: int | None = None,
+        progress: ProgressCallback | None = None,
     ) -> None:
         self.config = ManagerConfig(
             root=os.fspath(root),
@@ -130,7 +136,8 @@ class CheckpointManager:
         self._resumed_step: int | None = None
         self._damaged: set[str] = set()
         self._closed = False
-        self._since_full = 0  # incremental saves since the last full one (rank 0 decides)
+        self._progress = check_callback(progress)
+        self._links: Known = {}  # manifests of the incremental chain already read (rank 0; a cache only)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.config.root!r}, rank={self.rank}/{self.world_size})"
@@ -145,24 +152,43 @@ class CheckpointManager:
         self._check_open()
         return self._schedule.reason(_check_step(step)) is not None
 
-    def maybe_save(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None = None) -> bool:
+    def maybe_save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        metrics: Mapping[str, Any] | None = None,
+        *,
+        progress: ProgressCallback | None = None,
+    ) -> bool:
         """(every rank) :meth:`save` when :meth:`should_save`; returns whether it saved."""
         self._check_open()
+        check_callback(progress)
         self._poll_pending()
         if not self.should_save(step):
             return False
-        self.save(step, state, metrics)
+        self.save(step, state, metrics, progress=progress)
         return True
 
-    def save(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None = None) -> None:
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        metrics: Mapping[str, Any] | None = None,
+        *,
+        progress: ProgressCallback | None = None,
+    ) -> None:
         """(every rank) Save ``state`` as the checkpoint of ``step`` (replacing one of that step
-        atomically), with ``metadata={"step": step, "metrics": metrics}``.
+        atomically), with ``metadata={"step": step, "metrics": metrics}`` (and, with ``incremental``,
+        ``saves_since_full``: whether the next save is full is read back from it after a restart).
 
         Waits first for an async save still in flight. Synchronous: returns once committed on every
         rank, after rank 0 applied retention. Async: returns once the state is staged; retention runs
         after the commit. A preemption save is always flushed before returning, after which
-        :meth:`should_stop` is True."""
+        :meth:`should_stop` is True. ``progress``: the callback of this save (rank 0 calls it, as
+        :func:`shardsafe.save` does; for an async save, also after this returns); default: the
+        manager's ``progress``."""
         self._check_open()
+        callback = self._callback(progress)
         step = _check_step(step)
         clean = _check_metrics(metrics)
         if self.config.monitor is not None and self.config.monitor not in clean and self.rank == 0:
@@ -175,20 +201,34 @@ class CheckpointManager:
         self._finish_pending()
         name = self.config.template.format(step)
         path = self._fs.join(self.config.root, name)
-        metadata = {"step": step, "metrics": clean}
+        metadata: dict[str, Any] = {"step": step, "metrics": clean}
         if self.rank == 0:
             logger.debug("shardsafe: manager saves step %d to %s (trigger: %s)", step, path, reason or "save()")
         self._schedule.started()
-        base = self._base(name)
+        base = self._base(name, metadata)
         if self.config.async_save:
             handle = api.async_save(
-                path, state, overwrite=True, timeout=self.config.timeout, metadata=metadata, base=base
+                path,
+                state,
+                overwrite=True,
+                timeout=self.config.timeout,
+                metadata=metadata,
+                base=base,
+                progress=callback,
             )
             self._pending = _Pending(handle, step, name)
             if reason == PREEMPTION:
                 self._finish_pending()
         else:
-            api.save(path, state, overwrite=True, timeout=self.config.timeout, metadata=metadata, base=base)
+            api.save(
+                path,
+                state,
+                overwrite=True,
+                timeout=self.config.timeout,
+                metadata=metadata,
+                base=base,
+                progress=callback,
+            )
             self._after_commit(name)
         self._schedule.saved(step)
 
@@ -205,19 +245,35 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------- resuming
 
-    def resume(self, state: MutableMapping[str, Any], *, verify: bool | None = None) -> int | None:
+    def resume(
+        self,
+        state: MutableMapping[str, Any],
+        *,
+        verify: bool | None = None,
+        progress: ProgressCallback | None = None,
+    ) -> int | None:
         """(every rank) Load the newest checkpoint that is complete and intact into ``state`` and return
         its step; ``None`` when there is none. Incomplete or damaged newer ones are skipped with a
         WARNING naming them and why; that checkpoint is never deleted by retention until a newer one
         is committed. With ``verify`` (default: ``verify_on_resume``) every byte of a checkpoint is
         checked before it is loaded, so ``state`` changes only from one that verified whole. Every
-        failure is a :class:`CheckpointError` (anything unforeseen is mapped to one, its cause chained)."""
+        failure is a :class:`CheckpointError` (anything unforeseen is mapped to one, its cause chained).
+        ``progress`` (default: the manager's): the callback of each load it tries (rank 0 calls it, as
+        :func:`shardsafe.load` does), one series of records per checkpoint, each ending in a final
+        record (``error`` set for a damaged one it skips)."""
         self._check_open()
+        callback = self._callback(progress)
         self._finish_pending()  # a save in flight ends (or raises) before loading into the state
         check = self.config.verify_on_resume if verify is None else verify
         with mapped_errors("resume", self.config.root):
             result = resume_newest(
-                self._fs, self.config, state, rank=self.rank, deadlines=self._deadlines, verify=check
+                self._fs,
+                self.config,
+                state,
+                rank=self.rank,
+                deadlines=self._deadlines,
+                verify=check,
+                progress=callback,
             )
         if result is None:
             return None
@@ -259,19 +315,26 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------- internals
 
+    def _callback(self, progress: ProgressCallback | None) -> ProgressCallback | None:
+        """The ``progress=`` of a call (checked), else the manager's."""
+        return self._progress if check_callback(progress) is None else progress
+
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"{self!r} is closed; create a new CheckpointManager to save or resume again")
 
-    def _base(self, name: str) -> str | None:
+    def _base(self, name: str, metadata: dict[str, Any]) -> str | None:
         """(rank 0 decides; the save takes rank 0's base for every rank) The base of an incremental save
-        to ``name``, or ``None`` for a full save."""
+        to ``name``, or ``None`` for a full save; records in ``metadata`` how many incremental saves
+        this one makes since the last full one (read back from storage by the next save, whatever
+        process makes it: manager.incremental)."""
         if not self.config.incremental or self.rank != 0:
-            return None
+            return None  # rank 0's metadata is the one committed
         every = self.config.full_save_every or knobs.full_save_every()
         records = scan(self._fs, self.config.root, self.config.template)
-        base = choose_base(records, name, since_full=self._since_full, every=every, exclude=self._damaged)
-        self._since_full = 0 if base is None else self._since_full + 1
+        base, metadata[COUNT] = choose_base(
+            self._fs, records, name, every=every, exclude=self._damaged, known=self._links
+        )
         logger.debug("shardsafe: manager saves %s %s", name, f"incrementally on {base}" if base else "in full")
         return base
 

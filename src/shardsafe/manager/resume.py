@@ -26,6 +26,7 @@ from typing import Any
 
 from shardsafe.coord import Coordinator, Deadlines
 from shardsafe.engine import api
+from shardsafe.engine.progress import ProgressCallback
 from shardsafe.errors import CorruptCheckpointError, RemoteRankError
 from shardsafe.manager.config import ManagerConfig
 from shardsafe.manager.listing import CheckpointRecord, scan
@@ -73,6 +74,7 @@ def resume_newest(
     rank: int,
     deadlines: Deadlines,
     verify: bool = False,
+    progress: ProgressCallback | None = None,
 ) -> Resumed | None:
     """(every rank) Load the newest loadable checkpoint under ``config.root`` into ``state``.
 
@@ -83,7 +85,8 @@ def resume_newest(
 
     Returns ``None`` when there is no committed checkpoint. Raises :class:`CorruptCheckpointError`
     when there are some but every one is damaged (``state`` may then hold part of one of them, unless
-    ``verify``), and re-raises on every rank a failure that is not about the checkpoint's bytes."""
+    ``verify``), and re-raises on every rank a failure that is not about the checkpoint's bytes.
+    ``progress`` is passed to each :func:`shardsafe.load` (rank 0 calls it)."""
     c = Coordinator.join("manager.resume", config.root, deadlines=deadlines)
     plan_json = None
     if rank == 0:
@@ -100,7 +103,7 @@ def resume_newest(
         steps: list[tuple[str, Callable[[], Any]]] = []
         if verify:
             steps.append(("verify", functools.partial(api.verify, path, part=(c.rank, c.world_size))))
-        steps.append(("load", functools.partial(api.load, path, state, timeout=config.timeout)))
+        steps.append(("load", functools.partial(api.load, path, state, timeout=config.timeout, progress=progress)))
         why = None
         for what, run in steps:
             why = _attempt(what, run, path, rank, io_wait)
