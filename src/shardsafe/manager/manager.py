@@ -20,6 +20,7 @@ from shardsafe.coord.connection import preferred
 from shardsafe.coord.resolve import resolve_group
 from shardsafe.engine import api
 from shardsafe.engine.guard import mapped_errors
+from shardsafe.engine.options import SaveOptions
 from shardsafe.engine.progress import ProgressCallback, check_callback
 from shardsafe.errors import ClosedError, InvalidArgumentError
 from shardsafe.manager.cleanup import apply_retention, remove_leftovers
@@ -33,6 +34,10 @@ from shardsafe.manager.schedule import PREEMPTION, Schedule
 from shardsafe.storage import get_storage
 
 logger = logging.getLogger(__name__)
+
+State = Mapping[str, Any]
+Metrics = Mapping[str, Any] | None
+Callback = ProgressCallback | None
 
 
 @dataclass
@@ -152,31 +157,17 @@ class CheckpointManager:
         self._check_open()
         return self._schedule.reason(_check_step(step)) is not None
 
-    def maybe_save(
-        self,
-        step: int,
-        state: Mapping[str, Any],
-        metrics: Mapping[str, Any] | None = None,
-        *,
-        progress: ProgressCallback | None = None,
-    ) -> bool:
+    def maybe_save(self, step: int, state: State, metrics: Metrics = None, *, progress: Callback = None) -> bool:
         """(every rank) :meth:`save` when :meth:`should_save`; returns whether it saved."""
         self._check_open()
-        check_callback(progress)
+        self._callback(progress)
         self._poll_pending()
         if not self.should_save(step):
             return False
         self.save(step, state, metrics, progress=progress)
         return True
 
-    def save(
-        self,
-        step: int,
-        state: Mapping[str, Any],
-        metrics: Mapping[str, Any] | None = None,
-        *,
-        progress: ProgressCallback | None = None,
-    ) -> None:
+    def save(self, step: int, state: State, metrics: Metrics = None, *, progress: Callback = None) -> None:
         """(every rank) Save ``state`` as the checkpoint of ``step`` (replacing one of that step
         atomically), with ``metadata={"step": step, "metrics": metrics}`` (and, with ``incremental``,
         ``saves_since_full``: whether the next save is full is read back from it after a restart).
@@ -206,29 +197,20 @@ class CheckpointManager:
             logger.debug("shardsafe: manager saves step %d to %s (trigger: %s)", step, path, reason or "save()")
         self._schedule.started()
         base = self._base(name, metadata)
+        options: SaveOptions = {
+            "overwrite": True,
+            "timeout": self.config.timeout,
+            "metadata": metadata,
+            "base": base,
+            "progress": callback,
+        }
         if self.config.async_save:
-            handle = api.async_save(
-                path,
-                state,
-                overwrite=True,
-                timeout=self.config.timeout,
-                metadata=metadata,
-                base=base,
-                progress=callback,
-            )
+            handle = api.async_save(path, state, **options)
             self._pending = _Pending(handle, step, name)
             if reason == PREEMPTION:
                 self._finish_pending()
         else:
-            api.save(
-                path,
-                state,
-                overwrite=True,
-                timeout=self.config.timeout,
-                metadata=metadata,
-                base=base,
-                progress=callback,
-            )
+            api.save(path, state, **options)
             self._after_commit(name)
         self._schedule.saved(step)
 
@@ -250,7 +232,7 @@ class CheckpointManager:
         state: MutableMapping[str, Any],
         *,
         verify: bool | None = None,
-        progress: ProgressCallback | None = None,
+        progress: Callback = None,
     ) -> int | None:
         """(every rank) Load the newest checkpoint that is complete and intact into ``state`` and return
         its step; ``None`` when there is none. Incomplete or damaged newer ones are skipped with a
@@ -315,7 +297,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------- internals
 
-    def _callback(self, progress: ProgressCallback | None) -> ProgressCallback | None:
+    def _callback(self, progress: Callback) -> Callback:
         """The ``progress=`` of a call (checked), else the manager's."""
         return self._progress if check_callback(progress) is None else progress
 
