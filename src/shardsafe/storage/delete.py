@@ -42,6 +42,7 @@ from shardsafe.storage.names import (
     TOMBSTONE,
     basename,
     data_file,
+    staging_name,
     temp_manifest,
 )
 
@@ -120,11 +121,22 @@ def _finish(storage: Storage, path: str) -> list[str]:
     removed = delete_files(storage, path, names)
     if len(removed) < len(names):
         return removed  # others refer to the rest: the tombstone stays until they no longer do
+    if live is None and _still_referenced(storage, path, names):
+        return removed  # files an earlier overwrite kept here: the tombstone names the folder's last save
+    _release_replaced(storage, path, raw, tomb)  # before the tombstone goes: a crash repeats it
     delete_files(storage, path, [TOMBSTONE])
     if live is None:
         storage.remove_dir_if_empty(path)
     _release_bases(storage, path, raw, tomb)
     return removed
+
+
+def _still_referenced(storage: Storage, path: str, gone: list[str]) -> bool:
+    """Whether ``path`` still holds data files (not among ``gone``) that a sibling refers to: the
+    old files of an overwritten save, kept for an incremental checkpoint. A retired sibling counts
+    too: its own deletion, finished later, releases them from this tombstone's record."""
+    left = [n for n in storage.list_dir(path) if DATA_FILE.match(n) and n not in gone]
+    return bool(left) and bool(refs.referenced_files(storage, path, tombstones=True) & set(left))
 
 
 def _release_bases(storage: Storage, path: str, raw: bytes, where: str) -> None:
@@ -134,6 +146,69 @@ def _release_bases(storage: Storage, path: str, raw: bytes, where: str) -> None:
         base = refs.sibling(storage, path, ref)
         if storage.exists(storage.join(base, TOMBSTONE)) and not storage.exists(storage.join(base, MANIFEST_NAME)):
             finish_deletion(storage, base)
+
+
+def _release_replaced(storage: Storage, path: str, raw: bytes, where: str) -> None:
+    """(rank 0, deleting the checkpoint at ``path``; its own data files are gone, its tombstone
+    ``raw`` at ``where`` is still there) Remove the files of sibling saves that were overwritten while
+    ``path`` referred to them, and that nothing else refers to any more (module docstring)."""
+    own = refs.split(path)[1]
+    for ref, entry in sorted(parse_manifest(raw, where).refs.items()):
+        if ref == own:
+            continue  # a reference to itself is refused by every reader; it releases nothing
+        base = refs.sibling(storage, path, ref)
+        todo = _replaced_files(storage, base, entry.save_id, {n: f.size for n, f in entry.files.items()})
+        if not todo:
+            continue
+        used = refs.referenced_files(storage, base, tombstones=True, ignore=own)
+        todo = [n for n in todo if n not in used]
+        if todo:
+            logger.info(
+                "shardsafe: removing %s from %s: its save was replaced and %s was its last referrer", todo, base, own
+            )
+            delete_files(storage, base, todo)
+
+
+def _replaced_files(storage: Storage, base: str, save_id: str, sizes: dict[str, int]) -> list[str]:
+    """The files ``sizes`` (data files of ``save_id``, as a validated ``refs`` entry lists them) that
+    are still in ``base`` as a replaced save's leftovers: ``base`` holds a validated manifest or
+    tombstone of another save that does not list them, no save ``save_id`` is in flight there, and
+    each has the size recorded. ``[]`` for anything else (logged where it looks hostile)."""
+    records = []
+    for name in (MANIFEST_NAME, TOMBSTONE):
+        rec = _read(storage, storage.join(base, name))
+        if rec is None:
+            continue
+        try:
+            records.append(manifest_files(rec, storage.join(base, name)))
+        except CorruptCheckpointError as err:
+            logger.warning("shardsafe: not removing replaced files of %s: %s", base, err)
+            return []
+    if not records or any(sid == save_id for sid, _ in records):
+        return []  # not a checkpoint of shardsafe, or that save is its current (or retired) one
+    listed = {n for _, names in records for n in names}
+    parent, name = refs.split(base)
+    if storage.exists(storage.join(parent, staging_name(name, save_id))) or storage.exists(
+        storage.join(base, temp_manifest(save_id))
+    ):
+        logger.warning("shardsafe: not removing files of save %s from %s: that save is in flight", save_id, base)
+        return []
+    out = []
+    for n, size in sorted(sizes.items()):
+        m = DATA_FILE.match(n)
+        if m is None or m["sid"] != save_id or n in listed:
+            continue
+        try:
+            actual = storage.size(storage.join(base, n))
+        except (FileNotFoundError, CorruptCheckpointError):
+            continue
+        if actual != size:
+            logger.warning(
+                "shardsafe: not removing %s from %s: %d bytes, the referrer recorded %d", n, base, actual, size
+            )
+            continue
+        out.append(n)
+    return out
 
 
 def stale_files(old: bytes | None, new: bytes, where: str) -> list[str]:
