@@ -24,6 +24,31 @@ sibling's manifest (committed, or staged by a save in flight) refers to is never
 (:func:`shardsafe.storage.refs.referenced_files`). A deleted checkpoint whose files are still
 referenced keeps them and its tombstone (it is no longer committed, listed or loadable); once the
 last checkpoint referring to them is deleted, they go too.
+
+An overwrite of a checkpoint B keeps the old data files that a sibling C refers to; B's new manifest
+no longer lists them, and nothing is written at the overwrite: their record is C's own ``refs``
+table (B's name, the old save id, each file's size), durable as long as C's manifest or tombstone
+is. Deleting C, once its own files are gone and while its tombstone is still there (a crash repeats
+the step from the same tombstone), removes from B the files that table names when all of these
+hold (:func:`_release_replaced`):
+
+- B holds a manifest or tombstone, every one of them validates, none carries the save id named
+  (that save is B's current or retired one: its own deletion governs it), and none lists the file
+  (a folder that is no checkpoint, or a damaged one, loses nothing);
+- no save of that id is in flight into B (its staging directory beside B, or its temporary
+  manifest in B);
+- the file has the size C recorded (it is the file C referred to);
+- no other sibling refers to it: committed, staged by a save in flight, or retired (a tombstone
+  other than C's; that sibling's own deletion releases it later);
+- the name is a data file of that save id, as the parser checked; a reference to C itself
+  releases nothing.
+
+A deleted B whose folder still holds old files that a sibling refers to keeps its tombstone (it is
+``retired``) until they are free, so the record of B stays findable; deleting their last referrer
+removes them, then finishes B. On object stores (and ``file://``) a save's data files go straight
+into its target, with nothing beside them until its manifest commits: a save in flight there is
+told from a replaced one only by its save id, which is new per attempt (its time and 40 random
+bits), unknown to any manifest written before it started.
 """
 
 from __future__ import annotations
