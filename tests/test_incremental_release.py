@@ -354,3 +354,31 @@ def test_a_process_killed_while_releasing_the_old_files_leaves_them_to_the_tombs
     finish_deletion(LocalStorage(), str(tmp_path / "c"))  # what cleanup does with the tombstone it finds
     assert sorted(os.listdir(tmp_path)) == ["b", "d"] and data(LocalStorage(), str(tmp_path / "b")) == new
     committed_hold(tmp_path)
+
+
+# -- the last referrer replaced by an overwrite: its old manifest was the record -----------------------
+
+
+@pytest.mark.parametrize("base", ["overwritten", "retired", "still-referred"])
+def test_overwriting_the_last_referrer_releases_what_its_old_save_kept(root: str, base: str) -> None:
+    """c, the only referrer of b's old files (b overwritten) or of the retired b, is overwritten by a
+    full save: what only the old c needed goes. Overwritten by an incremental save that refers to
+    them again (through d, one hop), c keeps them."""
+    st = storage_for(root)
+    old, new = overwritten_base(root, second=base == "still-referred")
+    if base == "retired":
+        delete_checkpoint(st, f"{root}/b")
+    if base == "still-referred":
+        shardsafe.save(f"{root}/c", state_at(4), overwrite=True, base=f"{root}/d")
+        assert shardsafe.inspect(f"{root}/c").bases == ["b"]  # one hop: the frozen chunks d took from b
+        delete_checkpoint(st, f"{root}/d")
+        assert set(old) <= set(data(st, f"{root}/b"))
+        holds(f"{root}/c", state_at(4))
+        return
+    shardsafe.save(f"{root}/c", state_at(5), overwrite=True)
+    holds(f"{root}/c", state_at(5))
+    if base == "retired":
+        assert names(st, root) == ["c"]
+    else:
+        assert names(st, root) == ["b", "c"] and data(st, f"{root}/b") == new
+        holds(f"{root}/b", OTHER)

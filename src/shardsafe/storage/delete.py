@@ -45,10 +45,15 @@ hold (:func:`_release_replaced`):
 
 A deleted B whose folder still holds old files that a sibling refers to keeps its tombstone (it is
 ``retired``) until they are free, so the record of B stays findable; deleting their last referrer
-removes them, then finishes B. On object stores (and ``file://``) a save's data files go straight
-into its target, with nothing beside them until its manifest commits: a save in flight there is
-told from a replaced one only by its save id, which is new per attempt (its time and 40 random
-bits), unknown to any manifest written before it started.
+removes them, then finishes B. An overwrite of C itself (the last referrer) releases the same way,
+from C's replaced manifest, right after the commit (:func:`release_references`, like the removal of
+C's own stale files); a crash in between leaves unlisted data files in a committed B (or a retired B
+no one refers to), which the manager's cleanup of leftovers removes by name once old enough.
+
+On object stores (and ``file://``) a save's data files go straight into its target, with nothing
+beside them until its manifest commits: a save in flight there is told from a replaced one only by
+its save id, which is new per attempt (its time and 40 random bits), unknown to any manifest
+written before it started.
 """
 
 from __future__ import annotations
@@ -124,7 +129,8 @@ def delete_checkpoint(storage: Storage, path: str) -> list[str]:
 def finish_deletion(storage: Storage, path: str) -> list[str]:
     """(rank 0: leftover cleanup) Complete a delete that crashed: remove the data files the tombstone
     of ``path`` lists (not those a committed manifest there lists, if a later save committed one),
-    then the tombstone, then the folder if empty. Nothing when there is no tombstone, or when the
+    the old files of overwritten siblings it was the last to refer to, then the tombstone, then the
+    folder if empty. Nothing when there is no tombstone, or when the
     tombstone or the manifest beside it does not validate (logged)."""
     try:
         return _finish(storage, path)
@@ -249,6 +255,21 @@ def stale_files(old: bytes | None, new: bytes, where: str) -> list[str]:
         return []
     _, after = manifest_files(new, where)
     return [n for n in before if n not in set(after)]
+
+
+def release_references(storage: Storage, path: str, old: bytes | None, where: str) -> None:
+    """(rank 0, an overwrite of ``path`` committed, after its stale files went) What the replaced
+    manifest ``old`` referred to and nothing refers to any more: old files of overwritten siblings,
+    and retired siblings kept for it (as the deletion of the old checkpoint would release them; the
+    new manifest counts as a referrer like any other). Nothing when ``old`` does not validate."""
+    if old is None:
+        return
+    try:
+        parse_manifest(old, where)
+    except CorruptCheckpointError:
+        return  # stale_files logged it
+    _release_replaced(storage, path, old, where)
+    _release_bases(storage, path, old, where)
 
 
 def discard_save(storage: Storage, staging: str, target: str, save_id: str, world_size: int) -> None:
