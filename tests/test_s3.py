@@ -244,3 +244,27 @@ def test_incremental_save_refers_deletes_and_exports_on_s3(s3_server: S3Server, 
     assert sorted(st.list_dir(root)) == ["copy"]  # the retired base went with its last referrer
     out = shardsafe.load(f"{root}/copy", storage_options=opts)
     assert torch.equal(out["frozen"], state["frozen"]) and torch.equal(out["train"], state["train"])
+
+
+def test_overwritten_base_objects_go_with_their_last_referrer_on_s3(s3_server: S3Server, s3_bucket: str) -> None:
+    """An overwrite of s1 keeps the objects s2 refers to; deleting s2 removes them (nothing else)."""
+    from shardsafe.storage.delete import delete_checkpoint
+
+    opts = s3_server.storage_options
+    root = f"s3://{s3_bucket}/run"
+    state = {"frozen": torch.arange(4096.0).reshape(64, 64), "train": torch.zeros(64, 64), "step": 1}
+    shardsafe.save(f"{root}/s1", state, storage_options=opts)
+    st = FsspecStorage.for_path(root, opts)
+    old = st.list_dir(f"{root}/s1")
+    state["train"] += 1
+    shardsafe.save(f"{root}/s2", state, base=f"{root}/s1", storage_options=opts)
+    other = {"w": torch.ones(8), "step": 7}
+    shardsafe.save(f"{root}/s1", other, overwrite=True, storage_options=opts)
+    assert set(old) < set(st.list_dir(f"{root}/s1"))  # kept for s2
+    delete_checkpoint(st, f"{root}/s2")
+    assert st.list_dir(root) == ["s1"]
+    left = st.list_dir(f"{root}/s1")
+    assert MANIFEST_NAME in left and not set(left) & (set(old) - {MANIFEST_NAME})
+    out = shardsafe.load(f"{root}/s1", storage_options=opts)
+    assert torch.equal(out["w"], other["w"]) and out["step"] == 7
+    shardsafe.verify(f"{root}/s1", storage_options=opts)

@@ -40,7 +40,7 @@ from shardsafe.format.manifest import parse_manifest
 from shardsafe.state.flatten import FlatState
 from shardsafe.storage import MANIFEST_NAME, Commit, is_remote
 from shardsafe.storage.bounded import IOThread, run_bounded
-from shardsafe.storage.delete import delete_files, discard_save, stale_files
+from shardsafe.storage.delete import delete_files, discard_save, release_references, stale_files
 from shardsafe.storage.refs import check_ref_files
 
 if TYPE_CHECKING:
@@ -222,18 +222,20 @@ def _publish(job: SaveJob, coord: Coordinator, commit: Commit) -> bytes | None:
 
 def _remove_stale(job: SaveJob, old: bytes | None, new: bytes, where: str) -> None:
     """(rank 0, committed) Remove the data files of the replaced checkpoint that the new manifest
-    does not list (taken from the old manifest, validated). A failure leaves unreferenced files."""
+    does not list (taken from the old manifest, validated), then what only the old manifest referred
+    to in sibling checkpoints (:func:`~shardsafe.storage.delete.release_references`). A failure
+    leaves unreferenced files."""
     began = time.monotonic()
     stale = stale_files(old, new, where)
-    if not stale:
+    if old is None:
         return
+
+    def remove() -> None:
+        delete_files(job.storage, job.path, stale)
+        release_references(job.storage, job.path, old, where)
+
     try:
-        run_bounded(
-            "removing the old data files",
-            job.path,
-            time.monotonic() + job.deadlines.io,
-            lambda: delete_files(job.storage, job.path, stale),
-        )
+        run_bounded("removing the old data files", job.path, time.monotonic() + job.deadlines.io, remove)
     except (OSError, ValueError) as err:
         logger.warning("shardsafe: committed %s but could not remove old data files %s: %s", job.path, stale, err)
     logger.debug(

@@ -24,6 +24,36 @@ sibling's manifest (committed, or staged by a save in flight) refers to is never
 (:func:`shardsafe.storage.refs.referenced_files`). A deleted checkpoint whose files are still
 referenced keeps them and its tombstone (it is no longer committed, listed or loadable); once the
 last checkpoint referring to them is deleted, they go too.
+
+An overwrite of a checkpoint B keeps the old data files that a sibling C refers to; B's new manifest
+no longer lists them, and nothing is written at the overwrite: their record is C's own ``refs``
+table (B's name, the old save id, each file's size), durable as long as C's manifest or tombstone
+is. Deleting C, once its own files are gone and while its tombstone is still there (a crash repeats
+the step from the same tombstone), removes from B the files that table names when all of these
+hold (:func:`_release_replaced`):
+
+- B holds a manifest or tombstone, every one of them validates, none carries the save id named
+  (that save is B's current or retired one: its own deletion governs it), and none lists the file
+  (a folder that is no checkpoint, or a damaged one, loses nothing);
+- no save of that id is in flight into B (its staging directory beside B, or its temporary
+  manifest in B);
+- the file has the size C recorded (it is the file C referred to);
+- no other sibling refers to it: committed, staged by a save in flight, or retired (a tombstone
+  other than C's; that sibling's own deletion releases it later);
+- the name is a data file of that save id, as the parser checked; a reference to C itself
+  releases nothing.
+
+A deleted B whose folder still holds old files that a sibling refers to keeps its tombstone (it is
+``retired``) until they are free, so the record of B stays findable; deleting their last referrer
+removes them, then finishes B. An overwrite of C itself (the last referrer) releases the same way,
+from C's replaced manifest, right after the commit (:func:`release_references`, like the removal of
+C's own stale files); a crash in between leaves unlisted data files in a committed B (or a retired B
+no one refers to), which the manager's cleanup of leftovers removes by name once old enough.
+
+On object stores (and ``file://``) a save's data files go straight into its target, with nothing
+beside them until its manifest commits: a save in flight there is told from a replaced one only by
+its save id, which is new per attempt (its time and 40 random bits), unknown to any manifest
+written before it started.
 """
 
 from __future__ import annotations
@@ -42,6 +72,7 @@ from shardsafe.storage.names import (
     TOMBSTONE,
     basename,
     data_file,
+    staging_name,
     temp_manifest,
 )
 
@@ -98,7 +129,8 @@ def delete_checkpoint(storage: Storage, path: str) -> list[str]:
 def finish_deletion(storage: Storage, path: str) -> list[str]:
     """(rank 0: leftover cleanup) Complete a delete that crashed: remove the data files the tombstone
     of ``path`` lists (not those a committed manifest there lists, if a later save committed one),
-    then the tombstone, then the folder if empty. Nothing when there is no tombstone, or when the
+    the old files of overwritten siblings it was the last to refer to, then the tombstone, then the
+    folder if empty. Nothing when there is no tombstone, or when the
     tombstone or the manifest beside it does not validate (logged)."""
     try:
         return _finish(storage, path)
@@ -120,11 +152,22 @@ def _finish(storage: Storage, path: str) -> list[str]:
     removed = delete_files(storage, path, names)
     if len(removed) < len(names):
         return removed  # others refer to the rest: the tombstone stays until they no longer do
+    if live is None and _still_referenced(storage, path, names):
+        return removed  # files an earlier overwrite kept here: the tombstone names the folder's last save
+    _release_replaced(storage, path, raw, tomb)  # before the tombstone goes: a crash repeats it
     delete_files(storage, path, [TOMBSTONE])
     if live is None:
         storage.remove_dir_if_empty(path)
     _release_bases(storage, path, raw, tomb)
     return removed
+
+
+def _still_referenced(storage: Storage, path: str, gone: list[str]) -> bool:
+    """Whether ``path`` still holds data files (not among ``gone``) that a sibling refers to: the
+    old files of an overwritten save, kept for an incremental checkpoint. A retired sibling counts
+    too: its own deletion, finished later, releases them from this tombstone's record."""
+    left = [n for n in storage.list_dir(path) if DATA_FILE.match(n) and n not in gone]
+    return bool(left) and bool(refs.referenced_files(storage, path, tombstones=True) & set(left))
 
 
 def _release_bases(storage: Storage, path: str, raw: bytes, where: str) -> None:
@@ -134,6 +177,69 @@ def _release_bases(storage: Storage, path: str, raw: bytes, where: str) -> None:
         base = refs.sibling(storage, path, ref)
         if storage.exists(storage.join(base, TOMBSTONE)) and not storage.exists(storage.join(base, MANIFEST_NAME)):
             finish_deletion(storage, base)
+
+
+def _release_replaced(storage: Storage, path: str, raw: bytes, where: str) -> None:
+    """(rank 0, deleting the checkpoint at ``path``; its own data files are gone, its tombstone
+    ``raw`` at ``where`` is still there) Remove the files of sibling saves that were overwritten while
+    ``path`` referred to them, and that nothing else refers to any more (module docstring)."""
+    own = refs.split(path)[1]
+    for ref, entry in sorted(parse_manifest(raw, where).refs.items()):
+        if ref == own:
+            continue  # a reference to itself is refused by every reader; it releases nothing
+        base = refs.sibling(storage, path, ref)
+        todo = _replaced_files(storage, base, entry.save_id, {n: f.size for n, f in entry.files.items()})
+        if not todo:
+            continue
+        used = refs.referenced_files(storage, base, tombstones=True, ignore=own)
+        todo = [n for n in todo if n not in used]
+        if todo:
+            logger.info(
+                "shardsafe: removing %s from %s: its save was replaced and %s was its last referrer", todo, base, own
+            )
+            delete_files(storage, base, todo)
+
+
+def _replaced_files(storage: Storage, base: str, save_id: str, sizes: dict[str, int]) -> list[str]:
+    """The files ``sizes`` (data files of ``save_id``, as a validated ``refs`` entry lists them) that
+    are still in ``base`` as a replaced save's leftovers: ``base`` holds a validated manifest or
+    tombstone of another save that does not list them, no save ``save_id`` is in flight there, and
+    each has the size recorded. ``[]`` for anything else (logged where it looks hostile)."""
+    records = []
+    for name in (MANIFEST_NAME, TOMBSTONE):
+        rec = _read(storage, storage.join(base, name))
+        if rec is None:
+            continue
+        try:
+            records.append(manifest_files(rec, storage.join(base, name)))
+        except CorruptCheckpointError as err:
+            logger.warning("shardsafe: not removing replaced files of %s: %s", base, err)
+            return []
+    if not records or any(sid == save_id for sid, _ in records):
+        return []  # not a checkpoint of shardsafe, or that save is its current (or retired) one
+    listed = {n for _, names in records for n in names}
+    parent, name = refs.split(base)
+    if storage.exists(storage.join(parent, staging_name(name, save_id))) or storage.exists(
+        storage.join(base, temp_manifest(save_id))
+    ):
+        logger.warning("shardsafe: not removing files of save %s from %s: that save is in flight", save_id, base)
+        return []
+    out = []
+    for n, size in sorted(sizes.items()):
+        m = DATA_FILE.match(n)
+        if m is None or m["sid"] != save_id or n in listed:
+            continue
+        try:
+            actual = storage.size(storage.join(base, n))
+        except (FileNotFoundError, CorruptCheckpointError):
+            continue
+        if actual != size:
+            logger.warning(
+                "shardsafe: not removing %s from %s: %d bytes, the referrer recorded %d", n, base, actual, size
+            )
+            continue
+        out.append(n)
+    return out
 
 
 def stale_files(old: bytes | None, new: bytes, where: str) -> list[str]:
@@ -149,6 +255,21 @@ def stale_files(old: bytes | None, new: bytes, where: str) -> list[str]:
         return []
     _, after = manifest_files(new, where)
     return [n for n in before if n not in set(after)]
+
+
+def release_references(storage: Storage, path: str, old: bytes | None, where: str) -> None:
+    """(rank 0, an overwrite of ``path`` committed, after its stale files went) What the replaced
+    manifest ``old`` referred to and nothing refers to any more: old files of overwritten siblings,
+    and retired siblings kept for it (as the deletion of the old checkpoint would release them; the
+    new manifest counts as a referrer like any other). Nothing when ``old`` does not validate."""
+    if old is None:
+        return
+    try:
+        parse_manifest(old, where)
+    except CorruptCheckpointError:
+        return  # stale_files logged it
+    _release_replaced(storage, path, old, where)
+    _release_bases(storage, path, old, where)
 
 
 def discard_save(storage: Storage, staging: str, target: str, save_id: str, world_size: int) -> None:

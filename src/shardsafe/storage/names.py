@@ -30,6 +30,12 @@ def data_file(rank: int, save_id: str) -> str:
     return f"data-{rank:05d}-{save_id}.safetensors"
 
 
+def staging_name(target: str, save_id: str) -> str:
+    """The name of the staging directory of save ``save_id`` into the checkpoint named ``target``
+    (beside it, on local disks)."""
+    return f".{target}.staging-{save_id}"
+
+
 def temp_manifest(save_id: str) -> str:
     """The temporary manifest of save ``save_id`` where the manifest is written then renamed."""
     return f".{MANIFEST_NAME}.tmp-{save_id}"

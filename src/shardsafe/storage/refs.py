@@ -17,7 +17,7 @@ from shardsafe.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardsafe.format.manifest import Chunk, Manifest, parse_manifest
 from shardsafe.storage import is_remote
 from shardsafe.storage.base import MANIFEST_NAME, Storage
-from shardsafe.storage.names import DATA_FILE, STAGED_MANIFEST, STAGING_DIR
+from shardsafe.storage.names import DATA_FILE, STAGED_MANIFEST, STAGING_DIR, TOMBSTONE
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +81,12 @@ def check_ref_files(storage: Storage, path: str, manifest: Manifest) -> None:
                 )
 
 
-def _manifests_beside(storage: Storage, directory: str) -> list[tuple[str, bytes]]:
+def _manifests_beside(
+    storage: Storage, directory: str, tombstones: bool, ignore: str | None
+) -> list[tuple[str, bytes]]:
     """(where, bytes) of every manifest under ``directory``'s parent except its own: committed
-    siblings and the staged manifests of saves in flight there."""
+    siblings and the staged manifests of saves in flight there; with ``tombstones``, the tombstones
+    of retired (or half-deleted) siblings too, except that of the sibling ``ignore``."""
     parent, own = split(directory)
     found: list[tuple[str, bytes]] = []
     for name in storage.list_dir(parent):
@@ -93,6 +96,8 @@ def _manifests_beside(storage: Storage, directory: str) -> list[tuple[str, bytes
         wheres = [storage.join(base, MANIFEST_NAME)]
         if STAGING_DIR.match(name):
             wheres = [storage.join(base, n) for n in STAGED_MANIFEST]
+        elif tombstones and name != ignore:
+            wheres.append(storage.join(base, TOMBSTONE))
         for where in wheres:
             try:
                 found.append((where, storage.read_bytes(where)))
@@ -101,13 +106,17 @@ def _manifests_beside(storage: Storage, directory: str) -> list[tuple[str, bytes
     return found
 
 
-def referenced_files(storage: Storage, directory: str) -> set[str]:
+def referenced_files(
+    storage: Storage, directory: str, *, tombstones: bool = False, ignore: str | None = None
+) -> set[str]:
     """(rank 0, before deleting data files of ``directory``) The names of its data files that another
-    checkpoint under the same parent (committed, or staged by a save in flight) refers to. A sibling
-    manifest that does not validate is skipped with a WARNING (it is not loadable anyway)."""
+    checkpoint under the same parent (committed, or staged by a save in flight) refers to. With
+    ``tombstones``, retired siblings count too (except the sibling named ``ignore``: the one being
+    deleted). A sibling manifest that does not validate is skipped with a WARNING (it is not loadable
+    anyway)."""
     own = split(directory)[1]
     used: set[str] = set()
-    for where, raw in _manifests_beside(storage, directory):
+    for where, raw in _manifests_beside(storage, directory, tombstones, ignore):
         try:
             manifest = parse_manifest(raw, where)
         except CorruptCheckpointError as err:
