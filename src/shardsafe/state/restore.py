@@ -44,11 +44,7 @@ Op = Callable[[], Any]
 """Run after the reads: applies a subtree's changes and returns the value its parent holds."""
 
 
-class _Absent:
-    pass
-
-
-_ABSENT = _Absent()
+_ABSENT: Any = object()  # what a per-rank value saved by another world size selects: nothing (missing)
 
 
 @dataclass
