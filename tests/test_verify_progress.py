@@ -245,7 +245,7 @@ def test_cli_draws_bars_on_a_terminal_and_keeps_stdout(
 
 
 def test_cli_bar_of_a_corrupt_checkpoint_and_a_hostile_name(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], slow_reads: None
 ) -> None:
     root = tmp_path / "root"
     shardsafe.save(root / "step-\x1b[2J", _state())
@@ -253,6 +253,12 @@ def test_cli_bar_of_a_corrupt_checkpoint_and_a_hostile_name(
     raw = bytearray(file.read_bytes())
     raw[-1] ^= 0x01
     file.write_bytes(bytes(raw))
+    plain = io.StringIO()
+    code, out = _run(["ls", str(root), "--verify"], plain, monkeypatch, capsys)
+    lines = plain.getvalue().splitlines()  # off a terminal, past the interval: plain lines
+    assert code == 1 and len(lines) >= 2 and "\x1b" not in plain.getvalue(), lines
+    assert lines[0].startswith("shardsafe: verify step-\\x1b[2J of ") and "\\x1b[2J: phase read" in lines[0]
+    assert "FAILED: CorruptCheckpointError" in lines[-1]
     tty = _Tty()
     code, out = _run(["ls", str(root), "--verify"], tty, monkeypatch, capsys)
     assert code == 1 and "corrupt" in out

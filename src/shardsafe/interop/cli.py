@@ -81,16 +81,16 @@ def _fail(command: str, what: str, err: BaseException, code: int) -> int:
 def bar(label: str | None = None) -> ProgressCallback:
     """The commands' ``progress=``: a :class:`ProgressBar` on stderr, which draws a bar when stderr is a
     terminal (off one: plain lines, only for an operation that runs past the interval). ``label``
-    (made one line) replaces the operation's name at the start of the bar (``verify step-100``)."""
+    replaces the operation's name at the start of the bar (``verify step-100``); it and the record's
+    path and error (a directory name may hold terminal escapes) are made one line of printable characters."""
     drawn = ProgressBar()
-    if label is None:
-        return drawn
-    shown = one_line(label)
+    shown = None if label is None else one_line(label)
 
-    def labelled(p: Progress) -> None:
-        drawn(dataclasses.replace(p, op=shown))
+    def safe(p: Progress) -> None:
+        error = None if p.error is None else one_line(p.error)
+        drawn(dataclasses.replace(p, op=shown or p.op, path=one_line(p.path), error=error))
 
-    return labelled
+    return safe
 
 
 def one_line(text: str) -> str:
