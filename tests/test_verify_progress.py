@@ -66,12 +66,12 @@ def _series(records: list[Progress], op: str, path: str) -> Progress:
 
 @pytest.fixture
 def slow_reads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Verification long enough for several records: every chunk read takes 40 ms, reports every 20 ms."""
+    """Verification long enough for several records: every chunk read takes 60 ms, reports every 20 ms."""
     monkeypatch.setenv("SHARDSAFE_PROGRESS_INTERVAL", "0.02")
     real = inspect_module.read_blocks
 
     def slow(*args: Any, **kwargs: Any) -> None:
-        time.sleep(0.04)
+        time.sleep(0.06)
         real(*args, **kwargs)
 
     monkeypatch.setattr(inspect_module, "read_blocks", slow)
@@ -86,7 +86,7 @@ def test_verify_progress_of_a_plain_checkpoint(tmp_path: Path, slow_reads: None)
     records: list[Progress] = []
     summary = shardsafe.verify(path, progress=records.append)
     last = _series(records, "verify", path)
-    assert len(records) >= 3  # four chunks of 40 ms, reported every 20 ms
+    assert len(records) >= 3  # four chunks of 60 ms, reported every 20 ms
     assert any(0 < r.done_bytes < r.total_bytes for r in records[:-1]), records
     assert last.phase == "done" and last.error is None and last.ranks == 1
     whole = sum(f.stat().st_size for f in _data_files(tmp_path / "c"))
