@@ -25,6 +25,7 @@ import shardsafe
 from shardsafe.display import exact_size, table
 from shardsafe.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from shardsafe.interop.cli import add_commands as add_interop_commands
+from shardsafe.interop.cli import bar
 from shardsafe.interop.cli import run as run_interop
 
 EXIT_OK = 0
@@ -76,9 +77,10 @@ def _doc(command: str) -> str:
         "of its entries (name, kind, dtype, global shape, chunks, bytes). Reads only MANIFEST.json.",
         "verify": "Read every data file of a checkpoint and check it against the checksums in its manifest. "
         "Prints one line: a summary, or the error naming the file and tensor. Exit 0 intact, 1 corrupt, "
-        "uncommitted or missing.",
+        "uncommitted or missing. On a terminal a progress bar on stderr shows the bytes verified.",
         "ls": "List the checkpoints under ROOT with status (committed, incomplete, corrupt), step, time, size "
-        "and metrics. With --verify, exit 1 if any is not intact.",
+        "and metrics. With --verify, exit 1 if any is not intact; on a terminal a progress bar on stderr shows "
+        "each checkpoint's verification.",
     }[command]
 
 
@@ -104,7 +106,9 @@ def _run(args: argparse.Namespace) -> int:
         return run_interop(args, sys.stdout)
     from shardsafe.manager.listing import ls_main  # the manager is not needed by inspect/verify
 
-    return ls_main(args.root, verify=args.verify, as_json=args.json, out=sys.stdout)
+    return ls_main(
+        args.root, verify=args.verify, as_json=args.json, out=sys.stdout, progress=lambda name: bar(f"verify {name}")
+    )
 
 
 def _fail(command: str, err: BaseException) -> int:
@@ -129,7 +133,7 @@ def _one_line(text: str) -> str:
 def _verify(path: str, *, out: TextIO) -> int:
     """Verify ``path`` byte for byte; one line on ``out`` when intact, else one on stderr."""
     try:
-        summary = shardsafe.verify(path)
+        summary = shardsafe.verify(path, progress=bar())
     except (CheckpointError, *_REPORTED) as err:
         return _fail("verify", err)
     out.write(

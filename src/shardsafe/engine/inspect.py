@@ -13,12 +13,14 @@ from typing import Any
 
 from shardsafe.engine.guard import mapped_errors
 from shardsafe.engine.memory import available_memory
+from shardsafe.engine.progress import ProgressCallback, check_callback
 from shardsafe.engine.read import read_manifest
+from shardsafe.engine.tracker import Tracker, tracked
 from shardsafe.errors import CheckpointError, CorruptCheckpointError
 from shardsafe.format.datafile import read_blocks, verify_header
-from shardsafe.format.manifest import Chunk
+from shardsafe.format.manifest import Chunk, Manifest
 from shardsafe.format.values import decode, dtype_name
-from shardsafe.storage import get_storage
+from shardsafe.storage import Storage, get_storage
 from shardsafe.storage.refs import check_ref_files, missing_base, sibling
 
 
@@ -77,47 +79,68 @@ def verify(
     *,
     storage_options: dict[str, Any] | None = None,
     part: tuple[int, int] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> VerifySummary:
     """Check every byte of the checkpoint at ``path`` against its checksums (one process, no rendezvous).
     Raises :class:`CheckpointNotFoundError` or :class:`CorruptCheckpointError` naming file and tensor.
     ``part=(i, n)`` checks the manifest and only the data files ``i, i + n, ...`` (in name order), so
     that ``n`` processes calling it with ``i = 0 .. n-1`` check the whole checkpoint once between them.
     An incremental checkpoint's referenced chunks are checked in its base's files (a missing base is a
-    :class:`CheckpointNotFoundError` naming it)."""
+    :class:`CheckpointNotFoundError` naming it).
+
+    ``progress``: a callable given :class:`Progress` records (``op="verify"``) from a thread of its own:
+    the bytes verified so far of those this call verifies (its part's files: headers, and the chunks
+    the manifest lists in them; a referenced chunk once, in the base file that holds it), at least every
+    ``SHARDSAFE_PROGRESS_INTERVAL`` seconds and once at the end (``error`` set if it raises). A callback
+    that raises is logged and not called again; the verification goes on. Not callable: ``TypeError``
+    before anything is read. See docs/progress.md."""
+    progress = check_callback(progress)
     path = os.fspath(path)
-    storage = get_storage(path, storage_options)
-    with mapped_errors("verify", path):
-        manifest = read_manifest(storage, path)
-        by_file: dict[tuple[str, str], list[tuple[str, Chunk]]] = {("", name): [] for name in manifest.files}
-        for ref, r in manifest.refs.items():
-            by_file.update({(ref, name): [] for name in r.files})
-        for tname, entry in manifest.tensors.items():
-            for c in entry.chunks:
-                by_file[(c.ref or "", c.file)].append((tname, c))
-        biggest = max((min(c.end - c.begin, manifest.block_bytes) for _, c in _all(by_file)), default=0)
-        if biggest > available_memory():  # one checksum block is read at a time
-            raise CheckpointError(
-                f"verify of {path!r}: a checksum block of {biggest} bytes does not fit in the memory available "
-                f"({available_memory()} bytes); checksum.block_bytes is {manifest.block_bytes}"
-            )
-        total = 0
-        for i, ((ref, fname), chunks) in enumerate(sorted(by_file.items())):
-            if part is not None and i % part[1] != part[0]:
-                continue
-            fentry = manifest.files[fname] if not ref else manifest.refs[ref].files[fname]
-            fpath = storage.join(sibling(storage, path, ref) if ref else path, fname)
-            if ref and not storage.exists(fpath):
-                raise missing_base(path, manifest, ref, fname, fpath)
-            try:
-                dtypes = [manifest.tensors[t].dtype for t, _ in chunks]
-                verify_header(storage, fpath, fentry, [c for _, c in chunks], dtypes, subset=bool(ref))
-                for tname, c in chunks:  # one block buffer per chunk, verified in place (nothing delivered)
-                    read_blocks(storage, fpath, c, manifest.block_bytes, 0, c.end - c.begin, tname, None, None)
-                    total += c.end - c.begin
-            except (FileNotFoundError, EOFError) as err:
-                raise CorruptCheckpointError(f"{fpath}: {type(err).__name__}: {err}") from err
-            total += fentry.header_bytes
-    return VerifySummary(path=path, files=len(by_file), tensors=len(manifest.tensors), bytes=total)
+    with tracked("verify", path, progress, "manifest") as tracker:
+        storage = get_storage(path, storage_options)
+        with mapped_errors("verify", path):
+            manifest = read_manifest(storage, path)
+            files, total = _verify_files(storage, path, manifest, part, tracker)
+    return VerifySummary(path=path, files=files, tensors=len(manifest.tensors), bytes=total)
+
+
+def _verify_files(
+    storage: Storage, path: str, manifest: Manifest, part: tuple[int, int] | None, tracker: Tracker
+) -> tuple[int, int]:
+    """(:func:`verify`) Check the data files of ``part``: (the data files there are, the bytes checked)."""
+    by_file: dict[tuple[str, str], list[tuple[str, Chunk]]] = {("", name): [] for name in manifest.files}
+    for ref, r in manifest.refs.items():
+        by_file.update({(ref, name): [] for name in r.files})
+    for tname, entry in manifest.tensors.items():
+        for c in entry.chunks:
+            by_file[(c.ref or "", c.file)].append((tname, c))
+    biggest = max((min(c.end - c.begin, manifest.block_bytes) for _, c in _all(by_file)), default=0)
+    if biggest > available_memory():  # one checksum block is read at a time
+        raise CheckpointError(
+            f"verify of {path!r}: a checksum block of {biggest} bytes does not fit in the memory available "
+            f"({available_memory()} bytes); checksum.block_bytes is {manifest.block_bytes}"
+        )
+    mine = [item for i, item in enumerate(sorted(by_file.items())) if part is None or i % part[1] == part[0]]
+    entries = {key: manifest.refs[key[0]].files[key[1]] if key[0] else manifest.files[key[1]] for key, _ in mine}
+    tracker.set_total(sum(entries[key].header_bytes + sum(c.end - c.begin for _, c in cs) for key, cs in mine))
+    tracker.phase = "read"
+    total = 0
+    for (ref, fname), chunks in mine:
+        fentry = entries[(ref, fname)]
+        fpath = storage.join(sibling(storage, path, ref) if ref else path, fname)
+        if ref and not storage.exists(fpath):
+            raise missing_base(path, manifest, ref, fname, fpath)
+        try:
+            dtypes = [manifest.tensors[t].dtype for t, _ in chunks]
+            verify_header(storage, fpath, fentry, [c for _, c in chunks], dtypes, subset=bool(ref))
+            tracker.add(fentry.header_bytes)
+            for tname, c in chunks:  # one block buffer per chunk, verified in place and counted
+                read_blocks(storage, fpath, c, manifest.block_bytes, 0, c.end - c.begin, tname, None, tracker.count)
+                total += c.end - c.begin
+        except (FileNotFoundError, EOFError) as err:
+            raise CorruptCheckpointError(f"{fpath}: {type(err).__name__}: {err}") from err
+        total += fentry.header_bytes
+    return len(by_file), total
 
 
 def _all(by_file: dict[tuple[str, str], list[tuple[str, Chunk]]]) -> list[tuple[str, Chunk]]:

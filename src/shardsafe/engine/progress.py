@@ -1,12 +1,13 @@
-"""The progress of a save or load: the :class:`Progress` record handed to ``progress=``, its plain
-description, and the byte counts of each operation (the :class:`~shardsafe.engine.tracker.Tracker`
+"""The progress of a save, load, verify or export: the :class:`Progress` record handed to ``progress=``,
+its plain description, and the byte counts of each operation (the :class:`~shardsafe.engine.tracker.Tracker`
 does the counting, sharing and reporting).
 
 Bytes counted: a save counts the bytes of this rank's data file as they are handed to storage (the
 safetensors header, then every window of data); its total is the file's size, so the final
 ``total_bytes`` of a save is the size of all its data files. A load counts the verified bytes it
 delivers into the state; its total is what this rank's reads need (a tensor replicated on N ranks
-counts N times: every rank reads it).
+counts N times: every rank reads it). A verify counts the bytes it checks (data file headers and the
+chunks the manifest lists in them); an export the bytes it writes (``torch`` format: reads).
 """
 
 from __future__ import annotations
@@ -27,17 +28,19 @@ if TYPE_CHECKING:
 class Progress:
     """Where a save or load stands, all ranks together, as rank 0 sees it (other ranks' counts are at
     most ``SHARDSAFE_PROGRESS_INTERVAL`` seconds old). Passed to ``progress=`` of
-    :func:`shardsafe.save`, :func:`shardsafe.async_save` and :func:`shardsafe.load`."""
+    :func:`shardsafe.save`, :func:`shardsafe.async_save` and :func:`shardsafe.load`, and of the
+    one-process :func:`shardsafe.verify` and exports (``ranks == 1``)."""
 
     op: str
-    """``"save"`` or ``"load"``."""
+    """``"save"``, ``"load"``, ``"verify"`` or ``"export"``."""
     path: str
     """The checkpoint saved or loaded."""
     phase: str
     """Rank 0's phase (e.g. ``plan``, ``write``, ``commit``, ``read``, ``restore``); ``done`` in the
     final record of an operation that succeeded."""
     done_bytes: int
-    """Bytes written (save) or read and verified (load) so far, by all ranks together. Never decreases."""
+    """Bytes written (save, export) or read and verified (load, verify) so far, by all ranks together.
+    Never decreases."""
     total_bytes: int
     """Bytes the operation moves, all ranks together; final once ``ranks_reporting == ranks`` (a rank
     posts its total as soon as it has planned)."""

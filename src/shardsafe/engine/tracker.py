@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from shardsafe import knobs
@@ -79,6 +80,11 @@ class Tracker:
         """(any thread) ``n`` more bytes moved by this rank."""
         with self._lock:
             self._done += n
+
+    def count(self, _offset: int, view: memoryview) -> None:
+        """(any thread) A ``deliver`` callback of :func:`~shardsafe.format.datafile.read_blocks`: ``view``
+        was read and verified; count it."""
+        self.add(len(view))
 
     def counted(self, windows: Iterable[memoryview], first: int) -> Iterator[memoryview]:
         """``windows`` as they are, counting each once the consumer asks for the next (it has handed
@@ -242,6 +248,22 @@ class Tracker:
             except Exception as err:  # a bug here must not end progress silently, nor touch the operation
                 logger.error("shardsafe: progress reporting of the %s of %s failed: %s", self.op, self.path, err)
                 return
+
+
+@contextmanager
+def tracked(op: str, path: str, callback: ProgressCallback | None, phase: str) -> Iterator[Tracker]:
+    """(one process, no rendezvous: verify and export) A started :class:`Tracker` for the ``with`` body,
+    in ``phase``; ended with the exception that leaves the body (the final record carries it), or with
+    none. The caller checks ``callback`` with :func:`~shardsafe.engine.progress.check_callback` first."""
+    tracker = Tracker(op, path, callback)
+    tracker.phase = phase
+    tracker.start(None)
+    try:
+        yield tracker
+    except BaseException as err:
+        tracker.end(err)
+        raise
+    tracker.end(None)
 
 
 class _Caller:

@@ -7,9 +7,12 @@ changed); 2 a usage error, or a source that would need unpickling without ``--al
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Any, TextIO
 
+from shardsafe.engine.progress import Progress, ProgressCallback
+from shardsafe.engine.progressbar import ProgressBar
 from shardsafe.errors import CheckpointError, InvalidArgumentError, UnsafeValueError
 
 EXIT_OK, EXIT_BAD, EXIT_USAGE = 0, 1, 2
@@ -18,7 +21,8 @@ EXPORT_DOC = (
     "Write one entry of a shardsafe checkpoint (any saved world size) in the Hugging Face layout: "
     "model.safetensors, or model-0000X-of-0000N.safetensors shards plus model.safetensors.index.json, "
     "streamed tensor by tensor with every byte verified; or, with --format torch, as one torch.save file. "
-    "OUT appears whole or not at all; it must be absent, empty, or a previous export (replaced with --overwrite)."
+    "OUT appears whole or not at all; it must be absent, empty, or a previous export (replaced with --overwrite). "
+    "On a terminal a progress bar shows the export."
 )
 IMPORT_DOC = (
     "Save a torch.save file or a DCP checkpoint folder as a shardsafe checkpoint, then verify it. torch.save "
@@ -74,6 +78,21 @@ def _fail(command: str, what: str, err: BaseException, code: int) -> int:
     return code
 
 
+def bar(label: str | None = None) -> ProgressCallback:
+    """The commands' ``progress=``: a :class:`ProgressBar` on stderr, which draws a bar when stderr is a
+    terminal (off one: plain lines, only for an operation that runs past the interval). ``label``
+    replaces the operation's name at the start of the bar (``verify step-100``); it and the record's
+    path and error (a directory name may hold terminal escapes) are made one line of printable characters."""
+    drawn = ProgressBar()
+    shown = None if label is None else one_line(label)
+
+    def safe(p: Progress) -> None:
+        error = None if p.error is None else one_line(p.error)
+        drawn(dataclasses.replace(p, op=shown or p.op, path=one_line(p.path), error=error))
+
+    return safe
+
+
 def one_line(text: str) -> str:
     """``text`` as one line of printable characters (a name from a hostile file may hold line breaks or
     terminal escapes): line breaks become `` | ``, other control characters their escape sequence."""
@@ -93,10 +112,12 @@ def _export(args: argparse.Namespace, out: TextIO) -> int:
     if args.format == "shardsafe":
         return _consolidate(args, out)
     if args.format == "torch":
-        result = export_torch(args.checkpoint, args.out, key=args.key, dtype=args.dtype, allow_pickle=args.allow_pickle)
+        result = export_torch(
+            args.checkpoint, args.out, key=args.key, dtype=args.dtype, allow_pickle=args.allow_pickle, progress=bar()
+        )
     else:
         hf = {name: getattr(args, name) for name in _HF_OPTIONS}
-        result = export_hf(args.checkpoint, args.out, key=args.key, dtype=args.dtype, **hf)
+        result = export_hf(args.checkpoint, args.out, key=args.key, dtype=args.dtype, progress=bar(), **hf)
     line = (
         f"OK {args.checkpoint} [{result.key}] -> {result.path}: {result.tensors} tensor(s), {result.bytes} bytes "
         f"in {len(result.files)} file(s)"
@@ -118,7 +139,7 @@ def _consolidate(args: argparse.Namespace, out: TextIO) -> int:
             raise InvalidArgumentError(
                 f"--{flag.replace('_', '-')} does not apply to --format shardsafe (a whole, exact copy)"
             )
-    result = consolidate(args.checkpoint, args.out)
+    result = consolidate(args.checkpoint, args.out, progress=bar())
     bases = f" (data of {', '.join(result.bases)} copied in)" if result.bases else ""
     out.write(
         one_line(
@@ -131,11 +152,10 @@ def _consolidate(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _import(args: argparse.Namespace, out: TextIO) -> int:
-    from shardsafe.engine.progressbar import ProgressBar
     from shardsafe.interop.importer import WRAP_KEY, import_checkpoint
 
     result = import_checkpoint(
-        args.source, args.dest, allow_pickle=args.allow_pickle, overwrite=args.overwrite, progress=ProgressBar()
+        args.source, args.dest, allow_pickle=args.allow_pickle, overwrite=args.overwrite, progress=bar()
     )
     entries = ", ".join(result.keys[:10]) + (", ..." if len(result.keys) > 10 else "")
     wrapped = f" (saved under {WRAP_KEY!r}: its keys are not plain strings)" if result.wrapped else ""

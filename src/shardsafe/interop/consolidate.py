@@ -17,7 +17,9 @@ from typing import Any
 import torch
 
 from shardsafe.engine.plan import PendingChunk
+from shardsafe.engine.progress import ProgressCallback, check_callback, file_bytes
 from shardsafe.engine.read import read_manifest
+from shardsafe.engine.tracker import Tracker, tracked
 from shardsafe.errors import CheckpointExistsError, CorruptCheckpointError
 from shardsafe.format.datafile import read_blocks, write_file
 from shardsafe.format.manifest import Chunk, FileEntry, Manifest, TensorEntry, parse_manifest
@@ -37,12 +39,24 @@ class ConsolidateResult:
 
 
 def consolidate(
-    src: str | os.PathLike[str], out: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> ConsolidateResult:
     """(one process) Write the checkpoint ``src`` as a self-contained checkpoint at ``out`` (absent or an
     empty folder). Raises :class:`CheckpointError` (a missing base: :class:`CheckpointNotFoundError`
-    naming it; a corrupt block: :class:`CorruptCheckpointError`); ``out`` is untouched on failure."""
+    naming it; a corrupt block: :class:`CorruptCheckpointError`); ``out`` is untouched on failure.
+    ``progress``: as for :func:`~shardsafe.interop.hf.export_hf`, counting the bytes of the new data
+    files as they are written (the ``bytes`` of the result)."""
+    progress = check_callback(progress)
     src, out = os.fspath(src), os.fspath(out)
+    with tracked("export", src, progress, "manifest") as tracker:
+        return _consolidate(src, out, storage_options, tracker)
+
+
+def _consolidate(src: str, out: str, storage_options: dict[str, Any] | None, tracker: Tracker) -> ConsolidateResult:
     storage, dest = get_storage(src, storage_options), get_storage(out, storage_options)
     manifest = read_manifest(storage, src)
     why = refusal(dest, out, overwrite=False)
@@ -57,17 +71,18 @@ def consolidate(
             groups.setdefault((c.ref or "", c.file), []).append((name, c))
     files: dict[str, FileEntry] = {}
     new_chunks: dict[str, list[Chunk]] = {}
-    for i, (_, members) in enumerate(sorted(groups.items())):
+    plans = []
+    for _, members in sorted(groups.items()):
+        pending = [PendingChunk(n, c.offsets, c.sizes, _meta(manifest, n, c)) for n, c in members]
+        plans.append((members, pending, file_bytes(pending)))
+    tracker.set_total(sum(size for _, _, (size, _) in plans))
+    tracker.phase = "write"
+    for i, (members, pending, (_, header)) in enumerate(plans):
         fname = data_file(i, save_id)
-        pending = [
-            PendingChunk(n, c.offsets, c.sizes, torch.empty(c.sizes, dtype=manifest.tensors[n].dtype, device="meta"))
-            for n, c in members
-        ]
+        windows = tracker.counted(_bytes(storage, src, manifest, members), header)
         writer = dest.open_writer(dest.join(staging, fname))
         try:
-            entry, records = write_file(
-                writer, fname, pending, manifest.block_bytes, lambda: None, _bytes(storage, src, manifest, members)
-            )
+            entry, records = write_file(writer, fname, pending, manifest.block_bytes, lambda: None, windows)
         except BaseException:
             writer.abort()
             raise
@@ -83,10 +98,16 @@ def consolidate(
     raw = copy.to_bytes()
     parse_manifest(raw, dest.join(out, "MANIFEST.json"))  # never commit what a loader would refuse
     commit = Commit(staging, out, save_id, raw)
+    tracker.phase = "publish"
     dest.stage_manifest(commit)
     dest.publish(commit, overwrite=False, at_commit=lambda: None)
     total = sum(f.size for f in files.values())
     return ConsolidateResult(out, len(tensors), total, sorted(files), sorted(manifest.refs))
+
+
+def _meta(manifest: Manifest, name: str, c: Chunk) -> torch.Tensor:
+    """A chunk's shape and dtype, without memory (what :class:`PendingChunk` needs to build a header)."""
+    return torch.empty(c.sizes, dtype=manifest.tensors[name].dtype, device="meta")
 
 
 def _bytes(storage: Storage, src: str, manifest: Manifest, members: list[tuple[str, Chunk]]) -> Iterator[memoryview]:

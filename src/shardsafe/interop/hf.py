@@ -17,14 +17,16 @@ import os
 import re
 import struct
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from shardsafe import knobs
+from shardsafe.engine.progress import ProgressCallback, check_callback
 from shardsafe.engine.read import check_sizes, read_manifest
+from shardsafe.engine.tracker import tracked
 from shardsafe.errors import CheckpointError, InvalidArgumentError
 from shardsafe.format.datafile import tensor_bytes
 from shardsafe.format.manifest import SAFETENSORS_DTYPES, Manifest
@@ -94,6 +96,7 @@ def export_hf(
     overwrite: bool = False,
     timeout: float | None = None,
     storage_options: dict[str, Any] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> ExportResult:
     """Write the tensors of entry ``key`` of the checkpoint at ``checkpoint`` into the directory ``out`` in
     the Hugging Face safetensors layout (one process; reads any saved world size).
@@ -110,7 +113,12 @@ def export_hf(
     with ``overwrite=True``). Raises :class:`CheckpointExistsError` for any other ``out`` (untouched),
     :class:`CorruptCheckpointError` naming the file and tensor for a bad byte, ``ValueError`` for bad
     arguments. Every read waits at most ``timeout`` (default ``SHARDSAFE_IO_TIMEOUT``).
+
+    ``progress``: a callable given :class:`~shardsafe.Progress` records (``op="export"``, ``path`` the
+    checkpoint) from a thread of its own, counting the tensor bytes written (the ``bytes`` of the
+    result), as :func:`shardsafe.verify` does (docs/progress.md).
     """
+    progress = check_callback(progress)
     started = time.monotonic()
     source, target = os.fspath(checkpoint), os.fspath(out)
     out_dtype = resolve_dtype(dtype)
@@ -118,46 +126,50 @@ def export_hf(
     if tied not in ("auto", "keep"):
         raise InvalidArgumentError(f"tied={tied!r}: give 'auto' or 'keep'")
     config_doc = _config(config)
-    storage = get_storage(source, storage_options)
-    manifest = read_manifest(storage, source)
-    chosen = select(manifest, key, source, strip_prefix=strip_prefix)
-    if config_doc is not None and out_dtype is not None:
-        config_doc = {**config_doc, "dtype": str(out_dtype).removeprefix("torch.")}
-        if "torch_dtype" in config_doc:
-            config_doc["torch_dtype"] = config_doc["dtype"]
-    export = ExportDir(target, source=source, overwrite=overwrite)
-    reader: PieceReader | None = None
-    try:
-        refs = dict(chosen.tensors)
-        check_sizes(storage, source, manifest, list(refs.values()))
-        slab = knobs.export_slab_bytes()
-        todo = {name: pieces(manifest, ref, slab) for name, ref in chosen.tensors}
-        capacity = max((p.nbytes for ps in todo.values() for p in ps), default=8)
-        reader = PieceReader(storage, source, manifest, min(capacity, max(slab, 8)), timeout or knobs.io_timeout())
-        ties = _ties(manifest, reader, refs, config_doc, slab) if tied == "auto" and config_doc is not None else {}
-        names = [n for n, _ in chosen.tensors if n not in ties]
-        sizes = {n: _out_nbytes(manifest, refs[n], out_dtype) for n in names}
-        shards = plan_shards(names, sizes, limit)
-        files = [SINGLE] if len(shards) == 1 else [_shard_name(i, len(shards)) for i in range(len(shards))]
-        cast = _cast_buffer(manifest, refs, todo, out_dtype)
-        for file, shard in zip(files, shards, strict=True):
-            _write_shard(export, file, shard, refs, manifest, reader, out_dtype, todo, cast)
-        total = sum(sizes.values())
-        if len(shards) > 1:
-            index = {
-                "metadata": {"total_size": total},
-                "weight_map": {n: f for f, shard in zip(files, shards, strict=True) for n in shard},
-            }
-            export.write_file(INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
-        if config_doc is not None:
-            export.write_file(CONFIG, (json.dumps(config_doc, indent=2, sort_keys=True) + "\n").encode())
-        export.publish({"source": source, "save_id": manifest.save_id, "key": chosen.key})
-    except BaseException:
-        export.abort()
-        raise
-    finally:
-        if reader is not None:
-            reader.close()
+    with tracked("export", source, progress, "manifest") as tracker:
+        storage = get_storage(source, storage_options)
+        manifest = read_manifest(storage, source)
+        chosen = select(manifest, key, source, strip_prefix=strip_prefix)
+        if config_doc is not None and out_dtype is not None:
+            config_doc = {**config_doc, "dtype": str(out_dtype).removeprefix("torch.")}
+            if "torch_dtype" in config_doc:
+                config_doc["torch_dtype"] = config_doc["dtype"]
+        export = ExportDir(target, source=source, overwrite=overwrite)
+        reader: PieceReader | None = None
+        try:
+            refs = dict(chosen.tensors)
+            check_sizes(storage, source, manifest, list(refs.values()))
+            slab = knobs.export_slab_bytes()
+            todo = {name: pieces(manifest, ref, slab) for name, ref in chosen.tensors}
+            capacity = max((p.nbytes for ps in todo.values() for p in ps), default=8)
+            reader = PieceReader(storage, source, manifest, min(capacity, max(slab, 8)), timeout or knobs.io_timeout())
+            ties = _ties(manifest, reader, refs, config_doc, slab) if tied == "auto" and config_doc is not None else {}
+            names = [n for n, _ in chosen.tensors if n not in ties]
+            sizes = {n: _out_nbytes(manifest, refs[n], out_dtype) for n in names}
+            shards = plan_shards(names, sizes, limit)
+            tracker.set_total(sum(sizes.values()))
+            tracker.phase = "write"
+            files = [SINGLE] if len(shards) == 1 else [_shard_name(i, len(shards)) for i in range(len(shards))]
+            cast = _cast_buffer(manifest, refs, todo, out_dtype)
+            for file, shard in zip(files, shards, strict=True):
+                _write_shard(export, file, shard, refs, manifest, reader, out_dtype, todo, cast, tracker.add)
+            total = sum(sizes.values())
+            if len(shards) > 1:
+                index = {
+                    "metadata": {"total_size": total},
+                    "weight_map": {n: f for f, shard in zip(files, shards, strict=True) for n in shard},
+                }
+                export.write_file(INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+            if config_doc is not None:
+                export.write_file(CONFIG, (json.dumps(config_doc, indent=2, sort_keys=True) + "\n").encode())
+            tracker.phase = "publish"
+            export.publish({"source": source, "save_id": manifest.save_id, "key": chosen.key})
+        except BaseException:
+            export.abort()
+            raise
+        finally:
+            if reader is not None:
+                reader.close()
     took = time.monotonic() - started
     logger.info(
         "shardsafe: exported %s [%s] to %s: %d tensors, %.1f MiB in %d file(s), %.2fs",
@@ -274,9 +286,11 @@ def _write_shard(
     out_dtype: torch.dtype | None,
     todo: Mapping[str, Sequence[Piece]],
     cast: torch.Tensor,
+    on_bytes: Callable[[int], None],
 ) -> None:
     """One safetensors file: header (``__metadata__`` ``{"format": "pt"}``), then each tensor's bytes
-    (converted into ``cast``, reused piece after piece, when ``out_dtype`` asks for it)."""
+    (converted into ``cast``, reused piece after piece, when ``out_dtype`` asks for it), each piece
+    counted by ``on_bytes`` once written."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     pos = 0
     for name in names:
@@ -302,6 +316,7 @@ def _write_shard(
             view = tensor_bytes(out)
             write_all(fd, view)
             written += len(view)
+            on_bytes(len(view))
         if written != pos:  # an internal invariant: the pieces of a tensor cover it exactly
             raise CheckpointError(f"export {file}: wrote {written} tensor bytes where the header says {pos}")
         os.fsync(fd)

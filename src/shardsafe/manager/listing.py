@@ -13,12 +13,13 @@ import math
 import re
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, TextIO
 
 from shardsafe.display import binary_size, table
 from shardsafe.engine import api
+from shardsafe.engine.progress import ProgressCallback
 from shardsafe.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardsafe.manager.config import NameTemplate
 from shardsafe.storage import Storage, get_storage
@@ -181,13 +182,14 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def verify_record(record: CheckpointRecord) -> CheckpointRecord:
-    """(any rank, local) ``record`` checked byte for byte with :func:`shardsafe.verify`: returned as is
-    when intact, as ``corrupt`` with the reason when not. Reads every data byte of the checkpoint."""
+def verify_record(record: CheckpointRecord, progress: ProgressCallback | None = None) -> CheckpointRecord:
+    """(any rank, local) ``record`` checked byte for byte with :func:`shardsafe.verify` (reporting to
+    ``progress``): returned as is when intact, as ``corrupt`` with the reason when not. Reads every data
+    byte of the checkpoint."""
     if record.status != "committed":
         return record
     try:
-        api.verify(record.path)
+        api.verify(record.path, progress=progress)
     except (CorruptCheckpointError, OSError) as err:
         return replace(record, status="corrupt", reason=f"{type(err).__name__}: {err}")
     return record
@@ -210,10 +212,18 @@ def _table(records: list[CheckpointRecord]) -> list[str]:
     return lines
 
 
-def ls_main(root: str, *, verify: bool, as_json: bool, out: TextIO) -> int:
+def ls_main(
+    root: str,
+    *,
+    verify: bool,
+    as_json: bool,
+    out: TextIO,
+    progress: Callable[[str], ProgressCallback | None] | None = None,
+) -> int:
     """``shardsafe ls ROOT [--verify] [--json]``: print the checkpoints under ``root`` with status,
     step, time, size and metrics. Exit code: 0 when fine, 1 when ``verify`` and any entry is incomplete
-    or corrupt, 2 when ``root`` is not a directory (message on stderr)."""
+    or corrupt, 2 when ``root`` is not a directory (message on stderr). ``progress(name)``: the
+    ``progress=`` of the verification of the checkpoint ``name`` (each is its own operation)."""
     try:
         fs = get_storage(root)
     except (ValueError, ImportError) as err:
@@ -225,7 +235,7 @@ def ls_main(root: str, *, verify: bool, as_json: bool, out: TextIO) -> int:
         return 2
     records = scan(fs, root)
     if verify:
-        records = [verify_record(r) for r in records]
+        records = [verify_record(r, progress(r.name) if progress is not None else None) for r in records]
     if as_json:
         json.dump({"root": root, "checkpoints": [r.to_json() for r in records]}, out, indent=2, allow_nan=False)
         out.write("\n")
