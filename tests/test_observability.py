@@ -75,9 +75,10 @@ def test_every_knob_has_an_env_override_and_is_read_somewhere(monkeypatch: pytes
         assert callable(knob)
         monkeypatch.setenv(knob.env, "7")
         assert knob() == 7, f"knobs.{name} ignores {knob.env}"
-        monkeypatch.setenv(knob.env, "-1")
-        with pytest.raises(shardsafe.InvalidArgumentError, match=knob.env):
-            knob()
+        for bad in ("-1", "0", "nan", "inf", "-inf", "1e999"):  # nan/inf: a deadline that never passes
+            monkeypatch.setenv(knob.env, bad)
+            with pytest.raises(shardsafe.InvalidArgumentError, match=knob.env):
+                knob()
         monkeypatch.delenv(knob.env)
         assert knob() > 0
         assert any(re.search(rf"\bknobs\.{name}\b", t) for t in text.values()), f"knobs.{name} is never read"

@@ -4,6 +4,7 @@ in docs/knobs.md is :func:`markdown` (a test keeps the two the same)."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 
@@ -14,7 +15,7 @@ ALL: list[Knob] = []
 
 
 class Knob:
-    """A positive number from ``SHARDSAFE_<name>``, else ``default`` (a number, or a function of other
+    """A positive, finite number from ``SHARDSAFE_<name>``, else ``default`` (a number, or a function of other
     knobs). Call a :class:`Real` or a :class:`Whole` to read it."""
 
     def __init__(self, section: str, name: str, default: float | Callable[[], float], doc: str) -> None:
@@ -32,8 +33,8 @@ class Knob:
             value = float(raw)
         except ValueError:
             raise InvalidArgumentError(f"{self.env}={raw!r} is not a number; unset it or give seconds/bytes") from None
-        if value <= 0:
-            raise InvalidArgumentError(f"{self.env}={raw!r} must be positive")
+        if not 0 < value < math.inf:  # nan and inf too: a deadline of either never passes
+            raise InvalidArgumentError(f"{self.env}={raw!r} must be a positive, finite number")
         return value
 
 
