@@ -152,14 +152,14 @@ def test_exit_with_failing_pending_save_says_so(tmp_path: Any) -> None:
 
 
 def _barriers_during_async_save(rank: int, world: int, path: str) -> bool:
-    from shardsafe.coord import Coordinator, Deadlines
+    from shardsafe.coord import Deadlines, rendezvous
 
     model, opt = build("ddp")
     train(model, opt, 1)
     before = full_state(model, opt)
     handle = shardsafe.async_save(path, {"model": model, "optimizer": opt}, timeout=60)
     for i in range(5):  # runtime barriers while the background write and commit run
-        Coordinator.join("barrier", f"b{i}", deadlines=Deadlines(arrive=60, io=60))
+        rendezvous("barrier", f"b{i}", Deadlines(arrive=60, io=60))
     handle.wait()
     fresh, fopt = build("ddp", seed=3)
     shardsafe.load(path, {"model": fresh, "optimizer": fopt}, timeout=60)

@@ -1,31 +1,41 @@
-"""The coordination layer on its own: rendezvous, barriers, failure propagation, deadlines, resync."""
+"""The coordination layer on its own: agreements, failure propagation, deadlines, resync."""
 
 from __future__ import annotations
 
 import time
 
-from shardsafe.coord import Coordinator, Deadlines
-from shardsafe.errors import RankDesyncError, RankTimeoutError, RemoteRankError
+from shardsafe.coord import Deadlines, Operation
+from shardsafe.coord.messages import Attempts, Counts, Envelope
+from shardsafe.errors import CheckpointError, RankDesyncError, RankTimeoutError, RemoteRankError
 
 from harness import check_ok, run_ranks
 
 D = Deadlines(arrive=3.0, io=3.0)
 
 
+def _collect(envelopes: dict[int, Envelope]) -> Attempts:
+    return Attempts([envelopes[r].body for r in sorted(envelopes)])
+
+
 def _guard_then_all(rank: int, world: int) -> dict[str, object]:
     out: dict[str, object] = {}
     if rank == 0:  # the classic mistake: only rank 0 calls
         t = time.monotonic()
+        op = Operation.begin("save", "/ckpt/a", D.start())
         try:
-            Coordinator.join("save", "/ckpt/a", deadlines=D)
+            op.agree("arrive", None)
         except RankTimeoutError as err:
             out["guard"] = (str(err), err.missing_ranks, time.monotonic() - t)
+        finally:
+            op.close()
     else:
         time.sleep(4.0)  # rank 1 is busy elsewhere while rank 0 times out
-    c = Coordinator.join("save", "/ckpt/b", deadlines=D)  # then every rank calls: must meet
-    payloads = c.barrier("write", f"r{rank}", timeout=3.0, collect=True)
-    out["payloads"] = payloads
-    out["seq"] = c.seq
+    op = Operation.begin("save", "/ckpt/b", D.start())  # then every rank calls: must meet
+    op.agree("arrive", None)
+    got = op.agree("write", Counts([rank]), _collect if rank == 0 else None)
+    out["payloads"] = [b["counts"] for b in got["attempts"]]
+    out["seq"] = op.seq
+    op.close()
     return out
 
 
@@ -35,22 +45,23 @@ def test_rank0_guard_times_out_naming_missing_rank_then_next_call_meets() -> Non
     assert missing == [1]
     assert "ranks [1] never arrived" in msg and "/ckpt/a" in msg and "on every rank" in msg
     assert took < 3.0 + 10
-    assert r0["payloads"] == ["r0", "r1"] == r1["payloads"]
+    assert r0["payloads"] == [[0], [1]] == r1["payloads"]
 
 
 def _one_rank_fails(rank: int, world: int) -> tuple[str, float, int, str]:
-    c = Coordinator.join("save", "/ckpt", deadlines=Deadlines(arrive=30, io=30))
+    op = Operation.begin("save", "/ckpt", Deadlines(arrive=30, io=30).start())
+    op.agree("arrive", None)
     t = time.monotonic()
     try:
         if rank == 2:
-            err = OSError(28, "No space left on device")
-            c.fail("write", err)
-            raise err
-        c.barrier("write", "", timeout=30)
+            op.agree("write", None, failure=OSError(28, "No space left on device"))
+        op.agree("write", None)
     except RemoteRankError as err:
         return ("remote", time.monotonic() - t, err.rank, str(err))
-    except OSError as err:
+    except CheckpointError as err:
         return ("own", time.monotonic() - t, rank, str(err))
+    finally:
+        op.close()
     return ("none", 0.0, -1, "")
 
 
@@ -64,10 +75,13 @@ def test_failure_on_one_rank_reaches_every_rank_promptly() -> None:
 
 
 def _desync(rank: int, world: int) -> str:
+    op = Operation.begin("save" if rank == 0 else "load", "/ckpt", D.start())
     try:
-        Coordinator.join("save" if rank == 0 else "load", "/ckpt", deadlines=D)
+        op.agree("arrive", None)
     except RankDesyncError as err:
         return str(err)
+    finally:
+        op.close()
     return ""
 
 
@@ -77,7 +91,8 @@ def test_out_of_step_ranks_raise_on_both_with_what_each_did() -> None:
 
 
 def test_single_process_needs_no_store() -> None:
-    c = Coordinator.join("save", "/x", deadlines=D)
-    assert c.world_size == 1
-    assert c.barrier("write", "p", timeout=1, collect=True) == ["p"]
-    assert c.broadcast("id", "v", timeout=1) == "v"
+    op = Operation.begin("save", "/x", D.start())
+    assert op.world_size == 1 and op.single
+    assert op.agree("write", Counts([7]), _collect) == {"attempts": [{"counts": [7]}]}
+    assert op.agree("id", Counts([1])) == {}
+    op.close()

@@ -5,6 +5,8 @@ Layers, lowest first (the real graph; docs/architecture.md explains each):
 
   0  errors, version
   1  knobs, display                 (tunables; text tables and sizes)
+1.5 deadline                       (time budgets, absolute deadlines)
+1.75 workers                       (blocking calls on daemon threads, under a deadline)
   2  coord                          (the only code that talks to the rendezvous store)
   3  storage                        (backends: local POSIX, fsspec; all but storage.delete)
   4  format                         (manifest, typed values, data files: written through storage)
@@ -26,11 +28,13 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parent.parent / "src"
 PKG = SRC / "shardsafe"
 
-LAYERS: dict[str, int] = {
+LAYERS: dict[str, float] = {
     "shardsafe.errors": 0,
     "shardsafe.version": 0,
     "shardsafe.knobs": 1,
     "shardsafe.display": 1,
+    "shardsafe.deadline": 1.5,
+    "shardsafe.workers": 1.75,
     "shardsafe.coord": 2,
     "shardsafe.storage": 3,
     "shardsafe.format": 4,

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -26,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import shardsafe
-from shardsafe.coord import Coordinator, Deadlines
+from shardsafe.coord import Deadlines, Operation
 from shardsafe.storage import local
 
 from harness import check_ok, run_ranks
@@ -74,45 +77,40 @@ def test_a_thread_blocked_in_store_get_does_not_get_its_rank_declared_dead(tmp_p
     shardsafe.verify(str(tmp_path / "c"))
 
 
-class _LosesTheStore(dist.Store):
-    """A store whose ``add`` works for the first ``ok`` calls, then raises as a lost connection does."""
-
-    def __init__(self, ok: int) -> None:
-        super().__init__()
-        self.ok = ok
-        self.keys: dict[str, bytes] = {}
-
-    def add(self, key: str, value: int) -> int:
-        self.ok -= 1
-        if self.ok < 0:
-            raise RuntimeError("Connection reset by peer")
-        self.keys[key] = str(int(self.keys.get(key, b"0")) + value).encode()
-        return int(self.keys[key])
-
-    def set(self, key: str, value: Any) -> None:
-        self.keys[key] = value if isinstance(value, bytes) else str(value).encode()
-
-    def get(self, key: str) -> bytes:
-        return self.keys[key]
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.keys for k in keys)
+STORE_HOST = """
+import datetime, sys, time
+from torch.distributed import TCPStore
+s = TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+print(s.port, flush=True)
+time.sleep(120)
+"""
 
 
 def test_a_heartbeat_that_loses_the_store_is_reported_and_raises(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """This process is rank 1 of 2, waiting for rank 0 (which never comes) in an operation with a long
+    deadline; the process hosting the store freezes (SIGSTOP). The watchdog's next tick gets no answer
+    within SHARDSAFE_DEAD_AFTER: a WARNING says so and the wait raises RankDeadError at once, not at the
+    deadline."""
     monkeypatch.setenv("SHARDSAFE_HEARTBEAT_SECONDS", "0.05")
-    d = Deadlines(arrive=30, io=30)
-    coord = Coordinator(_LosesTheStore(ok=2), 1, 2, "shardsafe/test", "save", "/ckpt", d, 1)
-    coord.seq = 1
-    with caplog.at_level(logging.WARNING, logger="shardsafe"):
-        coord._start_heartbeat()  # one add to start, one tick, then the store is gone for it
-        with pytest.raises(shardsafe.RankDeadError, match="heartbeat of rank 1"):  # not the deadline's error
-            coord.broadcast("commit", None, src=0, timeout=20)
+    monkeypatch.setenv("SHARDSAFE_DEAD_AFTER", "2")
+    host = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(host.stdout.readline()) if host.stdout is not None else 0
+        store = dist.TCPStore("127.0.0.1", port, 1, is_master=False, timeout=timedelta(seconds=30))
+        op = Operation.begin("save", "/ckpt", Deadlines(arrive=30, io=30).start(), store=store, rank=1, world_size=2)
+        threading.Timer(1.0, lambda: os.kill(host.pid, signal.SIGSTOP)).start()
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="shardsafe"), pytest.raises(shardsafe.RankDeadError) as info:
+            op.agree("arrive", None)
+        op.close()
+    finally:
+        host.kill()
+    assert info.value.store_lost and time.monotonic() - started < 15, info.value  # not the 30 s deadline
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any("heartbeat of rank 1" in m and "Connection reset" in m for m in warnings), warnings
-    coord.close()
+    assert any("heartbeat of rank 1" in m for m in warnings), warnings
+    assert "heartbeat of rank 1" in str(info.value), info.value
 
 
 def _hung_fsync(rank: int, world: int, root: str) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardsafe
 from shardsafe import CorruptCheckpointError
+from shardsafe.deadline import Deadline
 from shardsafe.engine import hostmem, staging
 from shardsafe.engine.read import plan_reads, read_manifest, run_tasks
 from shardsafe.storage.local import LocalStorage
@@ -269,5 +270,6 @@ def test_column_ranges_strided_and_0d_destinations(tmp_path: Path, monkeypatch: 
     manifest = read_manifest(storage, str(tmp_path / "c"))
     cols = torch.zeros(30, 3)
     tasks = plan_reads("m", manifest.tensors["m"], cols, (0, 2))
-    assert run_tasks(storage, str(tmp_path / "c"), manifest, tasks, lambda: None, 60) == full.numel() * 4
+    deadline = Deadline.after(60, "io")
+    assert run_tasks(storage, str(tmp_path / "c"), manifest, tasks, lambda: None, deadline) == full.numel() * 4
     assert torch.equal(cols, full[:, 2:5])

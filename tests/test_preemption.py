@@ -15,7 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardsafe.coord.agreement import StepBroadcast, StopAgreement, StoreKeys
+from shardsafe.coord.client import StoreClient
+from shardsafe.coord.steps import StepBroadcast, StopAgreement, StoreKeys
+from shardsafe.deadline import Deadline
 from shardsafe.errors import RankTimeoutError
 from shardsafe.manager import CheckpointManager, ManagerConfig
 from shardsafe.manager.preemption import SignalFlag
@@ -74,25 +76,28 @@ def test_signal_flag_outside_the_main_thread_says_what_to_do() -> None:
 
 def test_stop_agreement_first_proposal_wins_for_every_rank() -> None:
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    rank0, rank1 = StopAgreement(StoreKeys(store, "ns/manager/0")), StopAgreement(StoreKeys(store, "ns/manager/0"))
+    client = StoreClient(store, "test")
+    rank0 = StopAgreement(StoreKeys(client, "ns/manager/0", 10))
+    rank1 = StopAgreement(StoreKeys(client, "ns/manager/0", 10))
     assert rank0.agreed() is None and rank1.agreed() is None
     assert rank1.propose(8) == 8
     assert rank0.propose(5) == 8  # too late: rank 1's proposal stands
     assert rank0.agreed() == 8 == rank1.agreed()
-    assert StopAgreement(StoreKeys(store, "ns/manager/1")).agreed() is None
+    assert StopAgreement(StoreKeys(client, "ns/manager/1", 10)).agreed() is None
     local = StopAgreement(None)
     assert local.propose(3) == 3 and local.propose(9) == 3 and local.agreed() == 3
 
 
 def test_step_broadcast_passes_rank0_decision_and_cleans_up_its_keys() -> None:
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    keys = StoreKeys(store, "ns/manager/0")
-    rank0, rank1 = (StepBroadcast(keys, "every_seconds", rank=r, world_size=2, timeout=0.3) for r in (0, 1))
+    client = StoreClient(store, "test")
+    keys = StoreKeys(client, "ns/manager/0", 0.3)
+    rank0, rank1 = (StepBroadcast(keys, "every_seconds", rank=r, world_size=2) for r in (0, 1))
     assert rank0.share(5, "1") == "1"
     assert rank1.share(5, None) == "1"
-    assert not store.check([keys.key("every_seconds", "5")]) and not store.check(
-        [keys.key("every_seconds", "5", "read")]
-    )
+    soon = Deadline.after(10, "test")  # the deletes are posted: a request on the same client comes after them
+    assert not client.check([keys.key("every_seconds", "5")], soon)
+    assert not client.check([keys.key("every_seconds", "5", "read")], soon)
     with pytest.raises(RankTimeoutError) as info:
         rank1.share(6, None)  # rank 0 never asked about step 6
     assert info.value.missing_ranks == [0] and "same steps" in str(info.value)
@@ -106,7 +111,7 @@ def _schedule(clock: list[float], **kwargs: Any) -> tuple[Schedule, SignalFlag]:
         rank=0,
         flag=flag,
         stop=StopAgreement(None),
-        tick=StepBroadcast(None, "every_seconds", rank=0, world_size=1, timeout=5),
+        tick=StepBroadcast(None, "every_seconds", rank=0, world_size=1),
         clock=lambda: clock[0],
     )
     return sched, flag

@@ -205,9 +205,13 @@ def _two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     if rank == 0:  # the keys of the two finished operations are gone; the last one's stay until the next
         import torch.distributed as dist
 
-        store = dist.distributed_c10d._get_default_store()
+        from shardsafe.coord.client import client_for
+        from shardsafe.deadline import Deadline
+
+        client = client_for(dist.distributed_c10d._get_default_store(), id(dist.group.WORLD))  # shardsafe's own
         key = "shardsafe/g0-1/ckpt/{}/progress/r/{}".format
-        out["keys"] = [[store.check([key(seq, r)]) for r in range(world)] for seq in (1, 2, 3)]
+        soon = Deadline.after(10, "test")
+        out["keys"] = [[client.check([key(seq, r)], soon) for r in range(world)] for seq in (1, 2, 3)]
     return out
 
 

@@ -52,9 +52,24 @@ class InvalidTypeError(CheckpointError, TypeError):
     expected. Raised before anything changes."""
 
 
-class OperationTimeoutError(CheckpointError, TimeoutError):
+class CheckpointTimeoutError(CheckpointError, TimeoutError):
+    """A deadline passed: every timeout shardsafe raises is one of these (also a builtin
+    ``TimeoutError``, hence an ``OSError``). Raised as it is for storage that did not answer in time (a
+    hung disk, a black-holed object store); its subclasses name what else was waited for."""
+
+
+class OperationTimeoutError(CheckpointTimeoutError):
     """:meth:`SaveHandle.wait` ran out of its ``timeout`` while the save is still running (call it
     again). Waits on other ranks raise :class:`RankTimeoutError`."""
+
+
+class StateMismatchError(CheckpointError, ValueError):
+    """The state passed to ``load`` does not match the checkpoint: a tensor's shape or dtype, or the
+    structure of an entry (a module's parameters, an optimizer's groups). Raised before anything changes."""
+
+
+class InternalError(CheckpointError, RuntimeError):
+    """An invariant of shardsafe itself was broken: a bug. Please report it with the message."""
 
 
 class ClosedError(CheckpointError, RuntimeError):
@@ -85,7 +100,7 @@ class CoordinationError(CheckpointError):
     """Ranks could not agree: base class of the errors of the cross-rank protocol."""
 
 
-class RankTimeoutError(CoordinationError, TimeoutError):
+class RankTimeoutError(CoordinationError, CheckpointTimeoutError):
     """A deadline passed while waiting for other ranks; names the ranks that never arrived."""
 
     def __init__(self, message: str, missing_ranks: Iterable[int] = ()) -> None:
@@ -94,13 +109,16 @@ class RankTimeoutError(CoordinationError, TimeoutError):
 
 
 class RemoteRankError(CoordinationError):
-    """Another rank failed; carries its rank, the phase and its original message."""
+    """Another rank failed; carries its rank, the phase, its original message (``cause``) and the name of
+    the class it raised (``kind``). Where that class is a shardsafe error, the instance raised on the
+    other ranks is also an instance of it (``except CheckpointNotFoundError`` works on every rank)."""
 
-    def __init__(self, message: str, rank: int, phase: str, cause: str) -> None:
+    def __init__(self, message: str, rank: int, phase: str, cause: str, kind: str = "") -> None:
         super().__init__(message)
         self.rank = rank
         self.phase = phase
         self.cause = cause
+        self.kind = kind
 
 
 class RankDesyncError(CoordinationError):
@@ -120,9 +138,11 @@ __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "CheckpointTimeoutError",
     "ClosedError",
     "CoordinationError",
     "CorruptCheckpointError",
+    "InternalError",
     "InvalidArgumentError",
     "InvalidTypeError",
     "LaunchError",
@@ -133,6 +153,7 @@ __all__ = [
     "RankTimeoutError",
     "RemoteIOError",
     "RemoteRankError",
+    "StateMismatchError",
     "UnsafeValueError",
     "WorkerError",
 ]

@@ -102,14 +102,7 @@ poll_seconds = Real(
     _WAITS,
     "POLL_SECONDS",
     0.5,
-    "How often a waiting rank wakes up to check the clock and stall state.",
-)
-first_poll_seconds = Real(
-    _WAITS,
-    "FIRST_POLL_SECONDS",
-    0.002,
-    "A rank waiting on the store first looks again after this long, then doubles the pause up to "
-    "``SHARDSAFE_POLL_SECONDS``.",
+    "How often a waiting rank wakes up to check the clock, the store's health and stall state.",
 )
 wait_margin_seconds = Real(
     _WAITS,
@@ -122,22 +115,23 @@ heartbeat_seconds = Real(
     _WAITS,
     "HEARTBEAT_SECONDS",
     1.0,
-    "While in a save or load, each rank ticks a store counter this often.",
+    "While in a save or load, each rank ticks a store counter this often (and so checks that the store answers).",
 )
 dead_after = Real(
     _WAITS,
     "DEAD_AFTER",
     20.0,
-    "A rank that joined an operation and has not ticked for this long is declared dead.",
+    "A rank that joined an operation and has not ticked for this long is declared dead; a store that answers no "
+    "request for this long is declared lost.",
 )
-store_connect_wait = Real(
+error_report_seconds = Real(
     _WAITS,
-    "STORE_CONNECT_WAIT",
-    0.5,
-    "How long an operation waits for shardsafe's own store connection (opened in the background on first use) "
-    "before it uses the process group's shared client for this operation instead.",
+    "ERROR_REPORT_SECONDS",
+    5.0,
+    "A rank that fails, or gives up at its deadline, may spend this long more telling the other ranks (store "
+    "requests on the error path), so a call ends within its ``timeout`` plus this, even when the store's host "
+    "is frozen.",
 )
-
 
 _SAVING = "Saving"
 

@@ -6,7 +6,9 @@ environment lookup per point.
 - ``POINT`` a name from :data:`POINTS` (``*`` matches every point);
 - ``rank=R`` the global rank that misbehaves (``rank=*`` for all);
 - ``ACTION`` is ``raise`` (an ``OSError`` as a failing disk would), ``exit`` (``os._exit(ARG or 13)``,
-  no cleanup, like a crash), ``kill`` (SIGKILL to itself) or ``sleep=SECONDS``.
+  no cleanup, like a crash), ``kill`` (SIGKILL to itself), ``stop`` (SIGSTOP to itself: the whole
+  process freezes, as a swapping or preempted node does, until someone sends SIGCONT) or
+  ``sleep=SECONDS``.
 
 Example: ``SHARDSAFE_FAULT=save.commit:rank=0:exit``.
 """
@@ -71,7 +73,10 @@ def _maybe_fire(item: str, point: str, rank: int) -> None:
         os._exit(int(arg or 13))
     if verb == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if verb == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
     if verb == "sleep":
         time.sleep(float(arg))
         return
-    raise InvalidArgumentError(f"SHARDSAFE_FAULT action {action!r} is not raise, exit, kill or sleep=S")
+    raise InvalidArgumentError(f"SHARDSAFE_FAULT action {action!r} is not raise, exit, kill, stop or sleep=S")

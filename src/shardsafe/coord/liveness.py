@@ -1,123 +1,163 @@
-"""Heartbeats: while in a save or load each rank ticks a store counter from a background thread, on
-shardsafe's own store connection (:mod:`shardsafe.coord.connection`), and waiting ranks take a rank
-whose counter has stopped for ``SHARDSAFE_DEAD_AFTER`` seconds for dead. A heartbeat that cannot
-reach the store is reported (WARNING) and raised by the rank's next wait."""
+"""Liveness: one watchdog thread per process and store.
+
+While some operation of this process is active, the watchdog ticks this rank's alive counter
+(``<namespace>/alive/<rank>``) every ``SHARDSAFE_HEARTBEAT_SECONDS``. A tick the store does not answer
+within ``SHARDSAFE_DEAD_AFTER`` means the store is lost (the client fails every request from then on,
+and every wait wakes and raises). While a wait of this process depends on other ranks (a
+:class:`Watch`), the watchdog also reads their counters (one ``multi_get`` per period, whatever their
+number) and, for a rank whose counter has not moved for ``SHARDSAFE_DEAD_AFTER`` seconds, calls the
+watch's ``on_dead``: the agreement then proposes an outcome naming that rank dead, so that every rank,
+the frozen one too when it wakes, gets the same outcome.
+
+A rank's counter is per process, not per operation, so a watch names only ranks known to be inside the
+operation (they arrived); a rank still training elsewhere is the deadline's business."""
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-
-from torch._C._distributed_c10d import Store
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from shardsafe import knobs
-from shardsafe.coord.access import StoreAccess
-from shardsafe.coord.connection import connection_for
+from shardsafe.coord.client import StoreClient
+from shardsafe.deadline import Deadline
 from shardsafe.errors import RankDeadError
 
 logger = logging.getLogger(__name__)
 
 
-class Liveness(StoreAccess):
-    """The heartbeat side of a :class:`~shardsafe.coord.Coordinator` (which sets these attributes)."""
+@dataclass(eq=False)
+class Watch:
+    """A wait that depends on ``ranks()`` (read on the watchdog thread, each period). ``on_dead(ranks,
+    silent_seconds)`` runs on the watchdog thread, once per rank found dead."""
 
-    _hb_stop: threading.Event | None
-    _hb_seen: dict[int, tuple[int, float]]
-    _hb_checked: float
-    _hb_error: BaseException | None
-    _finishing: bool
-    _shared: Store | None
+    ranks: Callable[[], list[int]]
+    on_dead: Callable[[list[int], float], None]
+    wake: threading.Event = field(default_factory=threading.Event)
+    reported: set[int] = field(default_factory=set)
 
-    def _start_heartbeat(self) -> None:
-        self._use("hb")  # tells rank 0's cleanup to wait for every rank's close()
-        stop = self._hb_stop = threading.Event()
-        key = self._k("hb", str(self.rank))
-        self._add(key, 1)
-        assert self._shared is not None
-        conn = connection_for(self._shared, self.identity)
-        fallback = self._store()
 
-        def tick() -> None:
-            while not stop.wait(knobs.heartbeat_seconds()):
-                # shardsafe's own connection as soon as it is up: never queued behind another thread's
-                # blocking get on the shared client
-                store = (conn.store() if conn is not None else None) or fallback
-                try:
-                    store.add(key, 1)
-                except Exception as err:  # reported, and raised by this rank's next wait
-                    if stop.is_set() or self._finishing:
-                        logger.debug("shardsafe: heartbeat of rank %d ended with the store: %s", self.rank, err)
-                        return
-                    self._hb_error = err
-                    logger.warning(
-                        "shardsafe: the heartbeat of rank %d in %s of %s stopped: %s: %s. The other ranks will "
-                        "take this rank for dead after SHARDSAFE_DEAD_AFTER=%.0fs; this rank's %s raises.",
-                        self.rank,
-                        self.op,
-                        self.target,
-                        type(err).__name__,
-                        err,
-                        knobs.dead_after(),
-                        self.op,
-                    )
-                    return
+class Watchdog:
+    """(per process and store) See the module docstring."""
 
-        threading.Thread(target=tick, name=f"shardsafe-heartbeat-{self.op}", daemon=True).start()
+    def __init__(self, client: StoreClient, namespace: str, rank: int) -> None:
+        self.client = client
+        self.namespace = namespace
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._active = 0
+        self._watches: list[Watch] = []
+        self._seen: dict[int, tuple[str, float]] = {}  # rank -> (counter, when it last moved)
+        self._kick = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._warned = False
 
-    def _raise_if_heartbeat_failed(self) -> None:
-        err = self._hb_error
-        if err is not None:
-            raise RankDeadError(
-                f"{self.op} of {self.target!r}: the heartbeat of rank {self.rank} could not reach the rendezvous "
-                f"store ({type(err).__name__}: {err}); the other ranks take this rank for dead. Restart the job, it "
-                "resumes from the last committed checkpoint.",
-                store_lost=True,
-            ) from err
+    def key(self, rank: int) -> str:
+        return f"{self.namespace}/alive/{rank}"
 
-    def _check_alive(self, phase: str, ranks: list[int]) -> None:
-        """Raise :class:`RankDeadError` (and abort the operation for all) if one of ``ranks`` joined
-        this operation and its heartbeat has stopped for ``SHARDSAFE_DEAD_AFTER`` seconds."""
-        if self._hb_stop is None or not ranks:
-            return
-        now = time.monotonic()
-        if now - self._hb_checked < knobs.heartbeat_seconds():
-            return
-        self._hb_checked = now
-        for r in ranks:
-            count = self._add(self._k("hb", str(r)), 0)
-            if count == 0:
-                continue  # never joined this operation: that is the deadline's business
-            last = self._hb_seen.get(r)
-            if last is None or last[0] != count:
-                self._hb_seen[r] = (count, now)
-            elif now - last[1] > knobs.dead_after():
-                message = (
-                    f"{self.op} of {self.target!r}: rank {r} joined but stopped responding {now - last[1]:.0f}s ago "
-                    f"in phase {phase!r} (its heartbeat stopped: the process died or is frozen). Nothing was "
-                    "committed; restart the job, it resumes from the last committed checkpoint."
-                )
-                record = {"rank": r, "phase": phase, "error": f"RankDeadError: rank {r} stopped (heartbeat lost)"}
-                self._compare_set(self._k("abort"), json.dumps(record))
-                raise RankDeadError(message)
+    def activate(self, deadline: Deadline) -> None:
+        """(an operation starting on this process) Tick from now on until the matching
+        :meth:`deactivate`. The first tick is posted at once, before the operation's first record, so
+        a rank that arrived always has a counter."""
+        self.client.reset()
+        self.client.post_add(self.key(self.rank), deadline)
+        with self._lock:
+            self._active += 1
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="shardsafe-watchdog", daemon=True)
+                self._thread.start()
 
-    def _dead(self, ranks: list[int]) -> list[int]:
-        """Those of ``ranks`` that joined this operation and whose heartbeat has not moved for
-        ``SHARDSAFE_DEAD_AFTER`` seconds (checked at most once per heartbeat period)."""
-        if self._hb_stop is None or not ranks:
-            return []
-        now = time.monotonic()
-        dead = []
-        for r in ranks:
-            last = self._hb_seen.get(r)
-            if last is not None and now - last[1] < knobs.heartbeat_seconds():
-                continue  # seen moving lately: spare the store a request
-            count = self._add(self._k("hb", str(r)), 0)
-            if count == 0:
+    def deactivate(self) -> None:
+        with self._lock:
+            self._active = max(0, self._active - 1)
+
+    def watch(self, w: Watch) -> None:
+        with self._lock:
+            self._watches.append(w)
+        self._kick.set()
+
+    def unwatch(self, w: Watch) -> None:
+        with self._lock:
+            if w in self._watches:
+                self._watches.remove(w)
+
+    # ------------------------------------------------------------------------------------ thread
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                active, watches = self._active, list(self._watches)
+            if not active and not watches:
+                self._kick.wait(knobs.heartbeat_seconds())
+                self._kick.clear()
                 continue
-            if last is None or last[0] != count:
-                self._hb_seen[r] = (count, now)
+            try:
+                self._tick()
+                if watches:
+                    self._check(watches)
+            except RankDeadError as err:  # the store is lost: every wait of this process raises it, now
+                if not self._warned:
+                    self._warned = True
+                    logger.warning("shardsafe: %s", err)
+                for w in watches:
+                    w.wake.set()
+            except Exception as err:  # never kills the watchdog; the waits raise what the store raises
+                logger.debug("shardsafe: watchdog of rank %d: %s: %s", self.rank, type(err).__name__, err)
+            self._kick.wait(knobs.heartbeat_seconds())
+            self._kick.clear()
+
+    def _tick(self) -> None:
+        if self.client.lost is not None:  # nothing more to learn from the store until the next operation
+            return
+
+        def heartbeat(err: RankDeadError) -> RankDeadError:
+            return RankDeadError(
+                f"the heartbeat of rank {self.rank} could not reach the rendezvous store ({err}); the other ranks "
+                "take this rank for dead. Restart the job; it resumes from the last committed checkpoint.",
+                store_lost=True,
+            )
+
+        self.client.add(self.key(self.rank), 1, Deadline.after(knobs.dead_after(), "store"), reword=heartbeat)
+        self._warned = False
+
+    def _check(self, watches: list[Watch]) -> None:
+        wanted = sorted({r for w in watches for r in w.ranks() if r != self.rank})
+        if not wanted:
+            return
+        bound = Deadline.after(knobs.dead_after(), "store")
+        keys = [self.key(r) for r in wanted]
+        if not self.client.check(keys, bound):
+            return  # a rank that never ticked: not inside the operation yet (see the module docstring)
+        values = self.client.multi_get(keys, bound)
+        now = time.monotonic()
+        dead: list[tuple[int, float]] = []
+        for r, value in zip(wanted, values, strict=True):
+            last = self._seen.get(r)
+            if last is None or last[0] != value:
+                self._seen[r] = (value, now)
             elif now - last[1] > knobs.dead_after():
-                dead.append(r)
-        return dead
+                dead.append((r, now - last[1]))
+        for w in watches:
+            mine = [(r, s) for r, s in dead if r in w.ranks() and r not in w.reported]
+            if mine:
+                w.reported.update(r for r, _ in mine)
+                try:
+                    w.on_dead([r for r, _ in mine], max(s for _, s in mine))
+                finally:
+                    w.wake.set()
+
+
+_lock = threading.Lock()
+_dogs: dict[tuple[int, str, int], Watchdog] = {}
+
+
+def watchdog_for(client: StoreClient, namespace: str, rank: int) -> Watchdog:
+    """The process's watchdog for ``client`` (one per store, namespace and rank)."""
+    key = (id(client), namespace, rank)
+    with _lock:
+        dog = _dogs.get(key)
+        if dog is None:
+            dog = _dogs[key] = Watchdog(client, namespace, rank)
+        return dog

@@ -1,16 +1,16 @@
 """Progress counts through the rendezvous store: each rank of a save or load posts its own byte counts
 under the operation's keys, and rank 0 reads every rank's. Never a collective of the training group.
 
-Keys, under the operation's prefix (see :mod:`shardsafe.coord.group`)::
+Keys, under the operation's prefix (see :mod:`shardsafe.coord.operation`)::
 
     <seq>/progress/r/<rank>    {"d": done bytes, "t": total bytes, "p": phase} of that rank
 
-They are registered as the operation's ``progress`` phase, so rank 0 deletes them with the operation's
-other keys once every rank has left it. Every call here is a single non-blocking store request
-(``set``, ``check``, or a ``get``/``multi_get`` of keys known to exist), bounded by the store's own
-timeout. They run on the progress thread, so a slow store never holds up a writer or reader; the one
-exception is each rank's last ``set`` before the operation's last barrier, made on the operation's
-thread like the protocol's own requests (the barrier right after meets the same store).
+They are recorded as the operation's ``progress`` phase, so rank 0 deletes them with the operation's
+other keys. Every call here goes through the process's store client, bounded: posts are not waited
+for, and rank 0's read is one ``check`` and one ``multi_get`` (per-rank ``get``\\ s only while some rank
+has posted nothing yet). They run on the progress thread, so a slow store never holds up a writer, a
+reader or a wait of the protocol. A rank's final counts ride on its last message of the operation
+(the write report of a save, the last agreement of a load), so the end costs no request of its own.
 """
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from shardsafe import knobs
+from shardsafe.deadline import Deadline
+
 if TYPE_CHECKING:
-    from shardsafe.coord import Coordinator
+    from shardsafe.coord.operation import Operation
 
 PHASE = "progress"
 
@@ -52,42 +55,46 @@ class RankCounts:
         return RankCounts(done, total, phase)
 
 
-def shared(coord: Coordinator | None) -> bool:
-    """Whether the operation of ``coord`` has other ranks to share progress with through a store."""
-    return coord is not None and coord.store is not None and coord.world_size > 1 and coord.seq > 0
+def shared(op: Operation | None) -> bool:
+    """Whether ``op`` has other ranks to share progress with through a store."""
+    return op is not None and not op.single
 
 
-def register(coord: Coordinator) -> None:
-    """(every rank, the operation's thread, after joining) Record the progress keys as used by this
-    operation, so rank 0's cleanup of finished operations deletes them."""
-    coord._use(PHASE)
+def register(op: Operation) -> None:
+    """(every rank, the operation's thread, after it began) Record the progress keys as used by this
+    operation, so rank 0 deletes them with the others."""
+    op.used.add(PHASE)
 
 
-def _key(coord: Coordinator, rank: int) -> str:
-    return coord._k(PHASE, "r", str(rank))
+def _key(op: Operation, rank: int) -> str:
+    return op.key(PHASE, "r", str(rank))
 
 
-def publish(coord: Coordinator, counts: RankCounts) -> None:
-    """(any rank, any thread) Post this rank's counts (one ``set``; raises what the store raises)."""
-    assert coord.store is not None
-    coord.store.set(_key(coord, coord.rank), counts.to_json())
+def _bound() -> Deadline:
+    return Deadline.after(knobs.dead_after(), "progress")
 
 
-def gather(coord: Coordinator) -> dict[int, RankCounts]:
+def publish(op: Operation, counts: RankCounts) -> None:
+    """(any rank, any thread) Post this rank's counts (not waited for)."""
+    assert op.client is not None
+    op.client.set(_key(op, op.rank), counts.to_json(), _bound())
+
+
+def gather(op: Operation) -> dict[int, RankCounts]:
     """(rank 0, any thread) The counts every other rank has posted so far (ranks that have posted
-    nothing yet are absent). One ``multi_get`` when every rank has posted, else a ``check`` and a
-    ``get`` per rank that has. Raises what the store raises."""
-    store = coord.store
-    assert store is not None
-    ranks = [r for r in range(coord.world_size) if r != coord.rank]
-    keys = [_key(coord, r) for r in ranks]
+    nothing yet are absent). Raises what the store raises."""
+    client = op.client
+    assert client is not None
+    ranks = [r for r in range(op.world_size) if r != op.rank]
+    keys = [_key(op, r) for r in ranks]
     if not keys:
         return {}
-    raw: list[bytes | None]
-    if store.check(keys):
-        raw = list(store.multi_get(keys))
+    bound = _bound()
+    raw: list[str | None]
+    if client.check(keys, bound):
+        raw = list(client.multi_get(keys, bound))
     else:
-        raw = [store.get(k) if store.check([k]) else None for k in keys]
+        raw = [client.get(k, bound) if client.check([k], bound) else None for k in keys]
     out: dict[int, RankCounts] = {}
     for r, value in zip(ranks, raw, strict=True):
         counts = RankCounts.from_json(value) if value is not None else None

@@ -50,9 +50,9 @@ def _start(path: str | os.PathLike[str], state: Mapping[str, Any], call: str, gi
     options = complete(call, given)
     options["progress"] = check_callback(options["progress"])
     deadlines = Deadlines.resolve(options["timeout"])
-    inflight.drain(deadlines, knobs.max_inflight_saves() - 1)
+    inflight.drain(knobs.max_inflight_saves() - 1)
     background = call == "async_save"
-    job = SaveJob(os.fspath(path), state, options, deadlines)
+    job = SaveJob(os.fspath(path), state, options, deadlines.start())
     job.begin(copy=background)
     if not background:
         job.finish()
@@ -153,13 +153,13 @@ def load(
     deadlines = Deadlines.resolve(timeout)
     path = os.fspath(path)
     get_storage(path, storage_options)  # usage errors are the caller's, raised as they are
-    inflight.drain(deadlines, 0)  # a load may read what a save in flight is writing
+    inflight.drain(0)  # a load may read what a save in flight is writing
     with mapped_errors("load", path):
         return _load.load(
             path,
             state,
             strict=strict,
-            deadlines=deadlines,
+            clock=deadlines.start(),
             group=group,
             allow_pickle=allow_pickle,
             storage_options=storage_options,

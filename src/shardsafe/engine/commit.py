@@ -1,162 +1,417 @@
-"""The end of a save, after every rank has reported its data: one decision, one publish, one
-acknowledgement (DESIGN.md, save protocol steps 5 and 6; docs/faults.md).
+"""The end of a save: every rank's write report, one decision, one publish, one acknowledgement.
 
-The outcome of a save is the value of its decision key, set by the first ``compare_set`` on it
-(:meth:`~shardsafe.coord.Coordinator.decide`): ``"commit"``, or an abort record.
+This is the save's second agreement (``written``), with one key more than an ordinary one: the
+decision. The outcome of a save is settled by the first ``compare_set`` on ``<save>/decision``:
+``"commit"`` (rank 0, once every report is in and the manifest is durable in staging) or an abort
+(any rank that failed, gave up at its deadline, or found a rank dead). Nobody acts on an outcome
+before it is decided and nobody undoes it after: rank 0 publishes only after it won "commit", and
+staging is discarded only where an abort won.
 
-- (rank 0) :func:`lead`: check the reports, build the manifest, validate its bytes with the loader's
-  own parser, write it durably into staging, then propose "commit". Only if "commit" won does it
-  publish (on a worker thread, under the io deadline; at the deadline a publish that has not reached
-  its commit point is called off), post the ``published`` record, remove the old checkpoint's
+- (rank 0) :meth:`Committer.run`: wait for every report (watching the others' heartbeats), check them,
+  build the manifest, validate its bytes with the loader's own parser, write it durably into staging,
+  propose "commit"; if it won, publish (under the end deadline; a publish that has not reached its
+  commit point at the deadline is called off), post the outcome, remove the replaced checkpoint's
   unreferenced files, and wait for every live rank's acknowledgement.
-- (other ranks) :func:`follow`: wait for the decision; a rank that gives up waiting, or sees rank 0
-  die first, proposes "abort". Where "commit" won they wait for ``published`` (rank 0's publish
-  deadline plus the arrival deadline); if rank 0 dies or the store goes away meanwhile, they ask the
-  storage: a manifest carrying their save id means committed, and they return normally.
+- (other ranks) the same :meth:`Committer.run`: send the report, wait for the outcome (watching rank
+  0's heartbeat). A rank that gives up, or finds rank 0 dead, proposes an abort; if "commit" had won
+  already it asks the storage instead: a manifest carrying the save id means committed.
 
-Staging is discarded only where "abort" won (every rank, :func:`discard`), or by rank 0 when it
-knows that its own publish did not and will not happen. So no interleaving of timeouts, failures
-and a slow publish leaves a committed manifest without its data, and every rank sees one outcome.
+A rank whose own part failed sends its failure instead of a report, and proposes the abort at once, so
+the others raise within a second. No interleaving of timeouts, failures and a slow publish leaves a
+committed manifest without its data, and every rank sees one outcome.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-from shardsafe.coord import Coordinator, Deadlines, fault_point
-from shardsafe.errors import (
-    CheckpointError,
-    CoordinationError,
-    CorruptCheckpointError,
-    RankDeadError,
-    RankTimeoutError,
-    RemoteRankError,
-)
-from shardsafe.format.manifest import parse_manifest
+import torch
+
+from shardsafe.coord import Deadline, Operation, fault_point
+from shardsafe.coord.agreement import Round
+from shardsafe.coord.failures import Failure, wrap
+from shardsafe.coord.messages import Committed, Envelope, Outcome, Timeout, WriteReport
+from shardsafe.engine import incremental
+from shardsafe.engine.tracker import Tracker
+from shardsafe.errors import CheckpointError, CorruptCheckpointError, RankDeadError, UnsafeValueError
+from shardsafe.format.manifest import Chunk, FileEntry, Manifest, TensorEntry, parse_manifest
+from shardsafe.state import per_rank
 from shardsafe.state.flatten import FlatState
-from shardsafe.storage import MANIFEST_NAME, Commit, is_remote
-from shardsafe.storage.bounded import IOThread, run_bounded
+from shardsafe.storage import MANIFEST_NAME, Commit, Storage, is_remote
 from shardsafe.storage.delete import delete_files, discard_save, release_references, stale_files
 from shardsafe.storage.refs import check_ref_files
-
-if TYPE_CHECKING:
-    from shardsafe.engine.save import SaveJob
+from shardsafe.workers import Lane, run_bounded
 
 logger = logging.getLogger(__name__)
 
 COMMIT = "commit"
 
 
-def abort_record(rank: int, phase: str, err: BaseException) -> str:
-    """The value a failing or timing-out rank proposes on the decision key."""
-    return json.dumps({"abort": True, "rank": rank, "phase": phase, "error": f"{type(err).__name__}: {err}"})
+@dataclass(frozen=True)
+class CommitInputs:
+    """What the end of a save needs, on every rank (rank 0 builds and publishes the manifest from it)."""
+
+    path: str
+    storage: Storage
+    save_id: str
+    staging: str
+    overwrite: bool
+    block_bytes: int
+    flat: FlatState
+    metadata: Any
+    base_manifest: Manifest | None
+    base_name: str
+    started: float
+    blocking_seconds: float
 
 
-def finish_bound(deadlines: Deadlines) -> float:
-    """Seconds the background half of a save (``SaveJob.finish``) can take at most on any rank: the
-    writes and the report barrier, the decision, the publish (with the wait for its result), and the
-    acknowledgement."""
-    return 3 * deadlines.io + 2 * deadlines.arrive
+@dataclass
+class CommitResult:
+    """What the end of a save found: ``committed`` (always true when :meth:`Committer.run` returns),
+    the bytes of data files written by all ranks (rank 0), and the ranks that did not acknowledge."""
+
+    committed: bool = False
+    total_bytes: int = 0
+    unacknowledged: list[int] = field(default_factory=list)
 
 
-def discard(job: SaveJob) -> None:
-    """(every rank, once "abort" is the outcome) Remove what this save wrote, under the arrival
-    deadline (a hung disk must not hang the error path); failures are logged."""
-    assert job.coord is not None
-    world = job.coord.world_size
-    began = time.monotonic()
+class _LeaderLost(Exception):
+    """(internal) Rank 0 stopped after "commit" won: only the storage can tell whether it published."""
+
+
+def discard(storage: Storage, path: str, staging: str, save_id: str, world_size: int, deadline: Deadline) -> None:
+    """(every rank, once an abort is the outcome) Remove what this save wrote, within ``deadline`` (a
+    hung disk must not hang the error path); failures are logged."""
     try:
         run_bounded(
             "removing the files of the failed save",
-            job.staging,
-            time.monotonic() + job.deadlines.arrive,
-            lambda: discard_save(job.storage, job.staging, job.path, job.save_id, world),
+            staging,
+            deadline,
+            lambda: discard_save(storage, staging, path, save_id, world_size),
         )
-    except (OSError, ValueError) as err:
-        logger.error("shardsafe: could not remove staging %s of a failed save: %s", job.staging, err)
-    logger.debug(
-        "shardsafe: save %s rank %d: cleanup took %.3fs", job.path, job.coord.global_rank, time.monotonic() - began
-    )
+    except FileNotFoundError as err:  # another rank removed it first: the removal is shared and idempotent
+        logger.debug("shardsafe: staging %s of a failed save was already removed: %s", staging, err)
+    except (OSError, ValueError, CheckpointError) as err:
+        logger.error("shardsafe: could not remove staging %s of a failed save: %s", staging, err)
 
 
-def committed_on_storage(job: SaveJob) -> bool:
-    """Whether the manifest at the target validates and carries this save's id."""
-    where = job.storage.join(job.path, MANIFEST_NAME)
+def committed_on_storage(storage: Storage, path: str, save_id: str) -> bool:
+    """Whether the manifest at ``path`` validates and carries ``save_id``."""
+    where = storage.join(path, MANIFEST_NAME)
     try:
-        return parse_manifest(job.storage.read_bytes(where), where).save_id == job.save_id
+        return parse_manifest(storage.read_bytes(where), where).save_id == save_id
     except (OSError, CorruptCheckpointError):
         return False
 
 
-def lost_store_but_committed(job: SaveJob, err: RankDeadError) -> bool:
-    """(a rank that lost the store after reporting its data) Ask the storage; log when committed."""
-    if not job.reported or not committed_on_storage(job):
-        return False
-    logger.warning(
-        "shardsafe: rank %d lost the rendezvous store after its part of the save of %s was done (%s); the "
-        "checkpoint is committed (its manifest carries save id %s), so this save succeeded",
-        job.coord.rank if job.coord else 0,
-        job.path,
-        err,
-        job.save_id,
-    )
-    return True
+class Committer:
+    """(every rank) The end of one save; see the module docstring. ``set_phase`` names the phase this
+    rank is in (errors, progress, stall reports)."""
 
+    def __init__(self, op: Operation, inputs: CommitInputs, tracker: Tracker, set_phase: Callable[[str], None]) -> None:
+        self.op = op
+        self.inputs = inputs
+        self.tracker = tracker
+        self.set_phase = set_phase
+        self.round: Round | None = None if op.single else op.round("written")
+        self.decision = op.key("decision")
+        self._leader_lost = False
 
-# ------------------------------------------------------------------------------------------ rank 0
+    # ------------------------------------------------------------------------------ decision
 
+    def _abort(self, outcome: Outcome, deadline: Deadline) -> Outcome | None:
+        """(any rank) Propose ``outcome`` (a failure or a timeout) as the save's decision; the settled
+        abort (maybe another rank's), or ``None`` when "commit" won first."""
+        op, r = self.op, self.round
+        if r is None:
+            return outcome
+        assert op.client is not None
+        bound = deadline.or_grace()
+        settled = op.client.compare_set(self.decision, outcome.to_text(), bound, op.tally)
+        if settled == COMMIT:
+            return None
+        return r.propose(outcome if settled == outcome.to_text() else Outcome.from_text(settled), bound)
 
-def lead(job: SaveJob, coord: Coordinator, flat: FlatState, reports: list[dict[str, Any]]) -> None:
-    """(rank 0, every report in) Decide, publish, acknowledge; see the module docstring."""
-    mismatch = [r["rank"] for r in reports if r["fingerprint"] != reports[0]["fingerprint"]]
-    if mismatch:
-        raise CheckpointError(
-            f"save of {job.path!r}: ranks {mismatch} passed a state with other keys, shapes or dtypes than rank "
-            "0. Every rank must save the same structure (the same model and optimizer)."
+    def _raise(self, outcome: Outcome, own: BaseException | None) -> None:
+        """(every rank) Discard staging (an abort won) and raise what ``outcome`` says."""
+        i = self.inputs
+        if i.staging:
+            discard(i.storage, i.path, i.staging, i.save_id, self.op.world_size, self.op.clock.arrive.or_grace())
+        self.op.acknowledge()
+        self.op.settle(outcome, own)
+
+    # ------------------------------------------------------------------------------ the round
+
+    def run(self, report: WriteReport | None, error: BaseException | None) -> CommitResult:
+        """(every rank, its data durable or its part failed) See the module docstring. Returns once
+        the checkpoint is committed; raises the save's failure (the same on every rank) otherwise."""
+        op = self.op
+        deadline = op.clock.end
+        failure = op.failure_of(error, "write") if error is not None else None
+        if op.single:
+            if error is not None:
+                self._raise(Outcome(failure=failure), error)
+            assert report is not None
+            return self._lead({0: report})
+        r = self.round
+        assert r is not None
+        op.status("written")
+        r.send(Envelope(op.rank, None if report is None else report.to_json(), failure), deadline.or_grace())
+        if failure is not None:
+            settled = self._abort(Outcome(failure=failure), deadline)
+            if settled is None:  # "commit" won without this rank's report: impossible; the storage tells
+                raise CheckpointError(f"save of {self.inputs.path!r}: this rank failed after the commit decision")
+            self._raise(settled, error)
+        if op.rank == 0:
+            return self._collect(r, deadline)
+        return self._follow(r, deadline)
+
+    def _collect(self, r: Round, deadline: Deadline) -> CommitResult:
+        """(rank 0) Wait for every report, then lead."""
+        op = self.op
+
+        def dead(ranks: list[int], silent: float) -> None:
+            self._abort(Outcome(failure=op.dead_failure(ranks[0], "written", silent)), deadline)
+
+        got = r.wait(r.ready, deadline, r.watch_others(dead), r.stalled("every rank to reach 'written'", deadline))
+        if got is None:
+            settled = self._abort(_timeout(r, deadline), deadline)
+            assert settled is not None
+            self._raise(settled, None)
+        envelopes = r.messages(deadline.or_grace())
+        failed = [e.failure for _, e in sorted(envelopes.items()) if e.failure is not None]
+        if failed or len(envelopes) < op.world_size:
+            assert op.client is not None
+            if failed:
+                settled = self._abort(Outcome(failure=failed[0]), deadline)
+            else:  # woken by an outcome proposed early (a dead rank): read it
+                settled = Outcome.from_text(op.client.get(self.decision, deadline.or_grace(), op.tally))
+            assert settled is not None
+            self._raise(settled, None)
+        reports = {rank: WriteReport.from_json(e.body) for rank, e in envelopes.items()}
+        return self._lead(reports)
+
+    def _lead(self, reports: dict[int, WriteReport]) -> CommitResult:
+        """(rank 0, every report in) Decide, publish, acknowledge."""
+        op, i = self.op, self.inputs
+        deadline = op.clock.end
+        self.set_phase("commit")
+        self.tracker.final({r: rep.counts for r, rep in reports.items()})
+        try:
+            fault_point("save.commit", op.global_rank)
+            manifest = build_manifest(i, op.world_size, reports)
+            raw = manifest.to_bytes()
+            where = i.storage.join(i.path, MANIFEST_NAME)
+            try:
+                parse_manifest(raw, where)  # what a loader will read: never publish what it would refuse
+            except CorruptCheckpointError as err:
+                raise UnsafeValueError(
+                    f"save of {i.path!r}: the state holds something the format cannot store: {err}"
+                ) from None
+            if manifest.refs:  # an incremental save: the files it refers to are still there
+                check_ref_files(i.storage, i.path, manifest)
+            i.storage.set_deadline(deadline.at)
+            commit = Commit(i.staging, i.path, i.save_id, raw)
+            i.storage.stage_manifest(commit)
+        except BaseException as err:
+            decided = isinstance(err, CheckpointError)
+            failure = op.failure_of(err, "commit", decided=decided)
+            if decided:
+                op.own_decided = err  # type: ignore[assignment]
+            settled = self._abort(Outcome(failure=failure), deadline)
+            assert settled is not None
+            self._raise(settled, err)
+            raise  # not reached: _raise raises
+        self.set_phase("decide")
+        if not op.single:
+            assert op.client is not None
+            settled_text = op.client.compare_set(self.decision, COMMIT, deadline.or_grace(), op.tally)
+            if settled_text != COMMIT:
+                self._raise(Outcome.from_text(settled_text), None)
+        self.set_phase("publish")
+        old = self._publish(commit, raw)
+        if self.round is not None:
+            self.round.propose(Outcome(body=Committed(i.save_id).to_json()), deadline.or_grace())
+        self._remove_stale(old, raw, where)
+        self._confirm()
+        self.set_phase("acknowledge")
+        late = op.acknowledge()
+        total = sum(int(f[0]) for rep in reports.values() for f in rep.files.values())
+        took = time.monotonic() - i.started
+        logger.info(
+            "shardsafe: saved %s (%.1f MiB, %d ranks, %s) in %.2fs (%.0f MiB/s; blocking %.2fs)",
+            i.path,
+            total / 2**20,
+            op.world_size,
+            i.flat.strategy,
+            took,
+            total / 2**20 / max(took, 1e-9),
+            i.blocking_seconds,
         )
-    blocks = sorted({r["block_bytes"] for r in reports})
-    if blocks != [job.block_bytes]:
-        raise CheckpointError(f"save of {job.path!r}: ranks wrote with checksum block sizes {blocks}")
-    fault_point("save.commit", coord.global_rank)
-    manifest = job._manifest(coord, flat, reports)
-    raw = manifest.to_bytes()
-    where = job.storage.join(job.path, MANIFEST_NAME)
-    try:
-        parse_manifest(raw, where)  # what a loader will read: never publish what it would refuse
-    except CorruptCheckpointError as err:
-        raise CheckpointError(f"save of {job.path!r}: the manifest built from the reports does not validate: {err}")
-    if manifest.refs:  # an incremental save: the files it refers to are still there (not deleted meanwhile)
-        check_ref_files(job.storage, job.path, manifest)
-    job.storage.set_deadline(time.monotonic() + job.deadlines.io)  # the barrier may have used up the first
-    commit = Commit(job.staging, job.path, job.save_id, raw)
-    job.storage.stage_manifest(commit)
-    job.phase = "decide"
-    outcome = coord.decide(COMMIT)
-    if outcome != COMMIT:
-        raise coord.remote_failure() or coord.error_from(json.loads(outcome))
-    job.phase = "publish"
-    old = _publish(job, coord, commit)
-    coord.post("published", json.dumps({"ok": True}))
-    _remove_stale(job, old, raw, where)
-    fault_point("save.confirm", coord.global_rank)
-    job.phase = "acknowledge"
-    coord.acknowledge(timeout=job.deadlines.arrive)
-    total = sum(int(size) for r in reports for size, _, _ in r["files"].values())
-    took = time.monotonic() - job.started
-    logger.info(
-        "shardsafe: saved %s (%.1f MiB, %d ranks, %s) in %.2fs (%.0f MiB/s; blocking %.2fs)",
-        job.path,
-        total / 2**20,
-        coord.world_size,
-        flat.strategy,
-        took,
-        total / 2**20 / max(took, 1e-9),
-        job.blocking_seconds,
-    )
+        return CommitResult(True, total, late)
+
+    def _publish(self, commit: Commit, raw: bytes) -> bytes | None:
+        """(rank 0, "commit" won) Make the manifest visible within the end deadline; on failure, post
+        the failure as the outcome, discard staging when the publish surely did not happen, and raise."""
+        op, i = self.op, self.inputs
+        gate = _Gate()
+
+        def work() -> bytes | None:
+            fault_point("save.publish", op.global_rank)
+            if gate.cancelled:  # called off while this thread was held up: touch nothing
+                raise TimeoutError("publish called off: the save's deadline passed")
+            return i.storage.publish(commit, overwrite=i.overwrite, at_commit=gate)
+
+        lane = Lane("publish")
+        try:
+            return lane.call("publishing the manifest", i.path, work, op.clock.end)
+        except BaseException as err:
+            hung = lane.wedged
+            never = gate.cancel() if hung else not gate.passed
+            if not never and not hung and committed_on_storage(i.storage, i.path, i.save_id):
+                logger.warning("shardsafe: publishing %s raised (%s), but it is committed", i.path, err)
+                return None
+            if not hung and not is_remote(i.path):
+                never = True  # a local rename that raised did not happen
+            if never:
+                message = (
+                    f"save of {i.path!r}: rank 0's publish failed ({type(err).__name__}: {err}); nothing was "
+                    "committed. Fix the cause and save again."
+                )
+            else:
+                message = (
+                    f"save of {i.path!r}: rank 0's publish did not complete ({type(err).__name__}: {err}); it may "
+                    f"still complete if the storage recovers: the checkpoint is committed iff {MANIFEST_NAME} there "
+                    f"carries save id {i.save_id}. Check the storage, then save again."
+                )
+            failure = Failure(op.global_rank, "publish", "CheckpointError", message, decided=True)
+            if self.round is not None:
+                try:
+                    self.round.propose(Outcome(failure=failure), op.clock.end.or_grace())
+                except RankDeadError as lost:
+                    logger.error("shardsafe: could not tell the ranks that publishing %s failed: %s", i.path, lost)
+            if never:
+                discard(i.storage, i.path, i.staging, i.save_id, op.world_size, op.clock.arrive.or_grace())
+            op.acknowledge()
+            raise CheckpointError(message) from err
+        finally:
+            lane.close()
+
+    def _remove_stale(self, old: bytes | None, new: bytes, where: str) -> None:
+        """(rank 0, committed) Remove the data files of the replaced checkpoint that the new manifest
+        does not list (taken from the old manifest, validated), then what only the old manifest referred
+        to in sibling checkpoints. A failure leaves unreferenced files."""
+        i = self.inputs
+        began = time.monotonic()
+        stale = stale_files(old, new, where)
+        if old is None:
+            return
+
+        def remove() -> None:
+            delete_files(i.storage, i.path, stale)
+            release_references(i.storage, i.path, old, where)
+
+        try:
+            run_bounded("removing the old data files", i.path, self.op.clock.end.or_grace(), remove)
+        except (OSError, ValueError, CheckpointError) as err:
+            logger.warning("shardsafe: committed %s but could not remove old data files %s: %s", i.path, stale, err)
+        logger.debug(
+            "shardsafe: save %s rank 0: removed %d replaced file(s) in %.3fs",
+            i.path,
+            len(stale),
+            time.monotonic() - began,
+        )
+
+    def _follow(self, r: Round, deadline: Deadline) -> CommitResult:
+        """(ranks other than 0, report sent) Learn the outcome; see the module docstring."""
+        op = self.op
+        self.set_phase("decision")
+        wake_flag = threading.Event()
+
+        def dead(_ranks: list[int], silent: float) -> None:
+            if self._abort(Outcome(failure=op.dead_failure(0, "written", silent)), deadline) is None:
+                self._leader_lost = True
+                wake_flag.set()
+
+        watch = r.watch_leader(dead)
+
+        def interrupt() -> None:
+            if self._leader_lost:
+                raise _LeaderLost()
+
+        assert op.client is not None and op.dog is not None
+        op.dog.watch(watch)
+        try:
+            raw = op.client.wait_value(r.outcome, deadline, tally=op.tally, interrupt=interrupt, wake=watch.wake)
+            if raw is None:
+                settled = self._abort(_timeout(r, deadline), deadline)
+                if settled is not None:
+                    self._raise(settled, None)
+                # "commit" won: rank 0 is publishing; give it until the grace after the end
+                raw = op.client.wait_value(r.outcome, deadline.or_grace(), tally=op.tally, interrupt=interrupt)
+        except _LeaderLost:
+            return self._ask_storage("rank 0 stopped responding after deciding to commit")
+        except RankDeadError as err:
+            if err.store_lost:
+                return self._ask_storage(str(err), err)
+            raise
+        finally:
+            op.dog.unwatch(watch)
+        if raw is None:
+            return self._ask_storage(
+                f"rank 0 decided to commit but did not report its publish within the end deadline "
+                f"({deadline.seconds:.0f}s)"
+            )
+        outcome = Outcome.from_text(raw)
+        if outcome.body is None:
+            self._raise(outcome, None)
+        self._confirm()
+        self.set_phase("acknowledge")
+        op.acknowledge()
+        return CommitResult(True)
+
+    def _confirm(self) -> None:
+        """(every rank, the outcome "committed" read) The last fault point; a failure here is this rank's
+        own, after the commit: raised (wrapped), the checkpoint stands."""
+        try:
+            fault_point("save.confirm", self.op.global_rank)
+        except Exception as err:
+            raise wrap(err, op="save", target=self.inputs.path, rank=self.op.global_rank, phase="confirm") from err
+
+    def _ask_storage(self, why: str, cause: BaseException | None = None) -> CommitResult:
+        """ "commit" won but rank 0 cannot confirm the publish: the storage says whether it happened."""
+        i = self.inputs
+        if committed_on_storage(i.storage, i.path, i.save_id):
+            logger.warning(
+                "shardsafe: rank %d: %s, but %s is committed with save id %s; this save succeeded",
+                self.op.rank,
+                why,
+                i.path,
+                i.save_id,
+            )
+            return CommitResult(True)
+        err = RankDeadError(
+            f"save of {i.path!r}: {why}, and the checkpoint is not committed (it may still appear if rank 0's storage "
+            "recovers: it is committed iff its manifest carries save id "
+            f"{i.save_id}). Restart the job; it resumes from the last committed checkpoint.",
+            store_lost=isinstance(cause, RankDeadError) and cause.store_lost,
+        )
+        raise err from cause
+
+
+def _timeout(r: Round, deadline: Deadline) -> Outcome:
+    """The timeout a rank proposes when its deadline passed in the ``written`` agreement."""
+    op = r.op
+    sent = set(r.messages(deadline.or_grace()))
+    arrived = sorted(sent | {0})
+    missing = [x for x in range(op.world_size) if x not in sent] if op.rank == 0 else [0]
+    return Outcome(timeout=Timeout(op.rank, r.phase, arrived, missing, deadline.budget, deadline.seconds))
 
 
 class _Gate:
@@ -181,142 +436,66 @@ class _Gate:
             return not self.passed
 
 
-def _publish(job: SaveJob, coord: Coordinator, commit: Commit) -> bytes | None:
-    """(rank 0, "commit" won) Make the manifest visible under the io deadline; on failure, post the
-    ``published`` error record, discard staging when the publish surely did not happen, and raise."""
-    gate = _Gate()
-
-    def work() -> bytes | None:
-        fault_point("save.publish", coord.global_rank)
-        if gate.cancelled:  # called off while this thread was held up: touch nothing
-            raise TimeoutError("publish called off: the save's deadline passed")
-        return job.storage.publish(commit, overwrite=job.options["overwrite"], at_commit=gate)
-
-    io = IOThread(job.path, time.monotonic() + job.deadlines.io)
-    try:
-        return io.call("publishing the manifest", work)
-    except BaseException as err:
-        never = gate.cancel() if io.hung else not gate.passed
-        if not never and not io.hung and committed_on_storage(job):
-            logger.warning("shardsafe: publishing %s raised (%s), but it is committed", job.path, err)
-            return None
-        if not io.hung and not is_remote(job.path):
-            never = True  # a local rename that raised did not happen
-        state = "nothing was committed" if never else "it may still become committed if the storage recovers"
-        record = {"error": f"{type(err).__name__}: {err} ({state})", "rank": coord.global_rank, "phase": "publish"}
-        try:
-            coord.post("published", json.dumps(record))
-        except RankDeadError as lost:
-            logger.error("shardsafe: could not tell the ranks that publishing %s failed: %s", job.path, lost)
-        if never:
-            discard(job)
-            raise
+def build_manifest(i: CommitInputs, world_size: int, reports: dict[int, WriteReport]) -> Manifest:
+    """(rank 0) The manifest of the save, from every rank's report. Raises :class:`CheckpointError` when
+    the ranks' structures or block sizes differ."""
+    fingerprints = {rep.fingerprint for rep in reports.values()}
+    if len(fingerprints) > 1:
+        mismatch = sorted(r for r, rep in reports.items() if rep.fingerprint != reports[0].fingerprint)
         raise CheckpointError(
-            f"save of {job.path!r}: rank 0's publish did not complete ({type(err).__name__}: {err}); it may still "
-            f"complete if the storage recovers: the checkpoint is committed iff {MANIFEST_NAME} there carries save id "
-            f"{job.save_id}. Check the storage, then save again."
-        ) from err
-    finally:
-        io.stop()
-
-
-def _remove_stale(job: SaveJob, old: bytes | None, new: bytes, where: str) -> None:
-    """(rank 0, committed) Remove the data files of the replaced checkpoint that the new manifest
-    does not list (taken from the old manifest, validated), then what only the old manifest referred
-    to in sibling checkpoints (:func:`~shardsafe.storage.delete.release_references`). A failure
-    leaves unreferenced files."""
-    began = time.monotonic()
-    stale = stale_files(old, new, where)
-    if old is None:
-        return
-
-    def remove() -> None:
-        delete_files(job.storage, job.path, stale)
-        release_references(job.storage, job.path, old, where)
-
-    try:
-        run_bounded("removing the old data files", job.path, time.monotonic() + job.deadlines.io, remove)
-    except (OSError, ValueError) as err:
-        logger.warning("shardsafe: committed %s but could not remove old data files %s: %s", job.path, stale, err)
-    logger.debug(
-        "shardsafe: save %s rank 0: removed %d replaced file(s) in %.3fs",
-        job.path,
-        len(stale),
-        time.monotonic() - began,
-    )
-
-
-# ---------------------------------------------------------------------------------- other ranks
-
-
-def follow(job: SaveJob, coord: Coordinator) -> None:
-    """(ranks other than 0, report posted) Learn the outcome; see the module docstring."""
-    job.phase = "decision"
-    try:
-        outcome = coord.await_value("decision", timeout=job.deadlines.io)
-        if outcome is None:
-            gave_up: CoordinationError = RankTimeoutError(
-                f"save of {job.path!r}: rank {coord.rank} waited {job.deadlines.io:.0f}s for rank 0 to decide "
-                "commit or abort after every rank had written its data. Raise timeout= or SHARDSAFE_IO_TIMEOUT if "
-                "rank 0 is merely slow.",
-                missing_ranks=[0],
+            f"save of {i.path!r}: ranks {mismatch} passed a state with other keys, shapes or dtypes than rank 0. "
+            "Every rank must save the same structure (the same model and optimizer)."
+        )
+    blocks = sorted({rep.block_bytes for rep in reports.values()})
+    if blocks != [i.block_bytes]:
+        raise CheckpointError(f"save of {i.path!r}: ranks wrote with checksum block sizes {blocks}")
+    chunks: dict[str, list[Chunk]] = {}
+    files: dict[str, FileEntry] = {}
+    for rank in sorted(reports):
+        rep = reports[rank]
+        for fname, (size, header_bytes, header_sum) in rep.files.items():
+            files[fname] = FileEntry(size, header_bytes, header_sum)
+        for name, c in rep.chunks:
+            chunks.setdefault(name, []).append(
+                Chunk(
+                    tuple(c["offsets"]),
+                    tuple(c["sizes"]),
+                    c["file"],
+                    c["key"],
+                    c["begin"],
+                    c["end"],
+                    tuple(c["checksums"]),
+                    c["digest"],
+                    c["ref"],
+                )
             )
-            outcome = _give_up(job, coord, gave_up)
-    except RankDeadError as dead:
-        if dead.store_lost:
-            raise
-        outcome = _give_up(job, coord, dead)
-    if outcome != COMMIT:
-        raise coord.remote_failure() or coord.error_from(json.loads(outcome))
-    job.phase = "publish"
-    wait = job.deadlines.io + job.deadlines.arrive  # outlasts rank 0's publish, which stops at io
-    try:
-        published = coord.await_value("published", timeout=wait)
-    except RankDeadError as dead:
-        _ask_storage(job, dead)
-        return
-    if published is None:
-        _ask_storage(
-            job,
-            RankTimeoutError(
-                f"save of {job.path!r}: rank 0 decided to commit but did not report its publish within {wait:.0f}s, "
-                "and the checkpoint is not committed; it may still appear if rank 0's storage recovers",
-                missing_ranks=[0],
-            ),
-        )
-        return
-    record = json.loads(published)
-    if "error" in record:
-        raise RemoteRankError(
-            f"save of {job.path!r} failed on rank {record['rank']} in phase {record['phase']!r}: {record['error']}",
-            rank=record["rank"],
-            phase=record["phase"],
-            cause=record["error"],
-        )
-    fault_point("save.confirm", coord.global_rank)
-    coord.acknowledge(timeout=job.deadlines.arrive)
+    flat = i.flat
+    legacy = [{"rank": r, "per_rank": reports[r].per_rank} for r in sorted(reports)]
+    own = per_rank.merge_reports(flat, legacy, chunks)
+    tensors = {}
+    for item in flat.items:
+        mine = sorted(chunks.get(item.name, []), key=lambda c: c.offsets)
+        if sum(math.prod(c.sizes) for c in mine) != math.prod(item.shape):
+            raise CheckpointError(
+                f"save of {i.path!r}: tensor {item.name!r} was not fully written by the ranks (planning differed "
+                "between ranks); every rank must pass the same state structure"
+            )
+        tensors[item.name] = TensorEntry(item.local.dtype, item.shape, tuple(mine))
+    tensors.update(own)
+    from shardsafe.version import __version__
 
-
-def _give_up(job: SaveJob, coord: Coordinator, err: CoordinationError) -> str:
-    """Propose "abort" after ``err``; return the outcome ("commit" if rank 0 won first)."""
-    blame = 0 if isinstance(err, RankDeadError) else None  # rank 0 found dead, or this rank gave up
-    coord.fail(job.phase, err, rank=blame)
-    outcome = coord.decide(abort_record(coord.global_rank if blame is None else blame, job.phase, err))
-    if outcome != COMMIT and coord.remote_failure() is None:
-        raise err
-    return outcome
-
-
-def _ask_storage(job: SaveJob, err: CoordinationError) -> None:
-    """ "commit" won but rank 0 cannot confirm the publish: the storage says whether it happened."""
-    if committed_on_storage(job):
-        logger.warning(
-            "shardsafe: rank %d did not hear from rank 0 after the commit decision (%s), but %s is committed with "
-            "save id %s; this save succeeded",
-            job.coord.rank if job.coord else 0,
-            err,
-            job.path,
-            job.save_id,
-        )
-        return
-    raise err
+    return Manifest(
+        save_id=i.save_id,
+        created=time.time(),
+        world_size=world_size,
+        strategy=flat.strategy,
+        library={"shardsafe": __version__, "torch": torch.__version__.split("+")[0]},
+        block_bytes=i.block_bytes,
+        metadata=i.metadata,
+        objects=flat.objects,
+        tensors=tensors,
+        files=files,
+        refs=incremental.ref_table(i.base_manifest, i.base_name, [c for cs in chunks.values() for c in cs])
+        if i.base_manifest is not None
+        else {},
+    )

@@ -10,9 +10,6 @@ import logging
 import sys
 import threading
 
-from shardsafe import knobs
-from shardsafe.coord import Deadlines
-from shardsafe.engine.commit import finish_bound
 from shardsafe.engine.save import SaveHandle
 
 logger = logging.getLogger(__name__)
@@ -27,7 +24,7 @@ def add(handle: SaveHandle) -> None:
         _inflight.append(handle)
 
 
-def drain(deadlines: Deadlines, allowed: int) -> None:
+def drain(allowed: int) -> None:
     """Wait until at most ``allowed`` asynchronous saves are in flight, oldest first; raise the error
     of a finished one that nobody has seen yet (its wait() was never called)."""
     while True:
@@ -36,15 +33,15 @@ def drain(deadlines: Deadlines, allowed: int) -> None:
             _inflight[:] = [h for h in _inflight if not h.done()]
             oldest = _inflight[0] if len(_inflight) > allowed else None
         for handle in finished:
-            _raise_unseen(handle, deadlines)
+            _raise_unseen(handle)
         if oldest is None:
             return
-        _raise_unseen(oldest, deadlines)
+        _raise_unseen(oldest)
 
 
-def _raise_unseen(handle: SaveHandle, deadlines: Deadlines) -> None:
+def _raise_unseen(handle: SaveHandle) -> None:
     try:
-        handle.wait(finish_bound(deadlines) + knobs.wait_margin_seconds())
+        handle.wait()  # bounded by that save's own end deadline (plus margins)
     except BaseException:
         if not handle._reported:
             raise

@@ -1,14 +1,15 @@
-"""The load protocol (DESIGN.md). (all ranks) rendezvous; read and validate the manifest; plan: match
-the caller's state with the checkpoint (state/restore.py), checking every key, shape and dtype, the
-files' sizes, then allocate what is new; agree go/no-go across ranks; only then read the needed byte
-ranges, verified, into the destinations, and restore modules, optimizers and stateful objects through
-their own load paths.
+"""The load protocol. (all ranks) read and validate the manifest; plan: match the caller's state with
+the checkpoint (state/restore.py), checking every key, shape and dtype, the files' sizes, then
+allocate what is new; then the first agreement, ``arrive``, which is also the go/no-go: only when every
+rank planned and validated does any rank read the needed byte ranges, verified, into the destinations,
+and restore modules, optimizers and stateful objects through their own load paths; then the second
+agreement, ``loaded``: one outcome on every rank; then the acknowledgement.
 
-All or nothing across ranks: a rank that fails before the go/no-go reports it through the store
-(``Coordinator.fail``) and the others' go barrier raises :class:`RemoteRankError`, so a failure found
-before reading data (a missing key on one rank, a shape, a dtype, a damaged manifest, a short file)
-raises on every rank with every rank's state untouched. A failure while reading (a corrupt block) can
-leave tensors read before it loaded; a caller that must not see that verifies first
+All or nothing across ranks before any data is read: a rank that fails while planning sends its
+failure in the first agreement, so a failure found before reading data (a missing key on one rank, a
+shape, a dtype, a damaged manifest, a short file) raises on every rank with every rank's state
+untouched. A failure while reading (a corrupt block) can leave tensors read before it loaded, on the
+ranks that read them; every rank raises. A caller that must not see that verifies first
 (``CheckpointManager.resume(state, verify=True)``).
 """
 
@@ -16,21 +17,22 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import torch
 
-from shardsafe.coord import Coordinator, Deadlines, fault_point
+from shardsafe.coord import Clock, Operation, fault_point
+from shardsafe.coord.messages import Counts, Envelope
 from shardsafe.engine.phases import PhaseLog
 from shardsafe.engine.progress import ProgressCallback, load_bytes
 from shardsafe.engine.read import Task, check_allocation, check_sizes, plan_reads, read_manifest, run_tasks
 from shardsafe.engine.tracker import Tracker
-from shardsafe.errors import CheckpointError, CoordinationError, CorruptCheckpointError, MissingKeysError
+from shardsafe.errors import CheckpointError, CorruptCheckpointError, MissingKeysError
 from shardsafe.format.manifest import Manifest
 from shardsafe.state.layout import Box
 from shardsafe.state.restore import Op, Restorer
-from shardsafe.storage import get_storage
+from shardsafe.storage import Storage, get_storage
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +42,7 @@ def load(
     state: MutableMapping[str, Any] | None,
     *,
     strict: bool,
-    deadlines: Deadlines,
+    clock: Clock,
     group: Any,
     allow_pickle: bool,
     storage_options: dict[str, Any] | None,
@@ -52,85 +54,75 @@ def load(
     path = str(path)
     storage = get_storage(path, storage_options)
     single = state is None
-    coord = None if single else Coordinator.join("load", path, deadlines=deadlines, group=group, heartbeat=True)
+    op = None if single else Operation.begin("load", path, clock, group=group)
     started = time.monotonic()
     phases = PhaseLog("load", path, "manifest")
-    phase = phases.enter("manifest", None if coord is None else coord.global_rank)
+    phase = phases.enter("manifest", None if op is None else op.global_rank)
     tracker = Tracker("load", path, progress)  # engine/tracker.py; phases set below
-    tracker.start(coord)
+    tracker.start(op)
     tracker.phase = phase
     error: BaseException | None = None
+    nbytes = 0
     try:
-        if coord is not None:
-            fault_point("load.rendezvous", coord.global_rank)
-        manifest = read_manifest(storage, path)
-        phase = phases.enter("plan")
-        rank, world = (coord.rank, coord.world_size) if coord is not None else (None, 1)
-        r = Restorer(manifest, path, rank=rank, world_size=world, cast=cast, device=device, allow_pickle=allow_pickle)
-        extra: dict[str, Op] = {}
-        if state is None:
-            extra = {key: r.extra(key) for key in manifest.objects}
-        else:
-            for key, obj in state.items():
-                if key in manifest.objects:
-                    r.plan_entry(key, obj, state)
-                else:
-                    r.missing.append(key)
-            extra = {key: r.extra(key) for key in manifest.objects if key not in state}
-            if r.missing and strict:
-                raise _missing_error(path, manifest, r.missing)
-        check_sizes(storage, path, manifest, r.names())  # before allocating what the manifest sizes
-        if device is None or device.type == "cpu":  # new host tensors must fit in the memory available
-            check_allocation(storage, path, manifest, r.fresh_bytes())
-        early, tasks = (_plan(manifest, boxes) for boxes in r.prepare())
-        if early:  # new tensors whose values the plan must compare before the go (FSDP1 optimizer state)
-            run_tasks(storage, path, manifest, early, lambda: None, deadlines.io)
-        r.check()
-        tracker.set_total(load_bytes(manifest, tasks))
-        if coord is not None:
-            phase = tracker.phase = phases.enter("go")  # every rank planned and validated: only now may anything change
-            coord.barrier("go", timeout=deadlines.io)
-        phase = tracker.phase = phases.enter("read")
-        first = (lambda: fault_point("load.read", coord.global_rank)) if coord else (lambda: None)
-        try:
-            nbytes = run_tasks(storage, path, manifest, tasks, first, deadlines.io, on_bytes=tracker.add)
-        except CorruptCheckpointError as err:
-            if not r.fills_in_place():
-                raise
-            raise CorruptCheckpointError(
-                f"{err} Tensors of the state filled before the damage was found may already hold the "
-                "checkpoint's values (no damaged byte was copied; nothing else changed). To change nothing "
-                "unless the whole checkpoint verifies, call shardsafe.verify(path) first or use "
-                "CheckpointManager.resume(state, verify=True)."
-            ) from err
-        phase = tracker.phase = phases.enter("restore")
-        try:
-            r.apply()
+        failure: BaseException | None = None
+        plan: _Plan | None = None
+        try:  # every rank plans and validates before the first agreement: a failure here changes nothing
+            plan = _plan_load(
+                path,
+                storage,
+                state,
+                strict=strict,
+                cast=cast,
+                device=device,
+                allow_pickle=allow_pickle,
+                op=op,
+                clock=clock,
+                planning=lambda: phases.enter("plan"),
+            )
+            tracker.set_total(load_bytes(plan.manifest, plan.tasks))
         except Exception as err:
-            raise CheckpointError(
-                f"load of {path!r}: restoring the state failed after the data was read ({type(err).__name__}: "
-                f"{err}); the state may be partly loaded. Load again, or resume from another checkpoint."
-            ) from err
-        out = {key: op() for key, op in extra.items()}
-        if r.missing:
-            logger.warning("shardsafe: loaded %s without %s (not in the checkpoint; strict=False)", path, r.missing)
-        if coord is not None:
+            failure = err
+        if op is not None:
+            failed_in = phases.phase
+            phase = tracker.phase = phases.enter("go")
+            op.agree("arrive", Counts(tracker.own_counts()), failure=failure, failed_in=failed_in)  # the go
+        elif failure is not None:
+            raise failure
+        assert plan is not None
+        phase = tracker.phase = phases.enter("read")
+        failure = None
+        try:  # a failure from here to the next agreement is sent in it: every rank raises
+            if op is not None:
+                fault_point("load.rendezvous", op.global_rank)
+            nbytes = _read_and_restore(path, storage, plan, op, clock, tracker, phases)
+        except Exception as err:
+            failure = err
+        if op is not None:
+            failed_in = phases.phase
             phase = tracker.phase = phases.enter("confirm")
-            tracker.flush()
-            coord.barrier("loaded", timeout=deadlines.io)
-            coord.acknowledge(timeout=deadlines.arrive)  # rank 0 returns once every live rank knows
+            op.agree(
+                "loaded", Counts(tracker.own_counts()), _final_counts(tracker), failure=failure, failed_in=failed_in
+            )
+            op.acknowledge()  # rank 0 returns once every live rank knows
+        elif failure is not None:
+            raise failure
+        out = {key: run() for key, run in plan.extra.items()}
+        if plan.restorer.missing:
+            logger.warning(
+                "shardsafe: loaded %s without %s (not in the checkpoint; strict=False)", path, plan.restorer.missing
+            )
     except BaseException as err:
         error = err
-        if coord is not None and not isinstance(err, CoordinationError):
-            coord.fail(phase, err)
+        if op is not None and op.outcome_known:
+            op.acknowledge()  # the failure is the outcome: rank 0 returns once every live rank knows it
         raise
     finally:
-        tracker.end(error)  # before close: rank 0's final record reads this load's keys
-        if coord is not None:
-            coord.close()
+        tracker.end(error)
+        if op is not None:
+            op.close()
         phases.enter("done")
     took = time.monotonic() - started
-    if coord is None or coord.rank == 0:
+    if op is None or op.rank == 0:
         logger.info(
             "shardsafe: loaded %s (%.1f MiB read on rank 0) in %.2fs (%.0f MiB/s)",
             path,
@@ -139,6 +131,100 @@ def load(
             nbytes / 2**20 / max(took, 1e-9),
         )
     return out
+
+
+class _Plan:
+    """What a rank planned before the go/no-go: the manifest, the restorer, the reads, the remainder."""
+
+    def __init__(self, manifest: Manifest, restorer: Restorer, tasks: list[Task], extra: dict[str, Op]) -> None:
+        self.manifest = manifest
+        self.restorer = restorer
+        self.tasks = tasks
+        self.extra = extra
+
+
+def _plan_load(
+    path: str,
+    storage: Storage,
+    state: MutableMapping[str, Any] | None,
+    *,
+    strict: bool,
+    cast: bool,
+    device: torch.device | None,
+    allow_pickle: bool,
+    op: Operation | None,
+    clock: Clock,
+    planning: Callable[[], object],
+) -> _Plan:
+    """(every rank, locally) Read and validate the manifest, match the state against it, check sizes and
+    memory, prepare the destinations, run the early reads. Changes nothing of the caller's state."""
+    manifest = read_manifest(storage, path)
+    planning()
+    rank, world = (op.rank, op.world_size) if op is not None else (None, 1)
+    r = Restorer(manifest, path, rank=rank, world_size=world, cast=cast, device=device, allow_pickle=allow_pickle)
+    extra: dict[str, Op] = {}
+    if state is None:
+        extra = {key: r.extra(key) for key in manifest.objects}
+    else:
+        for key, obj in state.items():
+            if key in manifest.objects:
+                r.plan_entry(key, obj, state)
+            else:
+                r.missing.append(key)
+        extra = {key: r.extra(key) for key in manifest.objects if key not in state}
+        if r.missing and strict:
+            raise _missing_error(path, manifest, r.missing)
+    check_sizes(storage, path, manifest, r.names())  # before allocating what the manifest sizes
+    if device is None or device.type == "cpu":  # new host tensors must fit in the memory available
+        check_allocation(storage, path, manifest, r.fresh_bytes())
+    early, tasks = (_plan(manifest, boxes) for boxes in r.prepare())
+    if early:  # new tensors whose values the plan must compare before the go (FSDP1 optimizer state)
+        run_tasks(storage, path, manifest, early, lambda: None, clock.work)
+    r.check()
+    return _Plan(manifest, r, tasks, extra)
+
+
+def _read_and_restore(
+    path: str,
+    storage: Storage,
+    plan: _Plan,
+    op: Operation | None,
+    clock: Clock,
+    tracker: Tracker,
+    phases: PhaseLog,
+) -> int:
+    """(every rank, after the go) Read the planned byte ranges, verified, into the destinations; then
+    restore modules, optimizers and stateful objects. Returns the bytes read."""
+    first = (lambda: fault_point("load.read", op.global_rank)) if op is not None else (lambda: None)
+    try:
+        nbytes = run_tasks(storage, path, plan.manifest, plan.tasks, first, clock.work, on_bytes=tracker.add)
+    except CorruptCheckpointError as err:
+        if not plan.restorer.fills_in_place():
+            raise
+        raise CorruptCheckpointError(
+            f"{err} Tensors of the state filled before the damage was found may already hold the "
+            "checkpoint's values (no damaged byte was copied; nothing else changed). To change nothing "
+            "unless the whole checkpoint verifies, call shardsafe.verify(path) first or use "
+            "CheckpointManager.resume(state, verify=True)."
+        ) from err
+    tracker.phase = phases.enter("restore")
+    try:
+        plan.restorer.apply()
+    except Exception as err:
+        raise CheckpointError(
+            f"load of {path!r}: restoring the state failed after the data was read ({type(err).__name__}: "
+            f"{err}); the state may be partly loaded. Load again, or resume from another checkpoint."
+        ) from err
+    return nbytes
+
+
+def _final_counts(tracker: Tracker) -> Callable[[dict[int, Envelope]], None]:
+    """(rank 0) The ``loaded`` agreement's decision: hand every rank's final counts to the tracker."""
+
+    def decide(envelopes: dict[int, Envelope]) -> None:
+        tracker.final({r: Counts.from_json(e.body).counts for r, e in envelopes.items() if e.body is not None})
+
+    return decide
 
 
 def _plan(manifest: Manifest, boxes: list[tuple[str, Box]]) -> list[Task]:

@@ -12,9 +12,8 @@ import logging
 import math
 import queue
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
 from typing import Any
@@ -22,13 +21,15 @@ from typing import Any
 import torch
 
 from shardsafe import knobs
+from shardsafe.deadline import Deadline
 from shardsafe.engine import hostmem
 from shardsafe.engine.memory import available_memory
-from shardsafe.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from shardsafe.errors import CheckpointError, CheckpointNotFoundError, CheckpointTimeoutError, CorruptCheckpointError
 from shardsafe.format.datafile import digest, read_blocks, tensor_bytes
 from shardsafe.format.manifest import Chunk, Manifest, TensorEntry, parse_manifest
 from shardsafe.storage import MANIFEST_NAME, Storage
 from shardsafe.storage.refs import check_refs, chunk_path, missing_base
+from shardsafe.workers import Pool
 
 logger = logging.getLogger(__name__)
 
@@ -147,11 +148,11 @@ def run_tasks(
     manifest: Manifest,
     tasks: Sequence[Task],
     on_first: Callable[[], None],
-    timeout: float,
+    deadline: Deadline,
     on_bytes: Callable[[int], None] | None = None,
 ) -> int:
-    """(the loading rank, the caller's thread) Execute the reads on a few threads within ``timeout``
-    seconds; returns the bytes read. Every block is read into a bounce buffer of the reading thread and
+    """(the loading rank, the caller's thread) Execute the reads on a few daemon threads within
+    ``deadline``; returns the bytes read. Every block is read into a bounce buffer of the reading thread and
     verified there before it is copied into a destination, so a corrupt block never lands in the
     caller's tensors. For CUDA destinations the bounce buffers are page-locked and the copies run
     asynchronously on a side stream of the destination's device (after the work queued on its current
@@ -163,11 +164,10 @@ def run_tasks(
     end with their reads into their own buffers; every device copy has landed."""
     if not tasks:
         return 0
-    deadline = time.monotonic() + timeout
     threads = max(1, min(knobs.io_threads(), len(tasks)))
     run = _Run(storage, path, manifest, tasks, threads)
     run.on_bytes = on_bytes
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="shardsafe-read")
+    pool = Pool(threads, "read")  # daemon threads: a read hung for good never keeps the process alive
     futures: list[Future[int]] = []
     total = 0
     ok = False
@@ -175,11 +175,12 @@ def run_tasks(
         futures = [pool.submit(run.task, t) for t in tasks]
         for i, f in enumerate(futures):
             try:
-                total += f.result(timeout=max(0.0, deadline - time.monotonic()))
+                total += f.result(timeout=deadline.remaining())
             except FuturesTimeout:
-                raise CheckpointError(
-                    f"load of {path!r}: reads did not finish within {timeout:.0f}s (storage hung or far too slow); "
-                    "raise timeout= or SHARDSAFE_IO_TIMEOUT if it is merely slow"
+                raise CheckpointTimeoutError(
+                    f"load of {path!r}: reads did not finish within {deadline.seconds:g}s (the call's "
+                    f"{deadline.budget} deadline; the storage is hung or far too slow); raise timeout= or "
+                    "SHARDSAFE_IO_TIMEOUT if it is merely slow"
                 ) from None
             if i == 0:
                 on_first()
@@ -213,11 +214,11 @@ class _Fence:
             self._active -= 1
             self._cond.notify_all()
 
-    def close(self, deadline: float) -> bool:
+    def close(self, deadline: Deadline) -> bool:
         """Close; True once no copy is in progress (a copy is a memcpy or an enqueue: it ends)."""
         with self._cond:
             self.closed = True
-            return self._cond.wait_for(lambda: self._active == 0, max(1.0, deadline - time.monotonic()))
+            return self._cond.wait_for(lambda: self._active == 0, max(1.0, deadline.remaining()))
 
 
 class _Bounce:
@@ -277,14 +278,14 @@ class _Run:
             bounce.settle()
             self.free.put(bounce)
 
-    def finish(self, futures: Sequence[Future[int]], pool: ThreadPoolExecutor, deadline: float, ok: bool) -> None:
+    def finish(self, futures: Sequence[Future[int]], pool: Pool, deadline: Deadline, ok: bool) -> None:
         """Close the fence, stop what has not started, wait (until the deadline) for the threads, then
         for every device copy; on success order the callers' streams after those copies."""
         drained = self.fence.close(deadline)
         for f in futures:
             f.cancel()
-        _, running = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
-        pool.shutdown(wait=not running, cancel_futures=True)
+        _, running = wait(futures, timeout=deadline.remaining())
+        pool.shutdown(wait=not running)
         if running:
             logger.warning(
                 "shardsafe: load of %s: %d read(s) still hung at the deadline; their threads can no longer write "

@@ -1,23 +1,27 @@
-"""The save protocol (DESIGN.md). One :class:`SaveJob` per save; a synchronous save runs both halves
-inline, an asynchronous one runs :meth:`SaveJob.finish` on a background thread.
+"""The save protocol. One :class:`SaveJob` per save; a synchronous save runs both halves inline, an
+asynchronous one runs :meth:`SaveJob.finish` on a background thread.
 
-(all ranks) ``begin``: rendezvous; rank 0 checks the target (absent, empty, or shardsafe's own
-    files only), picks the save id and the checksum block size, creates staging and broadcasts them;
-    plan locally; stage (:mod:`shardsafe.engine.staging`; async: copy this rank's share into one
-    reusable slab).
+(all ranks) ``begin``: flatten the state locally (and digest its values for the per-rank check);
+    rank 0 checks the target (absent, empty, or shardsafe's own files only), picks the save id and the
+    checksum block size and creates staging; then the first agreement, ``arrive``: every rank sends
+    its digests (:class:`~shardsafe.coord.messages.SaveArrival`), rank 0 decides the
+    :class:`~shardsafe.coord.messages.SaveStart` (save id, staging, per-rank subtrees, base). Then plan
+    locally and stage (async: copy this rank's share into one reusable slab).
 (all ranks) ``finish``: write this rank's data file (checksums while writing, fsync, under the
-    deadline), report to the store; then the commit protocol of :mod:`shardsafe.engine.commit`: one
-    decision per save, settled by the first ``compare_set`` on the decision key; rank 0 publishes only
-    after winning "commit", staging is discarded only where "abort" won; every rank acknowledges the
-    outcome and rank 0 returns last. On any failure before the decision every rank raises and the
-    target is untouched.
+    deadline), then the commit protocol of :mod:`shardsafe.engine.commit`: the second agreement,
+    ``written``, with one decision per save, settled by the first ``compare_set`` on the decision key;
+    rank 0 publishes only after winning "commit", staging is discarded only where an abort won; every
+    rank acknowledges the outcome and rank 0 returns last. On any failure before the decision every rank
+    raises the same error and the target is untouched.
+
+Two agreements in the common case; a third (``per_rank``) only when some values differ between ranks
+and their node tables were too large to send with the first, or when an FSDP1 optimizer over original
+parameters needs the exchange of :func:`~shardsafe.state.flatten.exchange_payload` first.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 import threading
 import time
@@ -28,27 +32,20 @@ from typing import Any
 import torch
 
 from shardsafe import knobs
-from shardsafe.coord import Coordinator, Deadlines, fault_point
+from shardsafe.coord import Clock, Operation, fault_point
+from shardsafe.coord.messages import PerRankNodes, PerRankPaths, SaveArrival, SaveStart, WriteReport
 from shardsafe.engine import commit, incremental, staging
 from shardsafe.engine.options import SaveOptions
 from shardsafe.engine.phases import PhaseLog
 from shardsafe.engine.plan import PendingChunk, own_chunks, plan_writes
 from shardsafe.engine.progress import file_bytes
 from shardsafe.engine.tracker import Tracker
-from shardsafe.errors import (
-    CheckpointError,
-    CheckpointExistsError,
-    CoordinationError,
-    OperationTimeoutError,
-    RankDeadError,
-    RemoteRankError,
-    UnsafeValueError,
-)
+from shardsafe.errors import CheckpointExistsError, OperationTimeoutError, UnsafeValueError
 from shardsafe.format.datafile import write_file
-from shardsafe.format.manifest import Chunk, FileEntry, Manifest, TensorEntry
+from shardsafe.format.manifest import Chunk, Manifest
 from shardsafe.format.values import encode
 from shardsafe.state import per_rank
-from shardsafe.state.flatten import FlatState, flatten
+from shardsafe.state.flatten import FlatState, exchange_payload, flatten
 from shardsafe.storage import Storage, Writer, get_storage
 from shardsafe.storage.names import refusal
 
@@ -58,23 +55,22 @@ logger = logging.getLogger(__name__)
 class SaveJob:
     """One save of ``state`` to ``path``; see the module docstring for the call order."""
 
-    def __init__(self, path: str, state: Mapping[str, Any], options: SaveOptions, deadlines: Deadlines) -> None:
-        """``options``: complete (:func:`shardsafe.engine.options.complete`); ``deadlines`` resolved
-        from its ``timeout``."""
+    def __init__(self, path: str, state: Mapping[str, Any], options: SaveOptions, clock: Clock) -> None:
+        """``options``: complete (:func:`shardsafe.engine.options.complete`); ``clock``: the call's
+        deadlines, taken when it started."""
         self.path = str(path)
         self.options = options  # its "base": rank 0's applies: it checks it and tells every rank
-        self.base_name = ""
-        self.base_manifest: Manifest | None = None
-        self.ref_chunks: list[tuple[str, Chunk]] = []  # (tensor, reference) for chunks the base holds
         self.state = state
-        self.deadlines = deadlines
+        self.clock = clock
         self.storage: Storage = get_storage(self.path, options["storage_options"])
-        self.coord: Coordinator | None = None
+        self.op: Operation | None = None
         self.phases = PhaseLog("save", self.path, "rendezvous")
         self.save_id = ""
         self.staging = ""
         self.block_bytes = 0  # rank 0's choice, the same for every writer of this save
-        self.reported = False  # this rank's report is on the store: only the storage may tell an outcome now
+        self.base_name = ""
+        self.base_manifest: Manifest | None = None
+        self.ref_chunks: list[tuple[str, Chunk]] = []  # (tensor, reference) for chunks the base holds
         self.flat: FlatState | None = None
         self.metadata_json: Any = None
         self.chunks: list[PendingChunk] = []
@@ -83,6 +79,8 @@ class SaveJob:
         self.blocking_seconds = 0.0
         self.tracker = Tracker("save", self.path, options["progress"])  # engine/tracker.py
         self.header_bytes = 0
+        self._refused: BaseException | None = None  # rank 0: the target or base refused (decided for all)
+        self._prepared = False  # rank 0 created staging
 
     @property
     def phase(self) -> str:
@@ -91,109 +89,171 @@ class SaveJob:
 
     @phase.setter
     def phase(self, name: str) -> None:
-        self.phases.enter(name, None if self.coord is None else self.coord.global_rank)
+        self.phases.enter(name, None if self.op is None else self.op.global_rank)
 
     # ------------------------------------------------------------------------------------ begin
 
     def begin(self, *, copy: bool) -> None:
         """(all ranks, caller's thread) Rendezvous, plan and stage. With ``copy`` the chunks are copied
         into staging buffers, so the caller may change its tensors as soon as this returns."""
-        self.coord = coord = Coordinator.join(
-            "save", self.path, deadlines=self.deadlines, group=self.options["group"], heartbeat=True
-        )
-        self.tracker.start(coord, lambda: self.phase)
+        self.op = op = Operation.begin("save", self.path, self.clock, group=self.options["group"])
+        self.tracker.start(op, lambda: self.phase)
         try:
-            fault_point("save.rendezvous", coord.global_rank)
+            start = self._rendezvous(op)
+            fault_point("save.rendezvous", op.global_rank)
             self.phase = "plan"
-            decision = None
-            if coord.rank == 0:
-                decision = self._choose_save_id()
-            record = json.loads(coord.broadcast("save_id", decision, timeout=self.deadlines.arrive))
-            if "exists" in record:
-                raise CheckpointExistsError(record["exists"])
-            if "base_error" in record:
-                raise incremental.BaseRefusedError(record["base_error"])
-            self.save_id, self.staging = record["save_id"], record["staging"]
-            self.block_bytes = int(record["block_bytes"])
-            if "base" in record:
-                self.base_name = record["base_name"]
-                self.base_manifest = incremental.read_base(self.storage, record["base"], record["base_sid"])
-            # gather: FSDP1 hook (state/fsdp1.py), every rank's payload through the store, used only for
-            # FSDP1 optimizers with use_orig_params=True (a rank may hold no state for some parameters)
-            self.flat = flatten(
-                self.state,
-                allow_pickle=self.options["allow_pickle"],
-                gather=lambda phase, payload: coord.barrier(
-                    phase, payload, timeout=self.deadlines.arrive, collect=True
-                ),
-            )
-            per_rank.find_per_rank(self.flat, coord, self.deadlines)
+            self.save_id, self.staging, self.block_bytes = start.save_id, start.staging, start.block_bytes
+            if start.base:
+                self.base_name = start.base["base_name"]
+                self.base_manifest = incremental.read_base(self.storage, start.base["base"], start.base["base_sid"])
+            if self.flat is None:  # the FSDP1 exchange came with the first agreement
+                payloads = [p for p in start.fsdp1 if p]
+                self.flat = flatten(
+                    self.state, allow_pickle=self.options["allow_pickle"], gather=lambda _phase, _mine: payloads
+                )
+            paths = start.per_rank if start.per_rank is not None else self._per_rank_round(op, start.differ)
+            per_rank.apply(self.flat, paths, op.rank)
             self.metadata_json = encode(self.options["metadata"], "metadata", _no_tensors)
-            self.chunks = plan_writes(self.flat.items, coord.rank, coord.world_size) + own_chunks(self.flat)
+            self.chunks = plan_writes(self.flat.items, op.rank, op.world_size) + own_chunks(self.flat)
             if self.base_manifest is not None:
                 self.chunks, self.ref_chunks = incremental.match(
                     self.chunks, self.base_manifest, self.base_name, self.block_bytes
                 )
             size, self.header_bytes = file_bytes(self.chunks)  # what this rank writes (references excluded)
             self.tracker.set_total(size)
-            fault_point("save.plan", coord.global_rank)
+            fault_point("save.plan", op.global_rank)
             self.phase = "stage"
-            self.staged = staging.stage(self.chunks, snapshot=copy, wait=self.deadlines.io)
+            self.staged = staging.stage(self.chunks, snapshot=copy, wait=self.clock.work.remaining())
             self.chunks = self.staged.chunks  # after a snapshot, no reference to the caller's tensors
             if copy:
-                fault_point("save.stage", coord.global_rank)
+                fault_point("save.stage", op.global_rank)
         except BaseException as err:
-            wrapped = self._failed(err)
-            self.tracker.end(wrapped)
-            coord.close()
             self._release()
-            if wrapped is err:
+            if op.outcome_known:  # the same outcome every rank got: nothing more to tell
+                self._end(err)
                 raise
-            raise wrapped from err
+            try:  # a local failure after the rendezvous: every rank learns it through the commit round
+                self._commit(None, err)
+            except BaseException as settled:
+                self._end(settled)
+                raise
+            raise  # not reached: the commit round raises for a failure
         self.blocking_seconds = time.monotonic() - self.started
 
-    def _choose_save_id(self) -> str:
-        """(rank 0) Refuse a target that is neither absent, nor empty, nor shardsafe's own (a
-        committed one without ``overwrite`` included), changing nothing; else a fresh save id, its
-        staging, and the checksum block size every writer uses (rank 0's, so ranks configured
-        differently still write one loadable checkpoint)."""
-        self.storage.set_deadline(time.monotonic() + self.deadlines.arrive)
+    def _rendezvous(self, op: Operation) -> SaveStart:
+        """(every rank) Flatten and digest locally (rank 0 also prepares the target), then the first
+        agreement. Raises the rendezvous' failure on every rank."""
+        body: SaveArrival | None = None
+        failure: BaseException | None = None
+        try:
+            payload = exchange_payload(self.state)
+            if payload:
+                body = SaveArrival({}, {}, payload)
+            else:
+                self.flat = flatten(self.state, allow_pickle=self.options["allow_pickle"])
+                entries, nodes = per_rank.digests(self.flat)
+                body = SaveArrival(entries, nodes, "")
+            if op.rank == 0:
+                self._prepare()
+        except Exception as err:  # sent to every rank in the agreement; raised on every rank
+            failure = err
+        try:
+            result = op.agree("arrive", body, self._decide_start if op.rank == 0 else None, failure=failure)
+        except BaseException:
+            self._discard_prepared(op)
+            raise
+        return SaveStart.from_json(result)
+
+    def _prepare(self) -> None:
+        """(rank 0, before the rendezvous) Refuse a target that is neither absent, nor empty, nor
+        shardsafe's own (a committed one without ``overwrite`` included), changing nothing; check the
+        base; else a fresh save id, its staging, and the checksum block size every writer uses (rank 0's,
+        so ranks configured differently still write one loadable checkpoint). A refusal is kept and
+        decided for every rank once all have arrived."""
+        self.storage.set_deadline(self.clock.arrive.at)
         why = refusal(self.storage, self.path, overwrite=self.options["overwrite"])
         if why is not None:
-            return json.dumps({"exists": why})
-        base: dict[str, Any] = {}
+            self._refused = CheckpointExistsError(why)
+            return
+        self._base: dict[str, str] = {}
         if self.options["base"] is not None:
-            base = json.loads(incremental.check_base(self.storage, self.path, os.fspath(self.options["base"])))
-            if "base_error" in base:
-                return json.dumps(base)
+            import json
+
+            checked = json.loads(incremental.check_base(self.storage, self.path, os.fspath(self.options["base"])))
+            if "base_error" in checked:
+                self._refused = incremental.BaseRefusedError(checked["base_error"])
+                return
+            self._base = checked
         self.save_id = f"{int(time.time())}{uuid.uuid4().hex[:10]}"
         self.staging = self.storage.staging_dir(self.path, self.save_id)
         self.storage.prepare_staging(self.staging)
-        return json.dumps(
-            {"save_id": self.save_id, "staging": self.staging, "block_bytes": knobs.checksum_block_bytes(), **base}
-        )
+        self._prepared = True
+        self.block_bytes = knobs.checksum_block_bytes()
+
+    def _decide_start(self, envelopes: dict[int, Any]) -> SaveStart:
+        """(rank 0, every arrival in) The save's start, the same for every rank."""
+        if self._refused is not None:
+            raise self._refused
+        assert self.flat is not None or any(e.body and e.body.get("fsdp1") for e in envelopes.values())
+        bodies = [SaveArrival.from_json(envelopes[r].body) for r in range(len(envelopes))]
+        fsdp1 = [b.fsdp1 for b in bodies]
+        paths: list[list[Any]] | None
+        differ: list[str]
+        if any(fsdp1) or self.flat is None:
+            paths, differ = None, []  # the values are digested after the exchange, in a round of their own
+        else:
+            paths, differ = per_rank.decide(
+                self.flat, [b.entries for b in bodies], [b.nodes for b in bodies], self.path
+            )
+        return SaveStart(self.save_id, self.staging, self.block_bytes, self._base, paths, differ, fsdp1)
+
+    def _per_rank_round(self, op: Operation, differ: list[str]) -> list[list[Any]]:
+        """(every rank, only when the first agreement could not decide) The per-rank subtrees, from every
+        rank's node tables: of ``differ``, or of every value entry when ``differ`` is empty (after the
+        FSDP1 exchange)."""
+        flat = self.flat
+        assert flat is not None
+        if differ:
+            body = PerRankNodes({}, per_rank.nodes_of(flat, differ))
+        else:
+            entries, _ = per_rank.digests(flat)
+            body = PerRankNodes(entries, per_rank.nodes_of(flat, [k for k, v in entries.items() if v[1]]))
+
+        def decide(envelopes: dict[int, Any]) -> PerRankPaths:
+            tables = [PerRankNodes.from_json(envelopes[r].body) for r in range(len(envelopes))]
+            keys = differ
+            if not keys:
+                _, keys = per_rank.decide(flat, [t.entries for t in tables], [None for _ in tables], self.path)
+                if not keys:
+                    return PerRankPaths([])
+            return PerRankPaths(per_rank.paths(flat, keys, [t.nodes for t in tables]))
+
+        return PerRankPaths.from_json(op.agree("per_rank", body, decide if op.rank == 0 else None)).paths
+
+    def _discard_prepared(self, op: Operation) -> None:
+        """(rank 0) The rendezvous failed: remove the staging it created (nothing else was written)."""
+        if op.rank == 0 and self._prepared:
+            commit.discard(
+                self.storage, self.path, self.staging, self.save_id, op.world_size, self.clock.arrive.or_grace()
+            )
+            self._prepared = False
 
     # ----------------------------------------------------------------------------------- finish
 
     def finish(self) -> None:
-        """(all ranks; caller's thread or the background thread) Write, report, commit, confirm."""
-        coord, flat = self.coord, self.flat
-        assert coord is not None and flat is not None
+        """(all ranks; caller's thread or the background thread) Write, then the commit round."""
+        op, flat = self.op, self.flat
+        assert op is not None and flat is not None
         writer: Writer | None = None
+        report: WriteReport | None = None
         error: BaseException | None = None
-        self.storage.set_deadline(time.monotonic() + self.deadlines.io)
+        self.storage.set_deadline(self.clock.work.at)
         try:
             self.phase = "write"
-            report: dict[str, Any] = {
-                "rank": coord.rank,
-                "chunks": [],
-                "files": {},
-                "fingerprint": _fingerprint(flat),
-                "block_bytes": self.block_bytes,
-                "per_rank": per_rank.report(flat),
-            }
+            files: dict[str, list[Any]] = {}
+            chunks: list[list[Any]] = []
             if self.chunks:
-                name = f"data-{coord.rank:05d}-{self.save_id}.safetensors"
+                name = f"data-{op.rank:05d}-{self.save_id}.safetensors"
                 writer = self.storage.open_writer(self.storage.join(self.staging, name))
                 assert self.staged is not None
                 entry, records = write_file(
@@ -201,38 +261,62 @@ class SaveJob:
                     name,
                     self.chunks,
                     self.block_bytes,
-                    lambda: fault_point("save.write", coord.global_rank),
+                    lambda: fault_point("save.write", op.global_rank),
                     self.tracker.counted(staging.windows(self.staged), self.header_bytes),
                 )
                 w, writer = writer, None
                 w.close()
-                report["files"][name] = [entry.size, entry.header_bytes, entry.header_checksum]
-                report["chunks"] = [[c.name, r.to_json()] for c, r in zip(self.chunks, records, strict=True)]
-            report["chunks"] += [[name, c.to_json()] for name, c in self.ref_chunks]
-            fault_point("save.report", coord.global_rank)
+                files[name] = [entry.size, entry.header_bytes, entry.header_checksum]
+                chunks = [[c.name, r.to_json()] for c, r in zip(self.chunks, records, strict=True)]
+            chunks += [[name, c.to_json()] for name, c in self.ref_chunks]
+            fault_point("save.report", op.global_rank)
             self.phase = "report"
-            self.tracker.flush()
-            self.reported = True
-            reports = coord.barrier("written", json.dumps(report), timeout=self.deadlines.io, collect=coord.rank == 0)
-            self.phase = "commit"
-            if coord.rank == 0:
-                commit.lead(self, coord, flat, [json.loads(r) for r in reports])
-            else:
-                commit.follow(self, coord)
+            report = WriteReport(
+                chunks, files, _fingerprint(flat), self.block_bytes, per_rank.report(flat), self.tracker.own_counts()
+            )
         except BaseException as err:
             if writer is not None:
                 writer.abort()
-            if isinstance(err, RankDeadError) and err.store_lost and commit.lost_store_but_committed(self, err):
-                return  # the store went away after this rank's part was done, and the checkpoint is committed
-            error = wrapped = self._failed(err)
-            if wrapped is err:
-                raise
-            raise wrapped from err
-        finally:
-            self.tracker.end(error)  # before close: rank 0's final record reads this save's keys
-            coord.close()
-            self._release()
-            self.phase = "done"
+            error = err
+        try:
+            self._commit(report, error)
+        except BaseException as err:
+            self._end(err)
+            raise
+        self._end(None)
+
+    def _commit(self, report: WriteReport | None, error: BaseException | None) -> None:
+        op = self.op
+        assert op is not None
+        self.phase = "commit" if error is None else self.phase
+        flat = self.flat if self.flat is not None else FlatState(objects={}, items=[], strategy="plain")
+        inputs = commit.CommitInputs(
+            path=self.path,
+            storage=self.storage,
+            save_id=self.save_id,
+            staging=self.staging,
+            overwrite=self.options["overwrite"],
+            block_bytes=self.block_bytes,
+            flat=flat,
+            metadata=self.metadata_json,
+            base_manifest=self.base_manifest,
+            base_name=self.base_name,
+            started=self.started,
+            blocking_seconds=self.blocking_seconds,
+        )
+
+        def set_phase(name: str) -> None:
+            self.phase = name
+
+        commit.Committer(op, inputs, self.tracker, set_phase).run(report, error)
+
+    def _end(self, error: BaseException | None) -> None:
+        """(every rank, once) The operation is over on this rank."""
+        self.tracker.end(error)
+        if self.op is not None:
+            self.op.close()
+        self._release()
+        self.phase = "done"
 
     def _release(self) -> None:
         self.chunks = []
@@ -240,95 +324,6 @@ class SaveJob:
         if self.staged is not None:
             self.staged.close()
             self.staged = None
-
-    def _manifest(self, coord: Coordinator, flat: FlatState, reports: list[dict[str, Any]]) -> Manifest:
-        chunks: dict[str, list[Chunk]] = {}
-        files: dict[str, FileEntry] = {}
-        for report in reports:
-            for fname, (size, header_bytes, header_sum) in report["files"].items():
-                files[fname] = FileEntry(size, header_bytes, header_sum)
-            for name, c in report["chunks"]:
-                chunks.setdefault(name, []).append(
-                    Chunk(
-                        tuple(c["offsets"]),
-                        tuple(c["sizes"]),
-                        c["file"],
-                        c["key"],
-                        c["begin"],
-                        c["end"],
-                        tuple(c["checksums"]),
-                        c["digest"],
-                        c["ref"],
-                    )
-                )
-        own = per_rank.merge_reports(flat, reports, chunks)
-        tensors = {}
-        for item in flat.items:
-            mine = sorted(chunks.get(item.name, []), key=lambda c: c.offsets)
-            if sum(math.prod(c.sizes) for c in mine) != math.prod(item.shape):
-                raise CheckpointError(
-                    f"save of {self.path!r}: tensor {item.name!r} was not fully written by the ranks "
-                    "(planning differed "
-                    "between ranks); every rank must pass the same state structure"
-                )
-            tensors[item.name] = TensorEntry(item.local.dtype, item.shape, tuple(mine))
-        tensors.update(own)
-        from shardsafe.version import __version__
-
-        return Manifest(
-            save_id=self.save_id,
-            created=time.time(),
-            world_size=coord.world_size,
-            strategy=flat.strategy,
-            library={"shardsafe": __version__, "torch": torch.__version__.split("+")[0]},
-            block_bytes=self.block_bytes,
-            metadata=self.metadata_json,
-            objects=flat.objects,
-            tensors=tensors,
-            files=files,
-            refs=incremental.ref_table(self.base_manifest, self.base_name, [c for cs in chunks.values() for c in cs])
-            if self.base_manifest is not None
-            else {},
-        )
-
-    # ---------------------------------------------------------------------------------- failure
-
-    def _failed(self, err: BaseException) -> BaseException:
-        """(the rank that caught ``err``) Tell the other ranks, propose "abort" on the decision key, and
-        where abort is the outcome remove what this save wrote (every rank: the removal is idempotent).
-        Where "commit" won first (this rank failed after the decision), nothing is removed. Returns
-        the error to raise. When another rank failed first, a local error that follows from it (e.g.
-        the staging directory vanished under this rank's writer) is reported as that rank's failure."""
-        coord = self.coord
-        if coord is None:
-            return err
-        remote: BaseException | None = None
-        outcome: str | None = None
-        try:
-            remote = coord.remote_failure() if not isinstance(err, CoordinationError) else None
-            if remote is None and not isinstance(
-                err, (RemoteRankError, CheckpointExistsError, incremental.BaseRefusedError)
-            ):
-                coord.fail(self.phase, err)
-            outcome = coord.decide(commit.abort_record(coord.global_rank, self.phase, err))
-        except RankDeadError as lost:  # no store: the outcome is unknown unless nobody could commit yet
-            logger.debug("shardsafe: rank %d could not settle the outcome of %s: %s", coord.rank, self.path, lost)
-        if outcome is None and not self.reported:
-            outcome = "abort"  # without this rank's report no commit is possible
-        if self.staging and outcome is not None and outcome != commit.COMMIT:
-            commit.discard(self)
-        if remote is not None:
-            return remote
-        return self._wrap(err)
-
-    def _wrap(self, err: BaseException) -> BaseException:
-        if isinstance(err, (CheckpointError, CoordinationError)) or not isinstance(err, Exception):
-            return err
-        rank = self.coord.global_rank if self.coord else 0
-        return CheckpointError(
-            f"save of {self.path!r} failed on rank {rank} in phase {self.phase!r}: {type(err).__name__}: {err}. "
-            "Nothing was committed; the previous checkpoint (if any) is untouched. Fix the cause and save again."
-        )
 
 
 def _fingerprint(flat: FlatState) -> str:
@@ -377,7 +372,7 @@ class SaveHandle:
             limit = (
                 timeout
                 if timeout is not None
-                else commit.finish_bound(self.job.deadlines) + knobs.wait_margin_seconds()
+                else self.job.clock.end.remaining() + knobs.error_report_seconds() + knobs.wait_margin_seconds()
             )
             self._thread.join(limit)
             if self._thread.is_alive():

@@ -22,7 +22,7 @@ from shardsafe.coord.progress import RankCounts, gather, publish, register, shar
 from shardsafe.engine.progress import Progress, ProgressCallback, describe
 
 if TYPE_CHECKING:
-    from shardsafe.coord import Coordinator
+    from shardsafe.coord import Operation
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 class Tracker:
     """One operation's progress on one rank. Call order (the operation's thread): :meth:`start` right
     after joining, :meth:`set_total` once planned, :meth:`add`/:meth:`counted` while moving bytes (any
-    thread), :meth:`flush` before the operation's last barrier, :meth:`end` exactly once."""
+    thread), :meth:`own_counts` for the operation's last message (rank 0: :meth:`final` with everyone's),
+    :meth:`end` exactly once."""
 
     def __init__(self, op: str, path: str, callback: ProgressCallback | None) -> None:
         self.op, self.path, self.callback = op, path, callback
@@ -38,7 +39,7 @@ class Tracker:
         self.interval = knobs.progress_interval()
         self.phase = "rendezvous"  # set by the operation, or read through ``phase_of``
         self.phase_of: Callable[[], str] | None = None
-        self.coord: Coordinator | None = None
+        self.coord: Operation | None = None
         self.rank, self.world = 0, 1
         self._lock = threading.Lock()
         self._done = self._total = 0
@@ -50,11 +51,12 @@ class Tracker:
         self._store_failed = False
         self._logged = False
         self._ended = False
-        self._final_gather = False  # rank 0, end of a success: the progress thread reads every rank once more
+        self._final_gather = False  # rank 0, end of a success without final counts: read every rank once more
+        self._finals = False  # rank 0 has every rank's final counts (from the operation's last messages)
 
     # --------------------------------------------------------------------------- the operation
 
-    def start(self, coord: Coordinator | None, phase_of: Callable[[], str] | None = None) -> None:
+    def start(self, coord: Operation | None, phase_of: Callable[[], str] | None = None) -> None:
         """(every rank, the operation's thread, once joined; ``coord=None``: one process) Start the
         progress thread (rank 0, and every rank with peers) and, on rank 0, the callback's thread.
         A callback passed on another rank is not called (documented: rank 0 reports for all)."""
@@ -95,17 +97,19 @@ class Tracker:
             yield view
             self.add(len(view))
 
-    def flush(self) -> None:
-        """(every rank, the operation's thread, before the operation's last barrier) Post this rank's
-        final counts now, so rank 0's final record has every rank's. A store error is logged: the
-        barrier that follows meets the same store and raises it."""
-        if not shared(self.coord) or self._store_failed:
-            return
-        assert self.coord is not None
-        try:
-            publish(self.coord, self._own())
-        except Exception as err:
-            self._store_trouble(err)
+    def own_counts(self) -> list[int]:
+        """(this rank, the operation's thread) Its counts now, ``[done, total]``, for the operation's last
+        message: rank 0's final record then needs no store request of its own."""
+        own = self._own()
+        return [own.done, own.total]
+
+    def final(self, counts: dict[int, list[int]]) -> None:
+        """(rank 0) Every rank's final counts, as their last messages carried them."""
+        with self._lock:
+            for r, c in counts.items():
+                if len(c) == 2 and all(type(x) is int and x >= 0 for x in c):
+                    self._seen[r] = RankCounts(c[0], c[1], "done")
+            self._finals = True
 
     def end(self, error: BaseException | None) -> None:
         """(every rank, the operation's thread, once, when the operation is over; before the
@@ -117,7 +121,7 @@ class Tracker:
         if self._ended:
             return
         self._ended = True
-        self._final_gather = error is None and self.rank == 0
+        self._final_gather = error is None and self.rank == 0 and not self._finals
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -229,7 +233,7 @@ class Tracker:
                 if shared(self.coord) and not self._store_failed:
                     assert self.coord is not None
                     own = self._own()
-                    if own != posted:
+                    if own != posted and time.monotonic() >= self.started + self.interval:
                         try:
                             publish(self.coord, own)
                             posted = own

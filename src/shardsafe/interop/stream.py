@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from shardsafe import knobs
+from shardsafe.deadline import Deadline
 from shardsafe.engine.read import plan_reads, run_tasks
 from shardsafe.errors import CheckpointError, CorruptCheckpointError
 from shardsafe.format.datafile import read_verified
@@ -122,7 +123,12 @@ class PieceReader:
         out = raw.view(entry.dtype).view(shape)
         offsets = (piece.lo,) + (0,) * (len(entry.shape) - 1) if entry.shape else ()
         run_tasks(
-            self.storage, self.path, self.manifest, plan_reads(piece.name, entry, out, offsets), _nothing, self.timeout
+            self.storage,
+            self.path,
+            self.manifest,
+            plan_reads(piece.name, entry, out, offsets),
+            _nothing,
+            Deadline.after(self.timeout, "io"),
         )
         return out
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from shardsafe import knobs
+from shardsafe.deadline import Deadline
 from shardsafe.engine.progress import ProgressCallback, check_callback, load_bytes
 from shardsafe.engine.read import check_sizes, plan_reads, read_manifest, run_tasks
 from shardsafe.engine.tracker import tracked
@@ -73,7 +74,8 @@ def export_torch(
             tasks += plan_reads(ref, entry, tensors[ref], (0,) * len(entry.shape))
         tracker.set_total(load_bytes(manifest, tasks))
         tracker.phase = "read"
-        run_tasks(storage, source, manifest, tasks, lambda: None, timeout or knobs.io_timeout(), tracker.add)
+        deadline = Deadline.after(timeout or knobs.io_timeout(), "io")
+        run_tasks(storage, source, manifest, tasks, lambda: None, deadline, tracker.add)
         tracker.phase = "write"
         for ref, t in tensors.items():
             tensors[ref] = t.to(_out_dtype(t.dtype, out_dtype))

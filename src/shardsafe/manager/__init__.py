@@ -4,7 +4,7 @@ preemption. :class:`CheckpointManager` is the entry point; retention policies ar
 Lives here: the manager (``manager``), its config (``config``), when to save (``schedule``), preemption
 signals (``preemption``), retention policies (``retention``), listing and ``ls`` (``listing``), cleanup
 of leftovers (``cleanup``), resume (``resume``) and the base of an incremental save (``incremental``).
-Its store agreements live in coord.agreement.
+Its store agreements live in coord.steps.
 
 Layer: may import engine, storage, coord, display, errors; imported by the public package and the CLI."""
 

@@ -15,9 +15,8 @@ import torch
 
 from shardsafe import knobs
 from shardsafe.coord import Deadlines
-from shardsafe.coord.agreement import StepBroadcast, StopAgreement, StoreKeys
-from shardsafe.coord.connection import preferred
 from shardsafe.coord.resolve import resolve_group
+from shardsafe.coord.steps import StepBroadcast, StopAgreement, StoreKeys
 from shardsafe.engine import api
 from shardsafe.engine.guard import mapped_errors
 from shardsafe.engine.options import SaveOptions
@@ -126,16 +125,14 @@ class CheckpointManager:
             mode=self.config.mode,
             keep_every_n_steps=self.config.keep_every_n_steps,
         )
-        keys = StoreKeys.for_manager(store if store is None else preferred(store, identity), namespace)
+        keys = StoreKeys.for_manager(store, namespace, identity, self._deadlines.arrive)
         self._flag = SignalFlag(self.config.save_on_signals)
         self._schedule = Schedule(
             self.config,
             rank=self.rank,
             flag=self._flag,
             stop=StopAgreement(keys),
-            tick=StepBroadcast(
-                keys, "every_seconds", rank=self.rank, world_size=self.world_size, timeout=self._deadlines.arrive
-            ),
+            tick=StepBroadcast(keys, "every_seconds", rank=self.rank, world_size=self.world_size),
         )
         self._pending: _Pending | None = None
         self._resumed_step: int | None = None

@@ -3,7 +3,7 @@
 - :class:`SignalFlag` installs handlers that only set a flag (no I/O, no locks: a handler may run
   between any two bytecodes of the training loop) and puts the previous handlers back on
   :meth:`~SignalFlag.restore`.
-- :class:`~shardsafe.coord.agreement.StopAgreement` (in :mod:`shardsafe.coord`, the only place that
+- :class:`~shardsafe.coord.steps.StopAgreement` (in :mod:`shardsafe.coord`, the only place that
   touches the store) settles the step through the rendezvous store. The first rank to notice its
   flag proposes ``its step + 1`` with ``compare_set`` (first writer wins, so every proposal resolves
   to the same value); every rank checks the key (one cheap ``store.check``) at each ``maybe_save``

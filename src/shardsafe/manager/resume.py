@@ -2,13 +2,14 @@
 
 Protocol (every rank calls :func:`resume_newest`):
 
-1. rendezvous ``manager.resume``; rank 0 lists the root and broadcasts the committed checkpoints,
-   newest first, and the entries it skips (incomplete, bad manifest) with the reason;
-2. for each candidate: with ``verify``, every rank checks its share of the files and a rendezvous
-   ``manager.resume.verify`` collects the outcomes (a damaged candidate is skipped before the state
-   changes); then every rank loads it with :func:`shardsafe.load` (which verifies every byte it
-   reads), then a rendezvous ``manager.resume.load`` collects each rank's outcome, so every rank
-   sees the same outcomes and takes the same branch:
+1. the operation ``manager.resume``; its first agreement, ``plan``: rank 0 lists the root and decides
+   the committed checkpoints, newest first, and the entries it skips (incomplete, bad manifest) with
+   the reason (a listing that fails is decided for every rank: each raises the same error);
+2. for each candidate: with ``verify``, every rank checks its share of the files and an agreement
+   ``verify.<n>`` collects the outcomes (a damaged candidate is skipped before the state changes);
+   then every rank loads it with :func:`shardsafe.load` (which verifies every byte it reads), then an
+   agreement ``load.<n>`` collects each rank's outcome, so every rank sees the same outcomes and takes
+   the same branch:
    - all ranks loaded it: done;
    - any rank found it damaged (corrupt bytes, a missing or truncated file): WARNING naming it and
      why, then the next older candidate, which overwrites whatever the failed attempt loaded;
@@ -18,16 +19,16 @@ Protocol (every rank calls :func:`resume_newest`):
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from shardsafe.coord import Coordinator, Deadlines
+from shardsafe.coord import Deadline, Deadlines, Operation
+from shardsafe.coord.messages import Attempt, Attempts, ResumePlan
 from shardsafe.engine import api
 from shardsafe.engine.progress import ProgressCallback
-from shardsafe.errors import CorruptCheckpointError, RemoteRankError
+from shardsafe.errors import CheckpointError, CorruptCheckpointError, RemoteRankError
 from shardsafe.manager.config import ManagerConfig
 from shardsafe.manager.listing import CheckpointRecord, scan
 from shardsafe.storage import Storage
@@ -48,22 +49,21 @@ class Resumed:
     damaged: tuple[str, ...]
 
 
-def _plan(fs: Storage, config: ManagerConfig) -> dict[str, Any]:
+def _plan(fs: Storage, config: ManagerConfig) -> ResumePlan:
     records = scan(fs, config.root, config.template)
     committed = sorted(
         (r for r in records if r.status == "committed" and r.step is not None), key=lambda r: r.step or 0, reverse=True
     )
     skipped = [r for r in records if r.status not in ("committed", "retired")]
-    return {
-        "candidates": [[r.name, r.path, r.step] for r in committed],
-        "skipped": [[r.name, r.path, r.step, r.reason] for r in skipped],
-    }
+    return ResumePlan(
+        [[r.name, r.path, r.step] for r in committed], [[r.name, r.path, r.step, r.reason] for r in skipped]
+    )
 
 
-def _outcome(err: Exception | None) -> dict[str, Any]:
+def _outcome(err: Exception | None) -> Attempt:
     if err is None:
-        return {"ok": True}
-    return {"ok": False, "damaged": isinstance(err, DAMAGED), "error": f"{type(err).__name__}: {err}"}
+        return Attempt(True, False, "")
+    return Attempt(False, isinstance(err, DAMAGED), f"{type(err).__name__}: {err}")
 
 
 def resume_newest(
@@ -85,40 +85,66 @@ def resume_newest(
 
     Returns ``None`` when there is no committed checkpoint. Raises :class:`CorruptCheckpointError`
     when there are some but every one is damaged (``state`` may then hold part of one of them, unless
-    ``verify``), and re-raises on every rank a failure that is not about the checkpoint's bytes.
-    ``progress`` is passed to each :func:`shardsafe.load` (rank 0 calls it)."""
-    c = Coordinator.join("manager.resume", config.root, deadlines=deadlines)
-    plan_json = None
-    if rank == 0:
+    ``verify``), and re-raises on every rank a failure that is not about the checkpoint's bytes; a
+    listing that fails on rank 0 raises the same :class:`CheckpointError` on every rank. ``progress``
+    is passed to each :func:`shardsafe.load` (rank 0 calls it)."""
+    op = Operation.begin("manager.resume", config.root, deadlines.start())
+    try:
+        result = _resume(op, fs, config, state, deadlines, verify, progress)
+    except BaseException:
+        if op.outcome_known:
+            op.acknowledge()
+        raise
+    else:
+        op.acknowledge()
+        return result
+    finally:
+        op.close()
+
+
+def _resume(
+    op: Operation,
+    fs: Storage,
+    config: ManagerConfig,
+    state: MutableMapping[str, Any],
+    deadlines: Deadlines,
+    verify: bool,
+    progress: ProgressCallback | None,
+) -> Resumed | None:
+    def listing(_envelopes: dict[int, Any]) -> ResumePlan:
         try:
-            plan_json = json.dumps(_plan(fs, config))
-        except Exception as err:
-            c.fail("list", err)
+            return _plan(fs, config)
+        except CheckpointError:
             raise
-    plan = json.loads(c.broadcast("plan", plan_json, src=0, timeout=deadlines.arrive))
+        except Exception as err:  # decided for every rank: each raises this same error
+            raise CheckpointError(
+                f"resume from {config.root!r}: listing its checkpoints failed on rank 0 ({type(err).__name__}: "
+                f"{err}); fix the storage or the path and restart"
+            ) from err
+
+    plan = ResumePlan.from_json(op.agree("plan", None, listing if op.rank == 0 else None))
     damaged: list[str] = []
     failures: list[str] = []
-    io_wait = Deadlines(arrive=deadlines.io, io=deadlines.io)  # the slowest rank's load bounds the wait
-    for name, path, step in plan["candidates"]:
+    for n, (name, path, step) in enumerate(plan.candidates):
         steps: list[tuple[str, Callable[[], Any]]] = []
         if verify:
-            steps.append(("verify", functools.partial(api.verify, path, part=(c.rank, c.world_size))))
+            steps.append(("verify", functools.partial(api.verify, path, part=(op.rank, op.world_size))))
         steps.append(("load", functools.partial(api.load, path, state, timeout=config.timeout, progress=progress)))
         why = None
         for what, run in steps:
-            why = _attempt(what, run, path, rank, io_wait)
+            why = _attempt(op, f"{what}.{n}", what, run, path, deadlines)
             if why is not None:
                 break
         if why is None:
-            _warn_skipped(rank, plan["skipped"], step)
-            if rank == 0:
+            _warn_skipped(op.rank, plan.skipped, step)
+            if op.rank == 0:
                 logger.info("shardsafe: resumed from %s (step %d)", path, step)
             return Resumed(step=step, name=name, damaged=tuple(damaged))
-        if rank == 0:
+        if op.rank == 0:
             logger.warning("shardsafe: resume skips %s (step %d): damaged: %s", path, step, why)
         damaged.append(name)
         failures.append(f"  {path}: {why}")
-    _warn_skipped(rank, plan["skipped"], None)
+    _warn_skipped(op.rank, plan.skipped, None)
     if failures:
         untouched = (
             "The state is untouched (every candidate failed verification)."
@@ -130,36 +156,42 @@ def resume_newest(
             + "\n".join(failures)
             + f"\n{untouched} Repair or move these away to start from scratch."
         )
-    if rank == 0:
+    if op.rank == 0:
         logger.info("shardsafe: no committed checkpoint under %s; starting from scratch", config.root)
     return None
 
 
-def _attempt(what: str, run: Callable[[], Any], path: str, rank: int, io_wait: Deadlines) -> str | None:
-    """(every rank) Run one step on a candidate and share its outcome through the store, so every rank
-    takes the same branch: ``None`` when it succeeded on every rank, the reasons when some rank found
-    the checkpoint damaged; any other failure is raised on every rank."""
+def _attempt(
+    op: Operation, phase: str, what: str, run: Callable[[], Any], path: str, deadlines: Deadlines
+) -> str | None:
+    """(every rank) Run one step on a candidate and share its outcome, so every rank takes the same
+    branch: ``None`` when it succeeded on every rank, the reasons when some rank found the checkpoint
+    damaged; any other failure is raised on every rank."""
     error: Exception | None = None
     try:
         run()
     except Exception as err:  # classified and shared below; re-raised unless it means "damaged"
         error = err
     mine = _outcome(error)
-    c = Coordinator.join(f"manager.resume.{what}", path, deadlines=io_wait, extra={"outcome": mine})
-    outcomes: list[dict[str, Any]] = [info["outcome"] for info in c.infos]
-    if all(o["ok"] for o in outcomes):
+
+    def collect(envelopes: dict[int, Any]) -> Attempts:
+        return Attempts([envelopes[r].body for r in range(len(envelopes))])
+
+    decided = op.agree(phase, mine, collect if op.rank == 0 else None, deadline=Deadline.after(deadlines.io, "io"))
+    outcomes = [Attempt.from_json(o) for o in Attempts.from_json(decided).attempts]
+    if all(o.ok for o in outcomes):
         return None
-    why = "; ".join(f"rank {r}: {o['error']}" for r, o in enumerate(outcomes) if not o["ok"])
-    if not any(o.get("damaged") for o in outcomes):
+    why = "; ".join(f"rank {r}: {o.error}" for r, o in enumerate(outcomes) if not o.ok)
+    if not any(o.damaged for o in outcomes):
         if error is not None:
             raise error
-        r, o = next((r, o) for r, o in enumerate(outcomes) if not o["ok"])
+        r, o = next((r, o) for r, o in enumerate(outcomes) if not o.ok)
         raise RemoteRankError(
-            f"resume from {path!r} failed on rank {r} ({what}): {o['error']}. This is not damage to the checkpoint "
+            f"resume from {path!r} failed on rank {r} ({what}): {o.error}. This is not damage to the checkpoint "
             "(so no older one is tried); fix the cause on that rank and restart.",
             rank=r,
             phase=f"manager.resume.{what}",
-            cause=o["error"],
+            cause=o.error,
         ) from None
     return why
 

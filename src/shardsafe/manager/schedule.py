@@ -6,7 +6,7 @@ same branch and make the same store calls):
 1. preemption: a step at or after the stop step agreed through :class:`StopAgreement`;
 2. ``step % every_n_steps == 0``: pure arithmetic, no talk needed;
 3. ``every_seconds``: only rank 0's clock counts; it decides and the others read its decision from
-   the store (:class:`~shardsafe.coord.agreement.StepBroadcast`, a few store calls per step where
+   the store (:class:`~shardsafe.coord.steps.StepBroadcast`, a few store calls per step where
    this is reached).
 
 A step already saved by this manager (or resumed from) is never scheduled again, and asking twice for
@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from shardsafe.coord.agreement import StepBroadcast, StopAgreement
+from shardsafe.coord.steps import StepBroadcast, StopAgreement
 from shardsafe.manager.config import ManagerConfig
 from shardsafe.manager.preemption import SignalFlag
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from shardsafe.coord import Coordinator, Deadlines, call_site
+from shardsafe.coord import Deadlines, call_site, rendezvous
 from shardsafe.errors import InvalidArgumentError, LaunchError
 from shardsafe.runtime import launch as _launch
 from shardsafe.runtime import strategies
@@ -267,7 +267,7 @@ class Runtime:
         """
         if self._need_world("setup"):
             target = f"{type(model).__qualname__} with {len(optimizers)} optimizer(s)"
-            Coordinator.join("setup", target, deadlines=self.deadlines, match_site=True)
+            rendezvous("setup", target, self.deadlines, match_site=True)
         wrapped = strategies.setup_module(self.plan, self.device, model, optimizers, self.config.block_types)
         return (wrapped, *optimizers) if optimizers else wrapped
 
@@ -286,7 +286,7 @@ class Runtime:
         """(every rank) Wait until every rank is here, within ``timeout``. A named barrier also checks that
         every rank calls it from the same file:line (else :class:`RankDesyncError` on every rank)."""
         if self._need_world("barrier") and self.world_size > 1:
-            Coordinator.join("barrier", name or "", deadlines=self.deadlines, match_site=name is not None)
+            rendezvous("barrier", name or "", self.deadlines, match_site=name is not None)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """(every rank) ``src``'s ``obj`` on every rank: tensors by a collective (in place, and returned),

@@ -282,6 +282,21 @@ def _stand_ins(value: dict[str, Any], shards: dict[int, tuple[Layout, torch.Tens
     return swap(value)  # type: ignore[no-any-return]
 
 
+def exchange_payload(state: Mapping[str, Any]) -> str:
+    """(every rank, before a save's rendezvous) What this rank contributes to the FSDP1 exchange of
+    :func:`flatten` (JSON), or ``""`` when the state needs none (no FSDP1 optimizer over original
+    parameters). The save sends it in its first agreement and hands every rank's to ``flatten``."""
+    captured: list[str] = []
+
+    def capture(_phase: str, payload: str) -> list[str]:
+        captured.append(payload)
+        return [payload]
+
+    if isinstance(state, Mapping):
+        _fsdp1_state(state, capture)
+    return captured[0] if captured else ""
+
+
 def _fsdp1_state(state: Mapping[str, Any], gather: fsdp1.Gather | None) -> fsdp1.Fsdp1State | None:
     """FSDP1 hook (state/fsdp1.py): the FSDP1 modules of ``state`` and, for optimizers over their
     original parameters, the state structure exchanged through ``gather``."""

@@ -1,20 +1,22 @@
-"""Per-rank state (DESIGN.md principle 11): values that differ between ranks (RNG states, data-loader
-positions) are kept per rank, never silently replaced by rank 0's.
+"""Per-rank state: values that differ between ranks (RNG states, data-loader positions) are kept per
+rank, never silently replaced by rank 0's.
 
-At save, after :func:`~shardsafe.state.flatten.flatten` and before planning (every rank,
-:func:`find_per_rank`):
+At save, after :func:`~shardsafe.state.flatten.flatten` (every rank), riding on the save's first
+agreement so that it costs no round of its own in the common case:
 
 1. Each rank digests its ``value`` and ``stateful`` entries (never modules and optimizers, whose
    tensors the strategy keeps equal or shards): plain values exactly; plain tensors up to
    ``SHARDSAFE_PER_RANK_DIGEST_BYTES`` by their bytes, larger ones and DTensors by dtype and shape
-   only; ``per_rank()`` values not at all (they are per rank anyway).
-2. Every rank posts one digest per entry; rank 0 compares them and broadcasts the entries that differ.
-3. Only if some differ: every rank posts a digest and a structure signature for every node of those
-   entries; rank 0 picks, top-down, the smallest subtrees that differ (a dict, list or tuple whose
-   keys or length agree on every rank is descended into) and broadcasts their paths.
-4. Every rank turns those subtrees and its ``per_rank()`` values into ``per_rank`` nodes holding its
-   own value, renames the tensors inside to ``/rank<r>/<name>`` (a name no other tensor can have:
-   every other name starts with a non-empty top-level key) and writes them itself, whole.
+   only; ``per_rank()`` values not at all (they are per rank anyway). With the entry digests it sends
+   a digest and a structure signature for every node of those entries (:func:`digests`; when there are
+   more than :data:`NODE_CAP`, none).
+2. Rank 0 compares them (:func:`decide`) and, top-down, picks the smallest subtrees that differ (a
+   dict, list or tuple whose keys or length agree on every rank is descended into). Only when some
+   entry differs and some rank sent no node table does a second round ask for the nodes of the
+   differing entries (:func:`nodes_of`, :func:`paths`).
+3. Every rank turns those subtrees and its ``per_rank()`` values into ``per_rank`` nodes holding its
+   own value (:func:`apply`), renames the tensors inside to ``/rank<r>/<name>`` (a name no other tensor
+   can have: every other name starts with a non-empty top-level key) and writes them itself, whole.
 
 Each rank's report carries its per-rank values (:func:`report`); rank 0 puts every rank's value into
 each ``per_rank`` node of the manifest (:func:`merge_reports`).
@@ -30,7 +32,6 @@ from typing import Any
 import xxhash
 
 from shardsafe import knobs
-from shardsafe.coord import Coordinator, Deadlines
 from shardsafe.errors import CheckpointError, UnsafeValueError
 from shardsafe.format.datafile import tensor_bytes
 from shardsafe.format.manifest import Chunk, TensorEntry
@@ -146,33 +147,57 @@ def _compared(flat: FlatState) -> list[str]:
 # ------------------------------------------------------------------------------------- the exchange
 
 
-def find_per_rank(flat: FlatState, coord: Coordinator, deadlines: Deadlines) -> None:
-    """(every rank of a save, after flatten, before planning) Find the values that differ between
-    ranks, with rank 0 deciding through the store (two short rounds at most; one when nothing
-    differs), and turn them, and the ``per_rank()`` values, into per-rank nodes of ``flat``. Waits
-    for every rank (``deadlines.io``). When the ranks passed states with different entries, rank 0
-    raises :class:`CheckpointError` naming them and the others :class:`RemoteRankError`."""
+NODE_CAP = 2000
+"""At most this many node digests per rank ride on a save's arrival message; with more, rank 0 asks for
+the nodes of the differing entries in a round of their own (only when some entry differs)."""
+
+
+def digests(flat: FlatState) -> tuple[dict[str, list[str]], dict[str, list[str]] | None]:
+    """(every rank, before the save's rendezvous) This rank's side of the per-rank comparison: for every
+    entry, its kind and (for value and stateful entries) its digest; and the digest and structure of
+    every node of those entries, or ``None`` when there are more than :data:`NODE_CAP`."""
     items = {i.name: i for i in flat.items}
-    decided: list[Path] = []
-    if coord.world_size > 1 and coord.store is not None:
-        mine = {k: [obj["kind"], ""] for k, obj in flat.objects.items()}
-        for key in _compared(flat):
-            mine[key][1] = _digests(flat.objects[key]["value"], [key], items, None)
-        tables = coord.barrier("per_rank.digests", json.dumps(mine), timeout=deadlines.io, collect=coord.rank == 0)
-        differ: list[str] | None = None
-        if coord.rank == 0:
-            differ = _differing_entries(flat, [json.loads(t) for t in tables], coord.target)
-        differ = json.loads(coord.broadcast("per_rank.entries", json.dumps(differ), timeout=deadlines.io))
-        if differ:
-            nodes: dict[str, tuple[str, str]] = {}
-            for key in differ:
-                _digests(flat.objects[key]["value"], [key], items, nodes)
-            tables = coord.barrier("per_rank.nodes", json.dumps(nodes), timeout=deadlines.io, collect=coord.rank == 0)
-            paths = None
-            if coord.rank == 0:
-                paths = _differing_paths(flat, differ, [json.loads(t) for t in tables])
-            decided = json.loads(coord.broadcast("per_rank.paths", json.dumps(paths), timeout=deadlines.io))
-    _mark(flat, decided, coord.rank)
+    entries = {k: [obj["kind"], ""] for k, obj in flat.objects.items()}
+    nodes: dict[str, tuple[str, str]] = {}
+    for key in _compared(flat):
+        entries[key][1] = _digests(flat.objects[key]["value"], [key], items, nodes)
+    table = {k: list(v) for k, v in nodes.items()} if len(nodes) <= NODE_CAP else None
+    return entries, table
+
+
+def nodes_of(flat: FlatState, keys: list[str]) -> dict[str, list[str]]:
+    """(every rank, when rank 0 asks) The digest and structure of every node of the entries ``keys``."""
+    items = {i.name: i for i in flat.items}
+    nodes: dict[str, tuple[str, str]] = {}
+    for key in keys:
+        _digests(flat.objects[key]["value"], [key], items, nodes)
+    return {k: list(v) for k, v in nodes.items()}
+
+
+def decide(
+    flat: FlatState, entries: list[dict[str, list[str]]], nodes: list[dict[str, list[str]] | None], target: str
+) -> tuple[list[Path] | None, list[str]]:
+    """(rank 0, every rank's :func:`digests` in rank order) The subtrees to keep per rank, or ``None``
+    when some rank sent no node table and some entries differ (then a round with :func:`nodes_of`
+    follows, and :func:`paths` decides); and the entries that differ. Raises :class:`CheckpointError`
+    when the ranks' entries themselves differ (every rank raises it)."""
+    differ = _differing_entries(flat, entries, target)
+    if not differ:
+        return [], []
+    if any(n is None for n in nodes):
+        return None, differ
+    return paths(flat, differ, [n for n in nodes if n is not None]), differ
+
+
+def paths(flat: FlatState, differ: list[str], tables: list[dict[str, list[str]]]) -> list[Path]:
+    """(rank 0) The smallest subtrees of the entries ``differ`` that differ, from every rank's node table."""
+    return _differing_paths(flat, differ, tables)
+
+
+def apply(flat: FlatState, decided: list[Path], rank: int) -> None:
+    """(every rank, once the per-rank subtrees are decided) Turn them, and this rank's ``per_rank()``
+    values, into per-rank nodes of ``flat`` (see the module docstring)."""
+    _mark(flat, decided, rank)
 
 
 def _differing_entries(flat: FlatState, tables: list[dict[str, list[str]]], target: str) -> list[str]:

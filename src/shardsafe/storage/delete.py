@@ -278,7 +278,7 @@ def discard_save(storage: Storage, staging: str, target: str, save_id: str, worl
     this save id that an interrupted publish had moved into ``target`` go too, unless a manifest
     committed there lists them."""
     own = [data_file(r, save_id) for r in range(world_size)]
-    if staging != target:
+    if staging != target and storage.is_dir(staging):  # another rank may have removed it already
         delete_files(storage, staging, [*own, *STAGED_MANIFEST])
         storage.remove_dir_if_empty(staging)
     storage.cancel_uploads(target, save_id)
