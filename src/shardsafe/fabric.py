@@ -109,9 +109,10 @@ class _ShardsafeCheckpoints:
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         """(every rank) ``fabric.load`` / ``fabric.load_raw``. With a dict: restores its objects in place and
-        returns the checkpoint's entries it did not ask for. With nothing: the whole checkpoint, CPU
-        tensors. With a module (``load_raw``): the checkpoint's only module entry, or a checkpoint saved
-        from a bare state dict. ``weights_only`` is accepted and moot: shardsafe never unpickles."""
+        returns the small entries it did not ask for (``rest="values"``; the others are not read). With
+        nothing: the whole checkpoint, CPU tensors. With a module (``load_raw``): the checkpoint's only
+        module entry, or a checkpoint saved from a bare state dict. ``weights_only`` is accepted and
+        moot: shardsafe never unpickles."""
         _refuse_pickle_file(path)
         if not state:
             return api.load(path)

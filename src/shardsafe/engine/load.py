@@ -29,6 +29,7 @@ from shardsafe.engine.tracker import Tracker
 from shardsafe.errors import CheckpointError, CoordinationError, CorruptCheckpointError, MissingKeysError
 from shardsafe.format.manifest import Manifest
 from shardsafe.state.layout import Box
+from shardsafe.state.rest import Remainder, Rest, choose
 from shardsafe.state.restore import Op, Restorer
 from shardsafe.storage import get_storage
 
@@ -47,8 +48,10 @@ def load(
     cast: bool = False,
     device: torch.device | None = None,
     progress: ProgressCallback | None = None,
+    rest: Rest = "values",
 ) -> dict[str, Any]:
-    """(all ranks of the group, or one process) See :func:`shardsafe.load`."""
+    """(all ranks of the group, or one process) See :func:`shardsafe.load`. ``rest``: which unrequested
+    entries are read and returned (state/rest.py); without a state, every entry."""
     path = str(path)
     storage = get_storage(path, storage_options)
     single = state is None
@@ -68,6 +71,7 @@ def load(
         rank, world = (coord.rank, coord.world_size) if coord is not None else (None, 1)
         r = Restorer(manifest, path, rank=rank, world_size=world, cast=cast, device=device, allow_pickle=allow_pickle)
         extra: dict[str, Op] = {}
+        left: dict[str, str] = {}  # unrequested entries not read (state/rest.py)
         if state is None:
             extra = {key: r.extra(key) for key in manifest.objects}
         else:
@@ -76,7 +80,8 @@ def load(
                     r.plan_entry(key, obj, state)
                 else:
                     r.missing.append(key)
-            extra = {key: r.extra(key) for key in manifest.objects if key not in state}
+            wanted, left = choose(manifest, state, rest)
+            extra = {key: r.extra(key) for key in wanted}
             if r.missing and strict:
                 raise _missing_error(path, manifest, r.missing)
         check_sizes(storage, path, manifest, r.names())  # before allocating what the manifest sizes
@@ -112,6 +117,10 @@ def load(
                 f"{err}); the state may be partly loaded. Load again, or resume from another checkpoint."
             ) from err
         out = {key: op() for key, op in extra.items()}
+        if state is not None:
+            out = Remainder(out, path=path, left=left, rest=rest)
+            if left:
+                logger.debug("shardsafe: load of %s left %s on disk (not asked for; rest=%r)", path, left, rest)
         if r.missing:
             logger.warning("shardsafe: loaded %s without %s (not in the checkpoint; strict=False)", path, r.missing)
         if coord is not None:

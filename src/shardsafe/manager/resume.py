@@ -103,7 +103,8 @@ def resume_newest(
         steps: list[tuple[str, Callable[[], Any]]] = []
         if verify:
             steps.append(("verify", functools.partial(api.verify, path, part=(c.rank, c.world_size))))
-        steps.append(("load", functools.partial(api.load, path, state, timeout=config.timeout, progress=progress)))
+        load = functools.partial(api.load, path, state, timeout=config.timeout, progress=progress, rest="none")
+        steps.append(("load", load))  # rest="none": nothing is returned, so nothing unrequested is read
         why = None
         for what, run in steps:
             why = _attempt(what, run, path, rank, io_wait)
