@@ -3,7 +3,8 @@
 Protocol (every rank calls :func:`resume_newest`):
 
 1. rendezvous ``manager.resume``; rank 0 lists the root and broadcasts the committed checkpoints,
-   newest first, and the entries it skips (incomplete, bad manifest) with the reason;
+   newest first, and the entries it skips (incomplete, bad manifest, no step, not what the state asks
+   for) with the reason;
 2. for each candidate: with ``verify``, every rank checks its share of the files and a rendezvous
    ``manager.resume.verify`` collects the outcomes (a damaged candidate is skipped before the state
    changes); then every rank loads it with :func:`shardsafe.load` (which verifies every byte it
@@ -20,14 +21,14 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Collection, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 from shardsafe.coord import Coordinator, Deadlines
 from shardsafe.engine import api
 from shardsafe.engine.progress import ProgressCallback
-from shardsafe.errors import CorruptCheckpointError, RemoteRankError
+from shardsafe.errors import CheckpointError, CorruptCheckpointError, RemoteRankError
 from shardsafe.manager.config import ManagerConfig
 from shardsafe.manager.listing import CheckpointRecord, scan
 from shardsafe.storage import Storage
@@ -48,16 +49,59 @@ class Resumed:
     damaged: tuple[str, ...]
 
 
-def _plan(fs: Storage, config: ManagerConfig) -> dict[str, Any]:
-    records = scan(fs, config.root, config.template)
-    committed = sorted(
-        (r for r in records if r.status == "committed" and r.step is not None), key=lambda r: r.step or 0, reverse=True
+_NO_STEP = (
+    "its manifest records no step and its name tells none, so it cannot be ordered with the others; save it "
+    "with metadata={'step': N}, or name it like 'step-N', for resume to use it"
+)
+
+
+def candidates(
+    fs: Storage, config: ManagerConfig, asked: Collection[str] | None = None
+) -> tuple[list[tuple[CheckpointRecord, bool]], list[list[Any]]]:
+    """(rank 0, local) What a resume may load, newest first, each with whether the manager named it
+    (its ``name`` template made the name), and what it skips with the reason, as ``[name, path, step,
+    reason]``. Every committed checkpoint under the root counts, whatever its name, by its step (of the
+    template's name; else recorded in its metadata or told by its name, listing.py:step_from_name); on
+    equal steps the manager's own name first, then the newer commit. A checkpoint of another name
+    whose step cannot be told, or that lacks an entry of ``asked`` (the state's keys), is skipped."""
+    records = scan(fs, config.root, config.template, others=True)
+    found: list[tuple[CheckpointRecord, bool]] = []
+    skipped: list[list[Any]] = []
+    for r in records:
+        if r.status == "retired":
+            continue
+        if r.status != "committed":
+            skipped.append([r.name, r.path, r.step, r.reason])
+            continue
+        own = config.template.parse(r.name) is not None
+        why = _NO_STEP if r.step is None else None if own or asked is None else _lacks(r.path, asked)
+        if why is not None:
+            skipped.append([r.name, r.path, r.step, why])
+            continue
+        found.append((r, own))
+    found.sort(key=lambda c: (c[0].step or 0, c[1], c[0].created or 0.0, c[0].name), reverse=True)
+    return found, skipped
+
+
+def _lacks(path: str, asked: Collection[str]) -> str | None:
+    """Why a checkpoint the manager did not name is not loaded into a state with keys ``asked``: it lacks
+    some of them (a weights-only export beside the run's checkpoints, say), or its manifest went bad."""
+    try:
+        held = {e.name for e in api.inspect(path).entries if e.kind != "tensor"}
+    except CheckpointError as err:
+        return f"{type(err).__name__}: {err}"
+    lacking = sorted(set(asked) - held)
+    if not lacking:
+        return None
+    return (
+        f"it does not hold {lacking}, which the state asks for (it holds {sorted(held)}); a checkpoint this "
+        "manager did not name is used only when it holds every entry of the state"
     )
-    skipped = [r for r in records if r.status not in ("committed", "retired")]
-    return {
-        "candidates": [[r.name, r.path, r.step] for r in committed],
-        "skipped": [[r.name, r.path, r.step, r.reason] for r in skipped],
-    }
+
+
+def _plan(fs: Storage, config: ManagerConfig, asked: Collection[str]) -> dict[str, Any]:
+    found, skipped = candidates(fs, config, asked)
+    return {"candidates": [[r.name, r.path, r.step, own] for r, own in found], "skipped": skipped}
 
 
 def _outcome(err: Exception | None) -> dict[str, Any]:
@@ -91,7 +135,7 @@ def resume_newest(
     plan_json = None
     if rank == 0:
         try:
-            plan_json = json.dumps(_plan(fs, config))
+            plan_json = json.dumps(_plan(fs, config, list(state)))
         except Exception as err:
             c.fail("list", err)
             raise
@@ -99,7 +143,7 @@ def resume_newest(
     damaged: list[str] = []
     failures: list[str] = []
     io_wait = Deadlines(arrive=deadlines.io, io=deadlines.io)  # the slowest rank's load bounds the wait
-    for name, path, step in plan["candidates"]:
+    for name, path, step, own in plan["candidates"]:
         steps: list[tuple[str, Callable[[], Any]]] = []
         if verify:
             steps.append(("verify", functools.partial(api.verify, path, part=(c.rank, c.world_size))))
@@ -113,7 +157,8 @@ def resume_newest(
         if why is None:
             _warn_skipped(rank, plan["skipped"], step)
             if rank == 0:
-                logger.info("shardsafe: resumed from %s (step %d)", path, step)
+                other = "" if own else f"; not named by name={config.name!r}, so retention never deletes it"
+                logger.info("shardsafe: resumed from %s (step %d%s)", path, step, other)
             return Resumed(step=step, name=name, damaged=tuple(damaged))
         if rank == 0:
             logger.warning("shardsafe: resume skips %s (step %d): damaged: %s", path, step, why)
@@ -175,10 +220,10 @@ def _warn_skipped(rank: int, skipped: list[list[Any]], chosen_step: int | None) 
 
 
 def newest_verified(fs: Storage, config: ManagerConfig) -> CheckpointRecord | None:
-    """(any rank, local) The newest committed checkpoint that passes :func:`shardsafe.verify`,
-    skipping damaged ones with a WARNING. Reads every byte of each candidate it checks."""
-    records = scan(fs, config.root, config.template)
-    for record in sorted((r for r in records if r.status == "committed"), key=lambda r: r.step or 0, reverse=True):
+    """(any rank, local) The newest committed checkpoint that passes :func:`shardsafe.verify`, among
+    those a resume may load (:func:`candidates`, whatever their names), skipping damaged ones with a
+    WARNING. Reads every byte of each candidate it checks."""
+    for record, _ in candidates(fs, config)[0]:
         try:
             api.verify(record.path)
         except (CorruptCheckpointError, OSError, EOFError) as err:
