@@ -49,8 +49,7 @@ SCRIPT = textwrap.dedent(
 
 
     def main(root):
-        fabric = L.Fabric()  # accelerator, devices and strategy from `fabric run`
-        fabric.launch()
+        fabric = L.Fabric()  # accelerator, devices and strategy from `fabric run`, which launched the processes
         fabric.strategy.checkpoint_timeout = 60
         rank = fabric.global_rank
         out = {"strategy": type(fabric.strategy).__module__ + "." + type(fabric.strategy).__name__}
