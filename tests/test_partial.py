@@ -94,9 +94,12 @@ def test_shape_mismatch_names_the_key(tmp_path: Any) -> None:
 
 
 def test_unrequested_entries_are_returned(tmp_path: Any) -> None:
+    """Small ones by default (a module is not: it stays on disk, tests/test_selective_load.py); every one
+    with rest="all"."""
     shardsafe.save(tmp_path / "c", {"model": torch.nn.Linear(2, 2), "epoch": 3, "hist": [torch.ones(2), 1.5]})
     state: dict[str, Any] = {"epoch": 0}
     rest = shardsafe.load(tmp_path / "c", state)
     assert state["epoch"] == 3
-    assert sorted(rest) == ["hist", "model"]
+    assert sorted(rest) == ["hist"]
     assert torch.equal(rest["hist"][0], torch.ones(2)) and rest["hist"][1] == 1.5
+    assert sorted(shardsafe.load(tmp_path / "c", state, rest="all")) == ["hist", "model"]

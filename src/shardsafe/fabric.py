@@ -12,6 +12,15 @@ Each class takes exactly the arguments of the Fabric strategy it extends, plus t
 ``checkpoint_overwrite`` (default True, as ``fabric.save`` overwrites: an existing checkpoint at the path
 is replaced atomically; anything that is not a shardsafe checkpoint is refused untouched).
 
+Importing this module registers the strategies in Fabric's strategy registry under Fabric's names with a
+``shardsafe_`` prefix (``L.Fabric(strategy="shardsafe_ddp")``, ``"shardsafe_fsdp"``...): Lightning loads no
+strategy plugins (it has no entry point for them), so the import is the registration.
+``python -m shardsafe.fabric run --strategy shardsafe_ddp script.py`` is ``fabric run`` with those names known
+(``fabric run`` checks ``--strategy`` against the registry of its own process); the script imports this module
+too, before it creates its ``Fabric``.
+
+A ``CheckpointIO`` plugin (``checkpoint_io=`` or ``plugins=``) is refused: it would never be called.
+
 This module imports ``lightning``; ``import shardsafe`` does not import it (install ``shardsafe[fabric]``).
 """
 
@@ -21,6 +30,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.fabric.strategies.ddp import DDPStrategy as _FabricDDPStrategy
 from lightning.fabric.strategies.fsdp import FSDPStrategy as _FabricFSDPStrategy
 from lightning.fabric.strategies.model_parallel import ModelParallelStrategy as _FabricModelParallelStrategy
@@ -51,12 +62,49 @@ class _ShardsafeCheckpoints:
         """The strategy's own arguments, plus ``checkpoint_timeout`` and ``checkpoint_overwrite``."""
         super().__init__(*args, **kwargs)
         self._init_checkpoints(checkpoint_timeout, checkpoint_overwrite)
+        self._check_options()
 
     def _init_checkpoints(self, timeout: float | Deadlines | None, overwrite: bool) -> None:
         if not isinstance(overwrite, bool):
             raise InvalidTypeError(f"checkpoint_overwrite must be True or False, not {overwrite!r}")
         self.checkpoint_timeout = timeout
         self._checkpoint_overwrite = overwrite
+
+    def _check_options(self) -> None:
+        """Refuse the Fabric options this strategy would silently ignore."""
+        io = getattr(self, "_checkpoint_io", None)  # Fabric's Strategy keeps checkpoint_io= there
+        if io is not None:
+            self._refuse_checkpoint_io(io)
+
+    def _refuse_checkpoint_io(self, io: Any) -> None:
+        raise InvalidArgumentError(
+            f"the CheckpointIO plugin {type(io).__name__} would never be called: shardsafe.fabric."
+            f"{type(self).__name__} writes and reads every checkpoint through shardsafe. Remove it (plugins= or "
+            "checkpoint_io=); for remote paths pass storage_options= to fabric.save, or use Fabric's own strategy "
+            "to keep the plugin."
+        )
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """Fabric's (unused by checkpoints: DDP's default; FSDP and ModelParallel raise, as in Fabric)."""
+        io: CheckpointIO = super().checkpoint_io  # type: ignore[misc]
+        return io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._refuse_checkpoint_io(io)  # Fabric sets a plugins= CheckpointIO here
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register this class under each name Fabric registers the strategy it extends with, prefixed
+        ``shardsafe_`` and with the same arguments (``shardsafe_ddp``, ``shardsafe_ddp_spawn``...)."""
+        fabric_names = type(strategy_registry)()
+        super().register_strategies(fabric_names)  # type: ignore[misc]
+        for name, data in fabric_names.items():
+            description = f"{data['description']}; checkpoints through shardsafe".lstrip("; ")
+            strategy_registry.register(
+                f"shardsafe_{name}", data["strategy"], description=description, override=True, **data["init_params"]
+            )
 
     @property
     def checkpoint_timeout(self) -> float | Deadlines | None:
@@ -109,9 +157,10 @@ class _ShardsafeCheckpoints:
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         """(every rank) ``fabric.load`` / ``fabric.load_raw``. With a dict: restores its objects in place and
-        returns the checkpoint's entries it did not ask for. With nothing: the whole checkpoint, CPU
-        tensors. With a module (``load_raw``): the checkpoint's only module entry, or a checkpoint saved
-        from a bare state dict. ``weights_only`` is accepted and moot: shardsafe never unpickles."""
+        returns the small entries it did not ask for (``rest="values"``; the others are not read). With
+        nothing: the whole checkpoint, CPU tensors. With a module (``load_raw``): the checkpoint's only
+        module entry, or a checkpoint saved from a bare state dict. ``weights_only`` is accepted and
+        moot: shardsafe never unpickles."""
         _refuse_pickle_file(path)
         if not state:
             return api.load(path)
@@ -168,9 +217,33 @@ class DDPStrategy(_ShardsafeCheckpoints, _FabricDDPStrategy):
 
 class FSDPStrategy(_ShardsafeCheckpoints, _FabricFSDPStrategy):
     """Fabric's :class:`~lightning.fabric.strategies.FSDPStrategy` (FSDP1), checkpoints through shardsafe:
-    each rank writes its own flat shard, no state is gathered, whatever ``state_dict_type`` says."""
+    each rank writes its own flat shard, no state is gathered, whatever ``state_dict_type`` says (which
+    must still be one of Fabric's values, ``"full"`` or ``"sharded"``)."""
+
+    def _check_options(self) -> None:
+        super()._check_options()
+        kind = getattr(self, "_state_dict_type", None)
+        if kind not in ("full", "sharded"):
+            raise InvalidArgumentError(
+                f"state_dict_type={kind!r} must be 'full' or 'sharded', as in Fabric's FSDPStrategy; shardsafe "
+                "writes each rank's shard either way (no gather), and the checkpoint loads into any strategy and "
+                "world size"
+            )
 
 
 class ModelParallelStrategy(_ShardsafeCheckpoints, _FabricModelParallelStrategy):
     """Fabric's :class:`~lightning.fabric.strategies.ModelParallelStrategy` (FSDP2 and tensor parallelism on
     a 2-D mesh), checkpoints through shardsafe, whatever ``save_distributed_checkpoint`` says."""
+
+
+for _strategy in (DDPStrategy, FSDPStrategy, ModelParallelStrategy):  # see the module docstring
+    _strategy.register_strategies(STRATEGY_REGISTRY)
+
+if __name__ == "__main__":  # python -m shardsafe.fabric run ...: Fabric's CLI, the shardsafe_* names registered
+    # above (lightning.fabric.cli reads the registry once, when imported); the real module's classes replace
+    # this __main__ copy's under the same names, for a script run in this process
+    from lightning.fabric.cli import _main
+
+    import shardsafe.fabric  # noqa: F401
+
+    _main(prog_name="python -m shardsafe.fabric")

@@ -22,9 +22,12 @@ def channel_of(op: str) -> str:
 
 
 def call_site() -> str:
-    """``file:line`` of the innermost frame outside shardsafe: the user's call."""
+    """``file:line`` of the innermost frame outside shardsafe and Lightning Fabric (whose ``fabric.save``
+    calls shardsafe.fabric's strategy): the user's call."""
+    fabric = [getattr(sys.modules.get(m), "__file__", None) for m in ("lightning.fabric", "lightning_fabric")]
+    skipped = (_PACKAGE_DIR, *(os.path.dirname(f) for f in fabric if isinstance(f, str)))  # imported, never here
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while frame is not None and frame.f_code.co_filename.startswith(skipped):
         frame = frame.f_back  # type: ignore[assignment]
     if frame is None:
         return "<unknown>"

@@ -22,6 +22,7 @@ from shardsafe.engine.inspect import CheckpointInfo, EntryInfo, VerifySummary, i
 from shardsafe.engine.options import SaveOptions, complete, spelled_out
 from shardsafe.engine.progress import Progress, ProgressCallback, check_callback
 from shardsafe.engine.save import SaveHandle, SaveJob
+from shardsafe.state.rest import Rest, check_rest
 from shardsafe.storage import get_storage
 
 if sys.version_info >= (3, 11):
@@ -123,6 +124,7 @@ def load(
     cast: bool = False,
     device: str | torch.device | None = None,
     progress: ProgressCallback | None = None,
+    rest: Rest = "values",
 ) -> dict[str, Any]:
     """Load the checkpoint at ``path``.
 
@@ -131,8 +133,14 @@ def load(
     place, keeping their object, storage, device and dtype, so ``{"model": model.state_dict()}``
     loads the model; modules, optimizers and objects with ``state_dict()``/``load_state_dict()`` are
     restored through their own ``load_state_dict``; other values are replaced in their containers.
-    Returns the checkpoint's entries that ``state`` did not ask for. Any saved world size loads into
-    any current one; values saved per rank come back to the same rank (docs/loading.md).
+    Any saved world size loads into any current one; values saved per rank come back to the same rank
+    (docs/loading.md).
+
+    Reads only what ``state`` asks for, plus the unrequested entries ``rest`` names, which it returns
+    (a dict): ``"values"`` (default, as Fabric's remainder) the small ones, entries that are not modules
+    or optimizers and hold at most 1 MiB of tensors (plain values, counters, RNG states); ``"all"``
+    every one, read whole (tensors on CPU or ``device``); ``"none"`` none (as DCP). The others stay on
+    disk, unread: indexing one in the returned dict raises :class:`MissingKeysError` saying so.
 
     All or nothing before any data is read: a key missing under ``strict=True``
     (:class:`MissingKeysError`), a shape mismatch, a dtype mismatch (unless ``cast=True``, which
@@ -140,16 +148,17 @@ def load(
     state has changed. ``strict=False`` loads what exists and leaves the rest untouched.
 
     With ``state=None`` (one process, no rendezvous): the whole checkpoint, tensors on CPU (or on
-    ``device``), per-rank values as ``{rank: value}``.
+    ``device``), per-rank values as ``{rank: value}``; ``rest`` does not apply.
 
     Every failure is a :class:`CheckpointError` (a damaged or hostile checkpoint: a
     :class:`CorruptCheckpointError` naming the file and tensor), raised in bounded time and memory;
     anything unforeseen is mapped to one with the original as its ``__cause__``. Usage errors (a bad
-    ``timeout`` or ``storage_options``) raise ``ValueError``/``TypeError`` as usual.
+    ``timeout``, ``storage_options`` or ``rest``) raise ``ValueError``/``TypeError`` as usual.
 
     ``progress``: as for :func:`save`, with the bytes read and verified by all ranks.
     """
     progress = check_callback(progress)
+    rest = check_rest(rest)
     deadlines = Deadlines.resolve(timeout)
     path = os.fspath(path)
     get_storage(path, storage_options)  # usage errors are the caller's, raised as they are
@@ -166,4 +175,5 @@ def load(
             cast=cast,
             device=None if device is None else torch.device(device),
             progress=progress,
+            rest=rest,
         )

@@ -31,6 +31,7 @@ from shardsafe.engine.tracker import Tracker
 from shardsafe.errors import CheckpointError, CorruptCheckpointError, MissingKeysError
 from shardsafe.format.manifest import Manifest
 from shardsafe.state.layout import Box
+from shardsafe.state.rest import Remainder, Rest, choose
 from shardsafe.state.restore import Op, Restorer
 from shardsafe.storage import Storage, get_storage
 
@@ -49,8 +50,10 @@ def load(
     cast: bool = False,
     device: torch.device | None = None,
     progress: ProgressCallback | None = None,
+    rest: Rest = "values",
 ) -> dict[str, Any]:
-    """(all ranks of the group, or one process) See :func:`shardsafe.load`."""
+    """(all ranks of the group, or one process) See :func:`shardsafe.load`. ``rest``: which unrequested
+    entries are read and returned (state/rest.py); without a state, every entry."""
     path = str(path)
     storage = get_storage(path, storage_options)
     single = state is None
@@ -78,6 +81,7 @@ def load(
                 op=op,
                 clock=clock,
                 planning=lambda: phases.enter("plan"),
+                rest=rest,
             )
             tracker.set_total(load_bytes(plan.manifest, plan.tasks))
         except Exception as err:
@@ -106,7 +110,11 @@ def load(
             op.acknowledge()  # rank 0 returns once every live rank knows
         elif failure is not None:
             raise failure
-        out = {key: run() for key, run in plan.extra.items()}
+        out: dict[str, Any] = {key: run() for key, run in plan.extra.items()}
+        if state is not None:
+            out = Remainder(out, path=path, left=plan.left, rest=rest)
+            if plan.left:
+                logger.debug("shardsafe: load of %s left %s on disk (not asked for; rest=%r)", path, plan.left, rest)
         if plan.restorer.missing:
             logger.warning(
                 "shardsafe: loaded %s without %s (not in the checkpoint; strict=False)", path, plan.restorer.missing
@@ -136,11 +144,14 @@ def load(
 class _Plan:
     """What a rank planned before the go/no-go: the manifest, the restorer, the reads, the remainder."""
 
-    def __init__(self, manifest: Manifest, restorer: Restorer, tasks: list[Task], extra: dict[str, Op]) -> None:
+    def __init__(
+        self, manifest: Manifest, restorer: Restorer, tasks: list[Task], extra: dict[str, Op], left: dict[str, str]
+    ) -> None:
         self.manifest = manifest
         self.restorer = restorer
         self.tasks = tasks
         self.extra = extra
+        self.left = left  # unrequested entries not read (state/rest.py)
 
 
 def _plan_load(
@@ -155,6 +166,7 @@ def _plan_load(
     op: Operation | None,
     clock: Clock,
     planning: Callable[[], object],
+    rest: Rest,
 ) -> _Plan:
     """(every rank, locally) Read and validate the manifest, match the state against it, check sizes and
     memory, prepare the destinations, run the early reads. Changes nothing of the caller's state."""
@@ -163,6 +175,7 @@ def _plan_load(
     rank, world = (op.rank, op.world_size) if op is not None else (None, 1)
     r = Restorer(manifest, path, rank=rank, world_size=world, cast=cast, device=device, allow_pickle=allow_pickle)
     extra: dict[str, Op] = {}
+    left: dict[str, str] = {}
     if state is None:
         extra = {key: r.extra(key) for key in manifest.objects}
     else:
@@ -171,7 +184,8 @@ def _plan_load(
                 r.plan_entry(key, obj, state)
             else:
                 r.missing.append(key)
-        extra = {key: r.extra(key) for key in manifest.objects if key not in state}
+        wanted, left = choose(manifest, state, rest)
+        extra = {key: r.extra(key) for key in wanted}
         if r.missing and strict:
             raise _missing_error(path, manifest, r.missing)
     check_sizes(storage, path, manifest, r.names())  # before allocating what the manifest sizes
@@ -181,7 +195,7 @@ def _plan_load(
     if early:  # new tensors whose values the plan must compare before the go (FSDP1 optimizer state)
         run_tasks(storage, path, manifest, early, lambda: None, clock.work)
     r.check()
-    return _Plan(manifest, r, tasks, extra)
+    return _Plan(manifest, r, tasks, extra, left)
 
 
 def _read_and_restore(

@@ -21,7 +21,8 @@ class NameTemplate:
     """A checkpoint directory name with one ``{step}`` field, e.g. ``"step-{step:08d}"``.
 
     :meth:`format` gives the name of a step; :meth:`parse` gives the step of a name (``None`` for a
-    name this template did not produce), so a manager only ever touches its own checkpoints.
+    name this template did not produce), so a manager deletes only its own checkpoints (it resumes
+    from committed checkpoints of any name, manager/resume.py).
     """
 
     template: str
@@ -93,7 +94,9 @@ class ManagerConfig:
     keep_every_n_steps: int | None = None
     """Also keep every checkpoint whose step is a multiple of this, for good (milestones)."""
     name: str = "step-{step:08d}"
-    """The name template of a checkpoint directory; must hold one integer field ``{step}``."""
+    """The name template of a checkpoint directory; must hold one integer field ``{step}``. Retention
+    counts and deletes only checkpoints of this naming; ``resume`` considers every committed checkpoint
+    under ``root`` whatever its name, by its recorded step (docs/manager.md)."""
     async_save: bool = False
     """Save in the background with :func:`shardsafe.async_save`; training continues once the state
     is staged."""

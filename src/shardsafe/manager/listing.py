@@ -31,7 +31,8 @@ Status = Literal["committed", "incomplete", "corrupt", "retired"]
 
 _LEFTOVER = re.compile(r"^\.(?P<target>.+)\.(?P<kind>staging|litter)-(?P<id>[^./]+)$")
 _DATA_FILE = re.compile(r"^data-\d+-.+\.safetensors$")
-_TRAILING_DIGITS = re.compile(r"(\d+)$")
+_STEP_WORD = re.compile(r"(?:^|[^a-z0-9])(?:global_)?steps?[-_=]?(\d+)(?![0-9])", re.IGNORECASE)
+_NUMBERED = re.compile(r"(?:(?:checkpoint|ckpt|iter|iteration)[-_=.]?)?(\d+)", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -83,37 +84,61 @@ def _finite_or_str(value: Any) -> Any:
     return repr(value)
 
 
-def _step_from_name(name: str, template: NameTemplate | None) -> int | None:
-    if template is not None:
-        return template.parse(name)
-    m = _TRAILING_DIGITS.search(name)
+def step_from_name(name: str) -> int | None:
+    """The training step a checkpoint name tells without doubt, else ``None``: the number after the word
+    ``step`` (``step-100``, ``step_100``, ``global_step=1200``, ``epoch=3-step=1200``), or the number of a
+    name that is only a number, bare or after ``checkpoint``/``ckpt``/``iter``/``iteration``
+    (``checkpoint-500``, ``300``). Anything else (``last``, ``epoch=3``, ``2024-06-01``, ``model-v2``, two
+    different ``step`` numbers) tells no step."""
+    steps = {int(n) for n in _STEP_WORD.findall(name)}
+    if steps:
+        return steps.pop() if len(steps) == 1 else None
+    m = _NUMBERED.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
-def scan(fs: Storage, root: str, template: NameTemplate | None = None) -> list[CheckpointRecord]:
+def _step_from_name(name: str, template: NameTemplate | None) -> int | None:
+    if template is not None:
+        return template.parse(name)
+    return step_from_name(name)
+
+
+def scan(
+    fs: Storage, root: str, template: NameTemplate | None = None, *, others: bool = False
+) -> list[CheckpointRecord]:
     """(any rank, local) Every checkpoint-like entry under ``root``, sorted by step then name.
 
-    With ``template`` only entries of that naming are reported (a manager never looks at anything
-    else in its root); without, every directory holding a manifest or data files is (``shardsafe
-    ls``). Staging and litter directories of unfinished saves come back as ``incomplete``."""
+    With ``template`` only entries of that naming are reported (what a manager saves, keeps and
+    deletes); without, or with ``others``, also every other directory holding a manifest or data files
+    (``shardsafe ls``; what a manager may resume from). The step of an entry of the template's naming
+    is the one in its name; of any other, its manifest's ``metadata["step"]`` (an int), else what
+    :func:`step_from_name` reads in its name, else ``None``. Staging and litter directories of
+    unfinished saves come back as ``incomplete``."""
     records: list[CheckpointRecord] = []
     for name in fs.list_dir(root):
         path = fs.join(root, name)
-        record = _leftover(fs, name, path, template) if name.startswith(".") else _checkpoint(fs, name, path, template)
+        if name.startswith("."):
+            record = _leftover(fs, name, path, template, others)
+        else:
+            record = _checkpoint(fs, name, path, template, others)
         if record is not None:
             records.append(record)
     records.sort(key=lambda r: (r.step is None, r.step or 0, r.name))
     return records
 
 
-def _leftover(fs: Storage, name: str, path: str, template: NameTemplate | None) -> CheckpointRecord | None:
+def _leftover(
+    fs: Storage, name: str, path: str, template: NameTemplate | None, others: bool
+) -> CheckpointRecord | None:
     m = _LEFTOVER.match(name)
     if m is None or not fs.is_dir(path):
         return None
     target = m.group("target")
     step = _step_from_name(target, template)
     if template is not None and step is None:
-        return None
+        if not others:
+            return None
+        step = step_from_name(target)
     try:
         created, size = fs.mtime(path), fs.total_size(path)
     except FileNotFoundError:  # finished (renamed into place) or removed while we looked
@@ -126,12 +151,17 @@ def _leftover(fs: Storage, name: str, path: str, template: NameTemplate | None) 
     return CheckpointRecord(name, path, "incomplete", step, created, size, reason=reason, target=target)
 
 
-def _checkpoint(fs: Storage, name: str, path: str, template: NameTemplate | None) -> CheckpointRecord | None:
+def _checkpoint(
+    fs: Storage, name: str, path: str, template: NameTemplate | None, others: bool
+) -> CheckpointRecord | None:
     if not fs.is_dir(path):
         return None
     step = _step_from_name(name, template)
     if template is not None and step is None:
-        return None
+        if not others:
+            return None
+        template = None  # another naming: seen as shardsafe ls sees it
+        step = step_from_name(name)
     if fs.exists(fs.join(path, MANIFEST_NAME)):
         try:
             info = api.inspect(path)

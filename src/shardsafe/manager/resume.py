@@ -3,8 +3,9 @@
 Protocol (every rank calls :func:`resume_newest`):
 
 1. the operation ``manager.resume``; its first agreement, ``plan``: rank 0 lists the root and decides
-   the committed checkpoints, newest first, and the entries it skips (incomplete, bad manifest) with
-   the reason (a listing that fails is decided for every rank: each raises the same error);
+   the committed checkpoints, newest first, and the entries it skips (incomplete, bad manifest, no
+   step, not what the state asks for) with the reason (a listing that fails is decided for every rank:
+   each raises the same error);
 2. for each candidate: with ``verify``, every rank checks its share of the files and an agreement
    ``verify.<n>`` collects the outcomes (a damaged candidate is skipped before the state changes);
    then every rank loads it with :func:`shardsafe.load` (which verifies every byte it reads), then an
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Collection, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,15 +50,59 @@ class Resumed:
     damaged: tuple[str, ...]
 
 
-def _plan(fs: Storage, config: ManagerConfig) -> ResumePlan:
-    records = scan(fs, config.root, config.template)
-    committed = sorted(
-        (r for r in records if r.status == "committed" and r.step is not None), key=lambda r: r.step or 0, reverse=True
+_NO_STEP = (
+    "its manifest records no step and its name tells none, so it cannot be ordered with the others; save it "
+    "with metadata={'step': N}, or name it like 'step-N', for resume to use it"
+)
+
+
+def candidates(
+    fs: Storage, config: ManagerConfig, asked: Collection[str] | None = None
+) -> tuple[list[tuple[CheckpointRecord, bool]], list[list[Any]]]:
+    """(rank 0, local) What a resume may load, newest first, each with whether the manager named it
+    (its ``name`` template made the name), and what it skips with the reason, as ``[name, path, step,
+    reason]``. Every committed checkpoint under the root counts, whatever its name, by its step (of the
+    template's name; else recorded in its metadata or told by its name, listing.py:step_from_name); on
+    equal steps the manager's own name first, then the newer commit. A checkpoint of another name
+    whose step cannot be told, or that lacks an entry of ``asked`` (the state's keys), is skipped."""
+    records = scan(fs, config.root, config.template, others=True)
+    found: list[tuple[CheckpointRecord, bool]] = []
+    skipped: list[list[Any]] = []
+    for r in records:
+        if r.status == "retired":
+            continue
+        if r.status != "committed":
+            skipped.append([r.name, r.path, r.step, r.reason])
+            continue
+        own = config.template.parse(r.name) is not None
+        why = _NO_STEP if r.step is None else None if own or asked is None else _lacks(r.path, asked)
+        if why is not None:
+            skipped.append([r.name, r.path, r.step, why])
+            continue
+        found.append((r, own))
+    found.sort(key=lambda c: (c[0].step or 0, c[1], c[0].created or 0.0, c[0].name), reverse=True)
+    return found, skipped
+
+
+def _lacks(path: str, asked: Collection[str]) -> str | None:
+    """Why a checkpoint the manager did not name is not loaded into a state with keys ``asked``: it lacks
+    some of them (a weights-only export beside the run's checkpoints, say), or its manifest went bad."""
+    try:
+        held = {e.name for e in api.inspect(path).entries if e.kind != "tensor"}
+    except CheckpointError as err:
+        return f"{type(err).__name__}: {err}"
+    lacking = sorted(set(asked) - held)
+    if not lacking:
+        return None
+    return (
+        f"it does not hold {lacking}, which the state asks for (it holds {sorted(held)}); a checkpoint this "
+        "manager did not name is used only when it holds every entry of the state"
     )
-    skipped = [r for r in records if r.status not in ("committed", "retired")]
-    return ResumePlan(
-        [[r.name, r.path, r.step] for r in committed], [[r.name, r.path, r.step, r.reason] for r in skipped]
-    )
+
+
+def _plan(fs: Storage, config: ManagerConfig, asked: Collection[str]) -> ResumePlan:
+    found, skipped = candidates(fs, config, asked)
+    return ResumePlan([[r.name, r.path, r.step, own] for r, own in found], skipped)
 
 
 def _outcome(err: Exception | None) -> Attempt:
@@ -113,7 +158,7 @@ def _resume(
 ) -> Resumed | None:
     def listing(_envelopes: dict[int, Any]) -> ResumePlan:
         try:
-            return _plan(fs, config)
+            return _plan(fs, config, list(state))
         except CheckpointError:
             raise
         except Exception as err:  # decided for every rank: each raises this same error
@@ -125,11 +170,12 @@ def _resume(
     plan = ResumePlan.from_json(op.agree("plan", None, listing if op.rank == 0 else None))
     damaged: list[str] = []
     failures: list[str] = []
-    for n, (name, path, step) in enumerate(plan.candidates):
+    for n, (name, path, step, own) in enumerate(plan.candidates):
         steps: list[tuple[str, Callable[[], Any]]] = []
         if verify:
             steps.append(("verify", functools.partial(api.verify, path, part=(op.rank, op.world_size))))
-        steps.append(("load", functools.partial(api.load, path, state, timeout=config.timeout, progress=progress)))
+        load = functools.partial(api.load, path, state, timeout=config.timeout, progress=progress, rest="none")
+        steps.append(("load", load))  # rest="none": nothing is returned, so nothing unrequested is read
         why = None
         for what, run in steps:
             why = _attempt(op, f"{what}.{n}", what, run, path, deadlines)
@@ -138,7 +184,8 @@ def _resume(
         if why is None:
             _warn_skipped(op.rank, plan.skipped, step)
             if op.rank == 0:
-                logger.info("shardsafe: resumed from %s (step %d)", path, step)
+                other = "" if own else f"; not named by name={config.name!r}, so retention never deletes it"
+                logger.info("shardsafe: resumed from %s (step %d%s)", path, step, other)
             return Resumed(step=step, name=name, damaged=tuple(damaged))
         if op.rank == 0:
             logger.warning("shardsafe: resume skips %s (step %d): damaged: %s", path, step, why)
@@ -206,10 +253,10 @@ def _warn_skipped(rank: int, skipped: list[list[Any]], chosen_step: int | None) 
 
 
 def newest_verified(fs: Storage, config: ManagerConfig) -> CheckpointRecord | None:
-    """(any rank, local) The newest committed checkpoint that passes :func:`shardsafe.verify`,
-    skipping damaged ones with a WARNING. Reads every byte of each candidate it checks."""
-    records = scan(fs, config.root, config.template)
-    for record in sorted((r for r in records if r.status == "committed"), key=lambda r: r.step or 0, reverse=True):
+    """(any rank, local) The newest committed checkpoint that passes :func:`shardsafe.verify`, among
+    those a resume may load (:func:`candidates`, whatever their names), skipping damaged ones with a
+    WARNING. Reads every byte of each candidate it checks."""
+    for record, _ in candidates(fs, config)[0]:
         try:
             api.verify(record.path)
         except (CorruptCheckpointError, OSError, EOFError) as err:

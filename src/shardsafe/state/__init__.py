@@ -1,7 +1,8 @@
 """User state <-> flat tensors and typed values, both directions: flattening modules, optimizers,
 DDP/FSDP1/FSDP2 models, DTensors and Stateful objects for a save (``flatten``, ``layout``, ``fsdp1``,
 ``per_rank``), and restoring them in place on load (``restore``, ``restore_optim``, ``fsdp1_load``,
-``nodes``). The engine plans the reads from the destination boxes ``restore`` hands it.
+``nodes``; ``rest``: which unrequested entries a load reads and returns). The engine plans the reads
+from the destination boxes ``restore`` hands it.
 
 Layer: may import format, storage, coord, knobs, errors (never the engine); imported by the engine,
 the fabric strategies and the public package."""

@@ -20,7 +20,7 @@ from torch import nn
 
 from shardsafe.errors import InvalidTypeError, UnsafeValueError
 from shardsafe.format.manifest import SAFETENSORS_DTYPES
-from shardsafe.format.values import PerRank, encode
+from shardsafe.format.values import MAX_DEPTH, PerRank, encode
 from shardsafe.state import fsdp1
 from shardsafe.state.layout import Box, Layout, is_sharded_tensor, layout_of
 
@@ -243,6 +243,8 @@ def flatten(
             value = obj.state_dict()
         else:
             value = obj
+        if kind in ("value", "stateful"):
+            value = nested_states(value, key, allow_pickle)
         if keep is not None and isinstance(value, Mapping):
             value = {k: v for k, v in value.items() if keep(k, v)}
             if not value:
@@ -252,6 +254,39 @@ def flatten(
         objects[key] = {"kind": kind, "value": encode(value, key, on_tensor, allow_pickle=allow_pickle)}
     strategy = "fsdp" if "fsdp" in strategies else ("ddp" if "ddp" in strategies else "plain")
     return FlatState(objects=objects, items=items, strategy=strategy)
+
+
+def nested_states(value: Any, where: str, allow_pickle: bool = False, _level: int = 0) -> Any:
+    """(every rank, locally) ``value`` with every object inside its dicts, lists, tuples and
+    ``per_rank`` markers that has ``state_dict()``/``load_state_dict()`` replaced by its state dict, as
+    a top-level one is (a scheduler in Lightning's ``{"scheduler": sched, "interval": "step"}``); the
+    load hands it back through ``load_state_dict`` (state/restore.py). ``value`` itself when there is
+    none. A module or an optimizer inside is refused: each is an entry of its own, saved under its
+    parameter names and placed by the strategy (with ``allow_pickle`` it is left to be pickled)."""
+    if _level > MAX_DEPTH:  # a container holding itself: the encoder refuses it by name
+        return value
+    level = _level + 1
+    if isinstance(value, PerRank):
+        inner = nested_states(value.value, where, allow_pickle, level)
+        return value if inner is value.value else PerRank(inner)
+    if isinstance(value, dict):
+        items = {k: nested_states(v, f"{where}/{k}", allow_pickle, level) for k, v in value.items()}
+        return value if all(items[k] is v for k, v in value.items()) else items
+    if isinstance(value, list) or type(value) is tuple:
+        seq = [nested_states(v, f"{where}/{i}", allow_pickle, level) for i, v in enumerate(value)]
+        if all(a is b for a, b in zip(seq, value, strict=True)):
+            return value
+        return seq if isinstance(value, list) else tuple(seq)
+    if isinstance(value, torch.Tensor):
+        return value
+    kind = kind_of(value)
+    if kind in ("module", "optimizer") and not allow_pickle:
+        raise InvalidTypeError(
+            f"{where!r}: a {kind} ({type(value).__name__}) inside an entry of the state; put it at the top level "
+            f"of the state (state = {{'{kind}': obj, ...}}): a {kind} is saved as an entry of its own, under its "
+            "parameter names and as the strategy placed its tensors"
+        )
+    return nested_states(value.state_dict(), where, allow_pickle, level) if kind == "stateful" else value
 
 
 def _item(name: str, layout: Layout, placed: bool) -> TensorItem:

@@ -211,6 +211,8 @@ class Restorer:
                 for i, (d, n) in enumerate(zip(dest, node["items"], strict=True))
             ]
             return lambda: tuple(op() for op in items)
+        elif tag != "pickle" and kind_of(dest) != "value":  # an object with state_dict() inside an entry
+            return self._merge_object(dest, node, where)
         elif holds_tensor(dest) and not lenient:
             raise CheckpointError(
                 f"{self.path}: {where}: the state holds {describe_value(dest)} with tensors here, the checkpoint "
@@ -218,6 +220,26 @@ class Restorer:
             )
         new = self.replace(node, where)
         return (lambda: dest) if new is None else new
+
+    def _merge_object(self, dest: Any, node: Any, where: str) -> Op:
+        """An object with ``state_dict()``/``load_state_dict()`` nested in an entry (state/flatten.py
+        ``nested_states``): its state dict filled as above, handed back after the reads; same object."""
+        kind = kind_of(dest)
+        if kind != "stateful":
+            raise CheckpointError(
+                f"{self.path}: {where}: a {kind} inside an entry of the state; put it at the top level of the "
+                "state, where modules and optimizers are loaded (and saved)"
+            )
+        sd = dest.state_dict()
+        if isinstance(sd, dict):
+            node = self._dict_node(node, where, "value", "a state dict")
+        op = self.merge(sd, node, where)
+
+        def put() -> Any:
+            dest.load_state_dict(op())
+            return dest
+
+        return put
 
     def _merge_dict(self, dest: dict[Any, Any], node: dict[str, Any], where: str, *, lenient: bool, module: bool) -> Op:
         saved = {k: v for k, v in node["items"]}
