@@ -294,10 +294,11 @@ def test_retention_never_deletes_through_a_symlinked_checkpoint_folder(
         for s in (2, 3, 4):
             mgr.save(s, state)
             step(state)
+        kept = [r.name for r in mgr.list()]
     assert _listing(elsewhere) == before
     shardsafe.verify(elsewhere)
     assert (root / "step-00000001").is_symlink()
-    assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000004"]
+    assert kept == ["step-00000001", "step-00000004"]  # the link is listed, and never deleted
     assert warnings_about(caplog, "symbolic link"), caplog.text
 
 
@@ -338,6 +339,28 @@ def test_deleting_a_checkpoint_through_a_symlink_is_refused_by_the_delete_gate(t
     assert finish_deletion(LocalStorage(), str(tmp_path / "link")) == []
     os.rename(elsewhere / ".MANIFEST.json.deleting", elsewhere / "MANIFEST.json")
     assert _listing(elsewhere) == before
+
+
+def test_releasing_the_old_files_of_an_overwritten_base_never_goes_through_a_symlink(tmp_path: Path) -> None:
+    """root/b links to a checkpoint elsewhere; c refers to b's files; b is overwritten (through the
+    link), then c deleted: its release of b's old files would remove them from the folder elsewhere.
+    Fails before: they were removed."""
+    from shardsafe.storage.delete import delete_checkpoint
+    from shardsafe.storage.local import LocalStorage
+
+    state = frozen_state(frozen=2, trained=1, rows=8)
+    elsewhere = tmp_path / "elsewhere" / "b"
+    shardsafe.save(elsewhere, state)
+    old = sorted(p.name for p in elsewhere.iterdir() if p.name.startswith("data-"))
+    root = tmp_path / "root"
+    root.mkdir()
+    os.symlink(elsewhere, root / "b")
+    step(state)
+    shardsafe.save(root / "c", state, base=root / "b")
+    assert manifest(root / "c")["refs"]
+    shardsafe.save(root / "b", {"other": torch.ones(3)}, overwrite=True)
+    delete_checkpoint(LocalStorage(), str(root / "c"))
+    assert set(old) <= {p.name for p in elsewhere.iterdir()}
 
 
 # ---------------------------------------------------------- refused by name before anything is written
