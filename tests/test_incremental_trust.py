@@ -381,6 +381,9 @@ def _lone(text: str) -> str:
         ({"values": {"name": _lone("abc")}}, "'values/name'"),
         ({"values": [1, {_lone("k"): 1}]}, "'values/1/k\\ud800'"),
         ({_lone("plain"): 3}, "'plain\\ud800'"),
+        ({"values": {"n": 10**5000}}, "'values/n'"),
+        ({"values": {10**5000: 1}}, "'values'"),
+        ({"opt": {"k" * 70_000: torch.zeros(1)}}, "'opt/kkkk"),
     ],
     ids=[
         "80-dims",
@@ -391,6 +394,9 @@ def _lone(text: str) -> str:
         "str-value",
         "dict-key",
         "key",
+        "int-5000-digits",
+        "int-key",
+        "name-70000",
     ],
 )
 def test_what_the_format_cannot_hold_is_refused_by_name_before_anything_is_written(
