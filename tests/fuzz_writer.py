@@ -36,6 +36,7 @@ import os
 import random
 import resource
 import shutil
+import stat
 import sys
 import time
 import traceback
@@ -533,10 +534,16 @@ class Runner:
 
 
 def _manifest_bytes(target: Path) -> bytes | None:
+    """The manifest's bytes, or for anything but a regular file (a mutation may have left a FIFO or a
+    link to ``/dev/zero`` there) a description of it; ``None`` when there is none."""
+    where = target / "MANIFEST.json"
     try:
-        return (target / "MANIFEST.json").read_bytes()
+        st = os.lstat(where)
     except (FileNotFoundError, NotADirectoryError):
         return None
+    if not stat.S_ISREG(st.st_mode):
+        return repr((st.st_mode, os.readlink(where) if stat.S_ISLNK(st.st_mode) else None)).encode()
+    return where.read_bytes()
 
 
 def _staging_left(root: Path, target: str) -> bool:
