@@ -145,13 +145,14 @@ def match(
         if old is not None and old.digest is not None and chunk_digest(c.data) == old.digest:
             candidates.append((c, old))
     deadline = None if io_seconds is None else time.monotonic() + io_seconds
-    where = sibling(storage, target, base_name)
-    sound = run_bounded(
-        "reading back the base's chunks",
-        where,
-        deadline,
-        lambda: _verified(storage, target, base, base_name, candidates),
-    )
+    sound: set[int] = set()
+    if candidates:  # nothing to read back: no worker thread
+        sound = run_bounded(
+            "reading back the base's chunks",
+            sibling(storage, target, base_name),
+            deadline,
+            lambda: _verified(storage, target, base, base_name, candidates),
+        )
     refs = [
         (c.name, Chunk(*_fields(old), ref=old.ref or base_name)) for i, (c, old) in enumerate(candidates) if i in sound
     ]
