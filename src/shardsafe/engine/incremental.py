@@ -2,27 +2,37 @@
 of the same tensor and box in the committed checkpoint BASE is not written again; the new manifest
 refers to the file that holds those bytes (format v2 ``refs``; docs/incremental.md).
 
-Equality is decided from content: each candidate chunk (same tensor name, dtype, global shape, box
-and checksum block size as a chunk of BASE) is hashed (xxh3-128) from this rank's memory before it
-is staged, and compared with the digest BASE's manifest records for that chunk. Nothing is taken on
-trust: not timestamps, not the caller's word.
+Nothing is taken on trust, neither the caller's word nor BASE's manifest. Equality is decided from
+content: each candidate chunk (same tensor name, dtype, global shape, box and checksum block size as
+a chunk of BASE) is hashed (xxh3-128) from this rank's memory before it is staged and compared with
+the digest BASE's manifest records for that chunk (cheap: most changed chunks stop here). Where they
+are equal, the bytes the reference would point at are read back and verified before anything refers
+to them: the file's name is a data file of the save that wrote it (what the ``refs`` table may
+hold), its size, header checksum and safetensors header are the ones the new manifest will record,
+every block matches the checksum that will be copied, and the xxh3-128 of the bytes read equals the
+digest (so a digest left stale by changed bytes cannot make a save refer to other bytes than the
+state's). A chunk that fails any of these is written in full, with one WARNING per base file naming
+it and why.
 
 Call order within a save (:class:`~shardsafe.engine.save.SaveJob`):
 
 - (rank 0, before the save id is broadcast) :func:`check_base`: BASE is a committed sibling of the
-  target, not the target, not referring to the target, its own references intact;
+  target, not the target, and does not refer to the target;
 - (every rank, after planning) :func:`read_base` then :func:`match`: the chunks this rank still
   writes, and the references for the rest (one hop: a chunk BASE itself took from an older
-  checkpoint refers to that older checkpoint directly);
+  checkpoint refers to that older checkpoint directly, and is verified there), each verified in the
+  file it points at;
 - (rank 0, building the manifest) :func:`ref_table`: the referenced files, with their sizes, header
-  checksums and save ids, taken from BASE's manifest.
+  checksums and save ids, taken from BASE's manifest (each checked against the file by the rank that
+  referred to it).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 import xxhash
@@ -31,10 +41,12 @@ from shardsafe import knobs
 from shardsafe.engine.plan import PendingChunk
 from shardsafe.engine.read import read_manifest
 from shardsafe.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from shardsafe.format.datafile import tensor_bytes
-from shardsafe.format.manifest import Chunk, Manifest, RefEntry, check_file_name
+from shardsafe.format.datafile import read_blocks, tensor_bytes, verify_header
+from shardsafe.format.manifest import Chunk, FileEntry, Manifest, RefEntry, check_file_name
 from shardsafe.storage import Storage
-from shardsafe.storage.refs import check_ref_files, split
+from shardsafe.storage.bounded import run_bounded
+from shardsafe.storage.names import DATA_FILE
+from shardsafe.storage.refs import sibling, split
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +57,8 @@ class BaseRefusedError(CheckpointError, ValueError):
 
 def check_base(storage: Storage, target: str, base: str) -> str:
     """(rank 0, before the save starts) The broadcast record for ``base``: its path, name and save id,
-    or ``{"base_error": why}``. Reads only BASE's manifest (and stats its referenced files)."""
+    or ``{"base_error": why}``. Reads only BASE's manifest: its files, and those it refers to, are
+    checked chunk by chunk by :func:`match` (what does not verify is written in full)."""
     try:
         manifest = _usable(storage, target, base)
     except (CheckpointError, OSError) as err:
@@ -81,7 +94,6 @@ def _usable(storage: Storage, target: str, base: str) -> Manifest:
             f"save of {target!r}: base {base!r} refers to data stored in {tname!r}, the target of this save; "
             f"replacing it would break the base. Save to a new path, or {fix}"
         )
-    check_ref_files(storage, base, manifest)
     return manifest
 
 
@@ -111,27 +123,138 @@ def chunk_digest(data: torch.Tensor) -> str:
 
 
 def match(
-    chunks: Sequence[PendingChunk], base: Manifest, base_name: str, block_bytes: int
+    chunks: Sequence[PendingChunk],
+    base: Manifest,
+    base_name: str,
+    block_bytes: int,
+    storage: Storage,
+    target: str,
+    io_seconds: float | None,
 ) -> tuple[list[PendingChunk], list[tuple[str, Chunk]]]:
     """(every rank, after planning, before staging) Split this rank's chunks into those to write and
-    ``(tensor name, reference)`` for those whose bytes BASE already holds. References point at the
-    checkpoint that holds the bytes (BASE, or the one BASE refers to)."""
-    write: list[PendingChunk] = []
-    refs: list[tuple[str, Chunk]] = []
+    ``(tensor name, reference)`` for those whose bytes BASE already holds, verified in the file each
+    reference points at (module docstring; BASE, or the checkpoint BASE refers to, beside ``target``).
+    The reads run under ``io_seconds`` (``TimeoutError`` past it: the save fails rather than hang)."""
+    candidates: list[tuple[PendingChunk, Chunk]] = []
     same_blocks = base.block_bytes == block_bytes  # a reference keeps the base's block checksums
     for c in chunks:
         entry = base.tensors.get(c.name) if same_blocks else None
         old = None
         if entry is not None and entry.dtype == c.data.dtype and c.nbytes:
             old = next((b for b in entry.chunks if b.offsets == c.offsets and b.sizes == c.sizes), None)
-        if old is None or old.digest is None or chunk_digest(c.data) != old.digest:
-            write.append(c)
-            continue
-        refs.append((c.name, Chunk(*_fields(old), ref=old.ref or base_name)))
+        if old is not None and old.digest is not None and chunk_digest(c.data) == old.digest:
+            candidates.append((c, old))
+    deadline = None if io_seconds is None else time.monotonic() + io_seconds
+    sound: set[int] = set()
+    if candidates:  # nothing to read back: no worker thread
+        sound = run_bounded(
+            "reading back the base's chunks",
+            sibling(storage, target, base_name),
+            deadline,
+            lambda: _verified(storage, target, base, base_name, candidates),
+        )
+    refs = [
+        (c.name, Chunk(*_fields(old), ref=old.ref or base_name)) for i, (c, old) in enumerate(candidates) if i in sound
+    ]
+    kept = {id(candidates[i][0]) for i in sound}
+    write = [c for c in chunks if id(c) not in kept]
     logger.debug(
-        "shardsafe: incremental save: %d chunk(s) unchanged since %s, %d written", len(refs), base_name, len(write)
+        "shardsafe: incremental save: %d chunk(s) unchanged since %s (verified in its files), %d written",
+        len(refs),
+        base_name,
+        len(write),
     )
     return write, refs
+
+
+def _verified(
+    storage: Storage, target: str, base: Manifest, base_name: str, candidates: Sequence[tuple[PendingChunk, Chunk]]
+) -> set[int]:
+    """The indices of ``candidates`` whose base chunk verifies in its file (module docstring); one
+    WARNING per file for the others. Reads each file's header once and each candidate chunk once, in
+    file order, one checksum block at a time."""
+    by_file: dict[tuple[str, str], list[int]] = {}
+    for i, (_, old) in enumerate(candidates):
+        by_file.setdefault((old.ref or base_name, old.file), []).append(i)
+    largest = max((min(old.end - old.begin, base.block_bytes) for _, old in candidates), default=0)
+    buffer = memoryview(bytearray(largest))
+    sound: set[int] = set()
+    for (holder, name), members in sorted(by_file.items()):
+        members.sort(key=lambda i: candidates[i][1].begin)
+        save_id, entry = _file_entry(base, base_name, holder, name)
+        path = storage.join(sibling(storage, target, holder), name)
+        olds = [candidates[i][1] for i in members]
+        try:
+            _check_name(name, save_id)
+            verify_header(storage, path, entry, olds, [candidates[i][0].data.dtype for i in members], subset=True)
+        except (CorruptCheckpointError, OSError, EOFError) as err:
+            _warn(target, holder, path, len(members), len(members), _reason(err))
+            continue
+        failed: list[str] = []
+        for i in members:
+            new, old = candidates[i]
+            try:
+                if _digest_of(storage, path, old, base.block_bytes, new.name, lambda n: buffer[:n]) == old.digest:
+                    sound.add(i)
+                    continue
+                failed.append(
+                    f"the bytes of tensor {new.name!r} (chunk at {list(old.offsets)}) do not have the content digest "
+                    "the manifest records for them (changed since, or the digest altered)"
+                )
+            except (CorruptCheckpointError, OSError, EOFError) as err:
+                failed.append(_reason(err))
+        if failed:
+            _warn(target, holder, path, len(failed), len(members), failed[0])
+    return sound
+
+
+def _file_entry(base: Manifest, base_name: str, holder: str, name: str) -> tuple[str, FileEntry]:
+    """(save id, entry) of the file ``name`` of checkpoint ``holder`` as BASE's manifest records it:
+    what :func:`ref_table` copies into the new manifest."""
+    if holder == base_name:
+        return base.save_id, base.files[name]
+    return base.refs[holder].save_id, base.refs[holder].files[name]
+
+
+def _check_name(name: str, save_id: str) -> None:
+    """A referenced file must be a data file of the save that wrote it (format v2, ``refs``): a base
+    whose file has another valid name (renamed, or written by hand) can be loaded but not referred to."""
+    m = DATA_FILE.match(name)
+    if m is None or m["sid"] != save_id:
+        raise CorruptCheckpointError(
+            f"its name is not that of a data file of save {save_id} (data-<rank>-{save_id}.safetensors), which a "
+            "reference must name"
+        )
+
+
+def _digest_of(
+    storage: Storage, path: str, chunk: Chunk, block: int, tensor: str, bounce: Callable[[int], memoryview]
+) -> str:
+    """The xxh3-128 of the chunk's bytes in ``path``, read one block at a time into ``bounce`` and each
+    block checked against its checksum first (:class:`CorruptCheckpointError` on a mismatch)."""
+    h = xxhash.xxh3_128()
+    read_blocks(
+        storage, path, chunk, block, 0, chunk.end - chunk.begin, tensor, bounce, lambda _at, data: h.update(data)
+    )
+    return h.hexdigest()
+
+
+def _reason(err: BaseException) -> str:
+    return str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
+
+
+def _warn(target: str, holder: str, path: str, failed: int, total: int, why: str) -> None:
+    logger.warning(
+        "shardsafe: incremental save of %s: %s, a data file of the base checkpoint %r, does not verify (%s); %d of "
+        "the %d chunk(s) this save would have taken from it are written in full instead. The save goes on; "
+        "check or replace that checkpoint (shardsafe verify).",
+        target,
+        path,
+        holder,
+        why,
+        failed,
+        total,
+    )
 
 
 def _fields(c: Chunk) -> tuple[tuple[int, ...], tuple[int, ...], str, str, int, int, tuple[str, ...], str | None]:

@@ -117,7 +117,13 @@ class SaveJob:
             self.chunks = plan_writes(self.flat.items, op.rank, op.world_size) + own_chunks(self.flat)
             if self.base_manifest is not None:
                 self.chunks, self.ref_chunks = incremental.match(
-                    self.chunks, self.base_manifest, self.base_name, self.block_bytes
+                    self.chunks,
+                    self.base_manifest,
+                    self.base_name,
+                    self.block_bytes,
+                    self.storage,
+                    self.path,
+                    self.deadlines.io,
                 )
             size, self.header_bytes = file_bytes(self.chunks)  # what this rank writes (references excluded)
             self.tracker.set_total(size)

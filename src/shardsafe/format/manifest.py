@@ -303,7 +303,9 @@ def _tensor(
     t = _obj(t, "the entry", here, _TENSOR_FIELDS)
     dtype = STORABLE_DTYPES.get(t["dtype"]) if isinstance(t["dtype"], str) else None
     if dtype is None:
-        raise CorruptCheckpointError(f"{here}: dtype {_short(t['dtype'])} is not one of format v1 (section 6)")
+        raise CorruptCheckpointError(
+            f"{here}: dtype {_short(t['dtype'])} is not one of format v2 (docs/format.md, section 6)"
+        )
     dims = _list(t["shape"], "shape", here)
     if len(dims) > MAX_DIMS:
         raise CorruptCheckpointError(f"{here}: shape has {len(dims)} dimensions, more than {MAX_DIMS}")

@@ -72,6 +72,12 @@ _FIELDS: dict[str, frozenset[str]] = {
 _NON_FINITE = ("nan", "inf", "-inf")
 _DEVICE = re.compile(r"[a-z][a-z0-9_]{0,31}(?::[0-9]{1,5})?")
 _SIZE_LIMIT = 2**63  # torch.Size holds int64
+_INT_BITS = 13_000
+"""Largest integer value stored, in bits (about 3,900 decimal digits): JSON readers refuse longer
+ones (Python's default limit on int-string conversion is 4,300 digits)."""
+_NAME_LIMIT = 60_000
+"""Longest tensor name (its path in the state) stored: a reader accepts names of up to 65,536
+characters and chunk keys (the name, ``@`` and up to 64 offsets) of up to 65,600."""
 
 
 class PerRank:
@@ -129,9 +135,57 @@ def _step(where: str, key: Any) -> str:
     return f"{where}/{text if len(text) <= 80 else text[:77] + '...'}"
 
 
+def _storable_text(text: str, path: str, what: str) -> None:
+    """A manifest is UTF-8 text: a string holding a lone surrogate (``"\\ud800"``, e.g. from
+    ``os.fsdecode`` of undecodable bytes) cannot be stored, and is refused here, naming it, before
+    anything is written (the loader's parser would refuse the manifest)."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise UnsafeValueError(
+            f"{path!r}: {what} holds a lone surrogate ({text[err.start]!r} at position {err.start}), which UTF-8 text, "
+            "and so a checkpoint's manifest, cannot hold. Store it as bytes, or clean the text "
+            "(e.g. text.encode('utf-8', 'surrogateescape') gives the original bytes)."
+        ) from None
+
+
+def _storable_tensor(tensor: torch.Tensor, path: str) -> None:
+    """The limits a reader checks on every tensor entry (docs/format.md, section 8, rule 6), applied
+    before anything is written, naming the tensor: at most ``MAX_DIMS`` dimensions, and a byte size
+    (each 0 counted as 1) of at most ``INT_LIMIT``."""
+    from shardsafe.format.manifest import INT_LIMIT, MAX_DIMS  # the parser's own limits (it imports this module)
+
+    if len(path) > _NAME_LIMIT:
+        raise UnsafeValueError(
+            f"{path[:80]!r}...: a tensor whose name (its path in the state) has {len(path)} characters; a checkpoint "
+            f"holds names of at most {_NAME_LIMIT}. Use shorter keys."
+        )
+    shape = tuple(int(d) for d in tensor.shape)
+    if len(shape) > MAX_DIMS:
+        raise UnsafeValueError(
+            f"{path!r}: a tensor of {len(shape)} dimensions; a checkpoint holds at most {MAX_DIMS}. Reshape it "
+            "(e.g. flatten leading dimensions) before saving, and back after loading."
+        )
+    if math.prod(max(d, 1) for d in shape) * tensor.dtype.itemsize > INT_LIMIT:
+        raise UnsafeValueError(
+            f"{path!r}: a tensor of shape {list(shape)} ({dtype_name(tensor.dtype)}); a checkpoint holds shapes whose "
+            f"byte size, each 0 counted as 1, is at most 2^62. Store it with another shape."
+        )
+
+
 def encode(value: Any, path: str, on_tensor: TensorSink, *, allow_pickle: bool = False, _level: int = 1) -> Json:
-    """Typed JSON for ``value``; ``path`` names it in errors (``model/layers.0.weight``)."""
-    if value is None or isinstance(value, (bool, str)):
+    """Typed JSON for ``value``; ``path`` names it in errors (``model/layers.0.weight``). What a
+    manifest cannot hold (a lone surrogate in a string, a key or a name; a tensor beyond the format's
+    limits) is refused with :class:`UnsafeValueError` naming it (a tensor's name is its path, whose
+    parts are checked as keys)."""
+    if _level == 1:
+        _storable_text(path, path, "the name")
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        _storable_text(value, path, "the string")
         return value
     if _level > MAX_DEPTH:
         raise UnsafeValueError(
@@ -149,12 +203,18 @@ def encode(value: Any, path: str, on_tensor: TensorSink, *, allow_pickle: bool =
         if numpy is not None:
             return numpy
     if isinstance(value, int):
+        if value.bit_length() > _INT_BITS:
+            raise UnsafeValueError(
+                f"{path!r}: an integer of {value.bit_length()} bits; a checkpoint holds integers of at most "
+                f"{_INT_BITS} bits (about 3,900 digits), which JSON readers accept. Store it as bytes or a str."
+            )
         return int(value)
     if isinstance(value, float):
         if math.isfinite(value):
             return float(value)
         return {"$": "float", "v": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
     if isinstance(value, torch.Tensor):
+        _storable_tensor(value, path)
         return {"$": "tensor", "ref": on_tensor(path, value)}
     if isinstance(value, torch.Size):
         if any(not 0 <= int(d) < _SIZE_LIMIT for d in value):
@@ -173,6 +233,13 @@ def encode(value: Any, path: str, on_tensor: TensorSink, *, allow_pickle: bool =
                 raise UnsafeValueError(
                     f"{path!r}: dict key {k!r} of type {type(k).__name__} cannot be stored; "
                     "use str or int keys (or pass allow_pickle=True to save and load)"
+                )
+            if isinstance(k, str):
+                _storable_text(k, f"{path}/{k}", "the key")
+            elif k.bit_length() > _INT_BITS:
+                raise UnsafeValueError(
+                    f"{path!r}: a dict key integer of {k.bit_length()} bits; a checkpoint holds integers of at most "
+                    f"{_INT_BITS} bits. Use a shorter key or a str."
                 )
             items.append([k, encode(v, f"{path}/{k}", on_tensor, allow_pickle=allow_pickle, _level=_level + 3)])
         return {"$": "dict", "items": items}

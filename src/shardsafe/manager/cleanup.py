@@ -6,6 +6,10 @@ checkpoint, a tombstone) or from a staging directory's own save id; folders only
 recursively. A checkpoint is uncommitted first (its manifest renamed to a tombstone), so a
 half-deleted one is never taken for committed. One failed delete is logged and the rest go on: a
 full or flaky disk must not turn a successful save into a crash.
+
+An entry of the root that is a symbolic link (to a checkpoint elsewhere) is never deleted, retired
+or cleaned up: nothing is removed through it, and the link itself stays (shardsafe did not write
+it), with a WARNING each time retention would have deleted it. Remove such a link by hand.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from shardsafe.manager.listing import CheckpointRecord
 from shardsafe.manager.retention import RetentionPolicy
 from shardsafe.storage.base import Storage
 from shardsafe.storage.delete import delete_checkpoint as _delete_checkpoint
-from shardsafe.storage.delete import delete_files, finish_deletion, remove_staging
+from shardsafe.storage.delete import delete_files, finish_deletion, link_target, remove_staging
 from shardsafe.storage.names import DATA_FILE, STAGING_DIR, TOMBSTONE
 
 logger = logging.getLogger(__name__)
@@ -64,6 +68,16 @@ def apply_retention(
     deleted = []
     for candidate in policy.to_delete(committed, protect=protect):
         record = candidate.record
+        target = link_target(record.path)
+        if target is not None:
+            logger.warning(
+                "shardsafe: not deleting old checkpoint %s (retention): it is a symbolic link to %s, and shardsafe "
+                "deletes nothing through a link (that checkpoint is not this run's to delete). Remove the link by "
+                "hand to silence this.",
+                record.path,
+                target,
+            )
+            continue
         try:
             delete_checkpoint(storage, record)
         except (OSError, CorruptCheckpointError, ValueError) as err:
@@ -103,12 +117,24 @@ def remove_leftovers(
     Data files another checkpoint refers to are never removed (:mod:`shardsafe.storage.delete`).
 
     Litter directories of older versions (``.<name>.litter-*``) are never touched: what they hold was
-    not checked. Only what has not changed for ``min_age`` seconds goes; entries for a checkpoint name
-    in ``busy`` (a save of this run in flight) are never touched. Returns the paths removed."""
+    not checked; nor is an entry that is a symbolic link (a WARNING when it looks like a leftover).
+    Only what has not changed for ``min_age`` seconds goes; entries for a checkpoint name in ``busy``
+    (a save of this run in flight) are never touched. Returns the paths removed."""
     now = time.time() if now is None else now
     removed: list[str] = []
     for record in records:
         if record.target in busy or (record.leftover and not STAGING_DIR.match(record.name)):
+            continue
+        target = link_target(record.path)
+        if target is not None:
+            if record.status != "committed":
+                logger.warning(
+                    "shardsafe: not cleaning up %s (%s): it is a symbolic link to %s, and shardsafe deletes nothing "
+                    "through a link",
+                    record.path,
+                    record.status,
+                    target,
+                )
             continue
         if record.status == "incomplete":
             if record.created is None or now - record.created < min_age:

@@ -2,8 +2,12 @@
 
 (rank 0 only: the save protocol takes rank 0's ``base=`` for every rank.) The newest committed
 checkpoint of the manager other than the target, unless a full save is due (``full_save_every``), or
-that checkpoint is damaged, refers to the target itself, or lacks a base of its own: then the save is
-a full one. A full save is always safe; an incremental one only saves bytes.
+that checkpoint is damaged (a data file of its own, or one it refers to, missing or of another size
+than recorded: one stat per file), refers to the target itself, or lacks a base of its own: then the
+save is a full one, with a WARNING naming it and why. A full save is always safe; an incremental one
+only saves bytes, and verifies every chunk it refers to (damage these stats cannot see, a flipped
+byte, makes those chunks written in full: :mod:`shardsafe.engine.incremental`), so a damaged
+checkpoint never stops a run from checkpointing.
 
 When a full save is due is read from storage, never kept in memory, so that it holds across restarts
 (a preemptible job may restart more often than every N saves). Each save of an incremental manager
@@ -39,7 +43,7 @@ from shardsafe.manager.listing import CheckpointRecord
 from shardsafe.storage import Storage
 from shardsafe.storage.base import MANIFEST_NAME
 from shardsafe.storage.names import TOMBSTONE
-from shardsafe.storage.refs import check_ref_files, sibling, split
+from shardsafe.storage.refs import check_own_files, check_ref_files, sibling, split
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +79,8 @@ def choose_base(
         try:
             with mapped_errors("choose a base", record.path):
                 manifest = read_manifest(fs, record.path)
-                check_ref_files(fs, record.path, manifest)  # its own bases are there
+                check_own_files(fs, record.path, manifest)  # its files, and its own bases', are there
+                check_ref_files(fs, record.path, manifest)
                 if target in manifest.refs:
                     return None, 0  # it refers to data in the target, which this save replaces
                 since = saves_since_full(fs, record.path, manifest, {} if known is None else known)

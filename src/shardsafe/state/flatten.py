@@ -209,7 +209,7 @@ def flatten(
             name = f"{path}#{n}"
         taken.add(name)
         if t.dtype not in SAFETENSORS_DTYPES:
-            raise UnsafeValueError(f"{path!r}: tensors of dtype {t.dtype} cannot be stored in format v1")
+            raise UnsafeValueError(f"{path!r}: dtype {t.dtype} cannot be stored (format v2, docs/format.md section 6)")
         shard = shards.get(id(t))
         placed = shard is not None or is_sharded(t) or is_sharded_tensor(t)
         items.append(_item(name, shard[0] if shard is not None else layout_of(t), placed))

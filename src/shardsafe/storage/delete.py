@@ -50,6 +50,12 @@ from C's replaced manifest, right after the commit (:func:`release_references`, 
 C's own stale files); a crash in between leaves unlisted data files in a committed B (or a retired B
 no one refers to), which the manager's cleanup of leftovers removes by name once old enough.
 
+Nothing is deleted or retired through a symbolic link: a checkpoint folder (or a sibling it refers
+to, or a staging directory) that is a link is refused by :func:`delete_checkpoint`,
+:func:`finish_deletion`, :func:`remove_staging` and the release of referenced files
+(:func:`link_target`), so that a root entry linking to a checkpoint elsewhere (another run's, a
+kept copy) never costs that checkpoint its files. The link itself stays: shardsafe did not write it.
+
 On object stores (and ``file://``) a save's data files go straight into its target, with nothing
 beside them until its manifest commits: a save in flight there is told from a replaced one only by
 its save id, which is new per attempt (its time and 40 random bits), unknown to any manifest
@@ -59,11 +65,12 @@ written before it started.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 
 from shardsafe.errors import CorruptCheckpointError
 from shardsafe.format.manifest import parse_manifest
-from shardsafe.storage import refs, unlink
+from shardsafe.storage import is_remote, refs, unlink
 from shardsafe.storage.base import MANIFEST_NAME, Storage
 from shardsafe.storage.names import (
     DATA_FILE,
@@ -94,6 +101,26 @@ def delete_files(storage: Storage, directory: str, names: Iterable[str]) -> list
     return unlink.delete_files(storage, directory, todo)
 
 
+def link_target(path: str) -> str | None:
+    """Where ``path`` (a local path or ``file://`` URL of a folder) leads when its last component is a
+    symbolic link; ``None`` when it is not one (object stores have no links)."""
+    local = path.removeprefix("file://") if path.startswith("file://") else None if is_remote(path) else path
+    if local is None:
+        return None
+    local = local.rstrip("/") or "/"
+    return os.path.realpath(local) if os.path.islink(local) else None
+
+
+def refuse_link(path: str, what: str) -> None:
+    """Raise ``ValueError`` (deleting nothing) when the folder ``path`` is a symbolic link."""
+    target = link_target(path)
+    if target is not None:
+        raise ValueError(
+            f"refusing to {what} {path}: it is a symbolic link to {target}, and shardsafe deletes nothing through "
+            "a link (what it points to is not this folder's to delete). Remove the link by hand if it should go."
+        )
+
+
 def manifest_files(raw: bytes, where: str) -> tuple[str, list[str]]:
     """(save id, data file names) of manifest bytes that pass the loader's validation; names that
     are not data files (allowed by the format, never written by shardsafe) are left out, with a
@@ -116,8 +143,9 @@ def _read(storage: Storage, path: str) -> bytes | None:
 def delete_checkpoint(storage: Storage, path: str) -> list[str]:
     """(rank 0: retention) Delete the committed checkpoint at ``path`` (see the module docstring);
     returns the data files removed. Raises :class:`CorruptCheckpointError`, deleting nothing, if its
-    manifest does not validate, and ``OSError`` if a step fails (what is left is uncommitted and
-    carries its tombstone)."""
+    manifest does not validate, ``ValueError``, deleting nothing, if ``path`` is a symbolic link, and
+    ``OSError`` if a step fails (what is left is uncommitted and carries its tombstone)."""
+    refuse_link(path, "delete the checkpoint")
     where = storage.join(path, MANIFEST_NAME)
     raw = storage.read_bytes(where)
     manifest_files(raw, where)  # validated before the checkpoint is touched
@@ -130,12 +158,16 @@ def finish_deletion(storage: Storage, path: str) -> list[str]:
     """(rank 0: leftover cleanup) Complete a delete that crashed: remove the data files the tombstone
     of ``path`` lists (not those a committed manifest there lists, if a later save committed one),
     the old files of overwritten siblings it was the last to refer to, then the tombstone, then the
-    folder if empty. Nothing when there is no tombstone, or when the
-    tombstone or the manifest beside it does not validate (logged)."""
+    folder if empty. Nothing when there is no tombstone, when the tombstone or the manifest beside
+    it does not validate, or when ``path`` is a symbolic link (logged)."""
     try:
+        refuse_link(path, "finish the deletion of")
         return _finish(storage, path)
     except CorruptCheckpointError as err:
         logger.error("shardsafe: not finishing the deletion of %s: %s", path, err)
+        return []
+    except ValueError as err:
+        logger.warning("shardsafe: %s", err)
         return []
 
 
@@ -188,6 +220,9 @@ def _release_replaced(storage: Storage, path: str, raw: bytes, where: str) -> No
         if ref == own:
             continue  # a reference to itself is refused by every reader; it releases nothing
         base = refs.sibling(storage, path, ref)
+        if link_target(base) is not None:
+            logger.warning("shardsafe: not removing replaced files of %s: it is a symbolic link", base)
+            continue
         todo = _replaced_files(storage, base, entry.save_id, {n: f.size for n, f in entry.files.items()})
         if not todo:
             continue
@@ -300,10 +335,12 @@ def discard_save(storage: Storage, staging: str, target: str, save_id: str, worl
 def remove_staging(storage: Storage, staging: str) -> bool:
     """(rank 0: leftover cleanup) Remove a crashed save's staging directory: the data files of the save
     id its name carries and its staged manifest, then the directory if that left it empty. Returns
-    whether it is gone; anything else in it stays (logged)."""
+    whether it is gone; anything else in it stays (logged). ``ValueError``, deleting nothing, for a
+    name that is not a staging directory's or a symbolic link."""
     m = STAGING_DIR.match(basename(staging))
     if m is None:
         raise ValueError(f"{staging} is not a staging directory name of shardsafe")
+    refuse_link(staging, "clean up the staging directory")
     sid = m.group("sid")
     names = storage.list_dir(staging)
     mine = [n for n in names if n in STAGED_MANIFEST or ((d := DATA_FILE.match(n)) is not None and d["sid"] == sid)]

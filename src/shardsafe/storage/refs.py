@@ -81,6 +81,20 @@ def check_ref_files(storage: Storage, path: str, manifest: Manifest) -> None:
                 )
 
 
+def check_own_files(storage: Storage, path: str, manifest: Manifest) -> None:
+    """Every data file the checkpoint at ``path`` lists exists with the size its manifest records
+    (cheap: one stat per file; the bytes are not read). Raises :class:`CorruptCheckpointError` naming
+    the file (a missing one included: the checkpoint itself is there, damaged)."""
+    for name, f in sorted(manifest.files.items()):
+        where = storage.join(path, name)
+        try:
+            size = storage.size(where)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{where}: data file missing") from None
+        if size != f.size:
+            raise CorruptCheckpointError(f"{where}: {size} bytes, the manifest says {f.size} (truncated or altered)")
+
+
 def _manifests_beside(
     storage: Storage, directory: str, tombstones: bool, ignore: str | None
 ) -> list[tuple[str, bytes]]:
