@@ -31,22 +31,22 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 import xxhash
 
 from shardsafe import knobs
+from shardsafe.deadline import Deadline
 from shardsafe.engine.plan import PendingChunk
 from shardsafe.engine.read import read_manifest
 from shardsafe.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from shardsafe.format.datafile import read_blocks, tensor_bytes, verify_header
 from shardsafe.format.manifest import Chunk, FileEntry, Manifest, RefEntry, check_file_name
 from shardsafe.storage import Storage
-from shardsafe.storage.bounded import run_bounded
 from shardsafe.storage.names import DATA_FILE
 from shardsafe.storage.refs import sibling, split
+from shardsafe.workers import run_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -129,12 +129,13 @@ def match(
     block_bytes: int,
     storage: Storage,
     target: str,
-    io_seconds: float | None,
+    deadline: Deadline,
 ) -> tuple[list[PendingChunk], list[tuple[str, Chunk]]]:
     """(every rank, after planning, before staging) Split this rank's chunks into those to write and
     ``(tensor name, reference)`` for those whose bytes BASE already holds, verified in the file each
     reference points at (module docstring; BASE, or the checkpoint BASE refers to, beside ``target``).
-    The reads run under ``io_seconds`` (``TimeoutError`` past it: the save fails rather than hang)."""
+    The reads run within ``deadline`` (:class:`CheckpointTimeoutError` past it: the save fails rather than
+    hang)."""
     candidates: list[tuple[PendingChunk, Chunk]] = []
     same_blocks = base.block_bytes == block_bytes  # a reference keeps the base's block checksums
     for c in chunks:
@@ -144,7 +145,6 @@ def match(
             old = next((b for b in entry.chunks if b.offsets == c.offsets and b.sizes == c.sizes), None)
         if old is not None and old.digest is not None and chunk_digest(c.data) == old.digest:
             candidates.append((c, old))
-    deadline = None if io_seconds is None else time.monotonic() + io_seconds
     sound: set[int] = set()
     if candidates:  # nothing to read back: no worker thread
         sound = run_bounded(

@@ -123,7 +123,7 @@ class SaveJob:
                     self.block_bytes,
                     self.storage,
                     self.path,
-                    self.deadlines.io,
+                    self.clock.work,
                 )
             size, self.header_bytes = file_bytes(self.chunks)  # what this rank writes (references excluded)
             self.tracker.set_total(size)
@@ -157,7 +157,7 @@ class SaveJob:
                 body = SaveArrival({}, {}, payload)
             else:
                 self.flat = flatten(self.state, allow_pickle=self.options["allow_pickle"])
-                entries, nodes = per_rank.digests(self.flat)
+                entries, nodes = per_rank.digests(self.flat) if not op.single else ({}, {})  # alone: none differ
                 body = SaveArrival(entries, nodes, "")
             if op.rank == 0:
                 self._prepare()
@@ -205,7 +205,9 @@ class SaveJob:
         fsdp1 = [b.fsdp1 for b in bodies]
         paths: list[list[Any]] | None
         differ: list[str]
-        if any(fsdp1) or self.flat is None:
+        if self.op is not None and self.op.single:
+            paths, differ = [], []
+        elif any(fsdp1) or self.flat is None:
             paths, differ = None, []  # the values are digested after the exchange, in a round of their own
         else:
             paths, differ = per_rank.decide(

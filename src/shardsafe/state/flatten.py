@@ -270,7 +270,7 @@ def nested_states(value: Any, where: str, allow_pickle: bool = False, _level: in
         inner = nested_states(value.value, where, allow_pickle, level)
         return value if inner is value.value else PerRank(inner)
     if isinstance(value, dict):
-        items = {k: nested_states(v, f"{where}/{k}", allow_pickle, level) for k, v in value.items()}
+        items = {k: nested_states(v, f"{where}/{_step(k)}", allow_pickle, level) for k, v in value.items()}
         return value if all(items[k] is v for k, v in value.items()) else items
     if isinstance(value, list) or type(value) is tuple:
         seq = [nested_states(v, f"{where}/{i}", allow_pickle, level) for i, v in enumerate(value)]
@@ -287,6 +287,14 @@ def nested_states(value: Any, where: str, allow_pickle: bool = False, _level: in
             "parameter names and as the strategy placed its tensors"
         )
     return nested_states(value.state_dict(), where, allow_pickle, level) if kind == "stateful" else value
+
+
+def _step(key: Any) -> str:
+    """A dict key as a step of a path in messages; an integer too long for ``str`` (the encoder refuses it
+    by name) as its size."""
+    if isinstance(key, int) and key.bit_length() > 10_000:
+        return f"<an integer of {key.bit_length()} bits>"
+    return str(key)
 
 
 def _item(name: str, layout: Layout, placed: bool) -> TensorItem:
