@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from shardsafe import knobs
+from shardsafe.engine.guard import mapped_errors
 from shardsafe.engine.read import plan_reads, run_tasks
 from shardsafe.errors import CheckpointError, CorruptCheckpointError
 from shardsafe.format.datafile import read_verified
@@ -110,7 +111,12 @@ class PieceReader:
             ) from None
 
     def read(self, piece: Piece, buf: torch.Tensor) -> torch.Tensor:
-        """(reader thread, or the caller) The piece's bytes, verified, as a tensor in ``buf``."""
+        """(reader thread, or the caller) The piece's bytes, verified, as a tensor in ``buf``; any
+        failure a :class:`CheckpointError` (engine/guard.py)."""
+        with mapped_errors("export", self.path):
+            return self._read(piece, buf)
+
+    def _read(self, piece: Piece, buf: torch.Tensor) -> torch.Tensor:
         entry = self.manifest.tensors[piece.name]
         if buf.numel() < piece.nbytes:  # a single row wider than the slab
             buf = torch.empty(piece.nbytes, dtype=torch.uint8)
