@@ -27,7 +27,7 @@ from shardsafe.errors import CheckpointExistsError, CorruptCheckpointError
 from shardsafe.format.datafile import read_blocks, write_file
 from shardsafe.format.manifest import Chunk, FileEntry, Manifest, TensorEntry, parse_manifest
 from shardsafe.interop.outdir import check_parents, make_parents, remove_created
-from shardsafe.storage import get_storage, is_remote
+from shardsafe.storage import MANIFEST_NAME, get_storage, is_remote
 from shardsafe.storage.base import Commit, Storage
 from shardsafe.storage.names import data_file, refusal
 from shardsafe.storage.refs import chunk_path, missing_base
@@ -69,6 +69,10 @@ def _consolidate(src: str, out: str, storage_options: dict[str, Any] | None, tra
         manifest = read_manifest(storage, src)
     local = not is_remote(out)
     if local:
+        if os.path.islink(out):
+            raise CheckpointExistsError(
+                f"export of {src!r}: {out} is a symbolic link; export to the folder it points to, or to a new path"
+            )
         check_parents(os.path.dirname(os.path.abspath(out)))
     why = refusal(dest, out, overwrite=False)
     if why is not None:
@@ -89,7 +93,7 @@ def _consolidate(src: str, out: str, storage_options: dict[str, Any] | None, tra
 def _discard(dest: Storage, staging: str, written: list[str]) -> None:
     """Remove the data files this copy wrote and its staging folder (never anything else)."""
     try:
-        delete_files(dest, staging, written)
+        delete_files(dest, staging, [*written, MANIFEST_NAME])
         dest.remove_dir_if_empty(staging)
     except (OSError, ValueError) as err:
         logger.warning("shardsafe export: could not remove the staging folder %s: %s", staging, err)

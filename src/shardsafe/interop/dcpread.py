@@ -15,6 +15,7 @@ raises instead of hanging the import.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import stat
@@ -27,6 +28,7 @@ import torch
 from shardsafe.errors import CheckpointError, CorruptCheckpointError
 from shardsafe.interop.torchread import Source, bound, open_regular
 from shardsafe.interop.torchread import read as read_torch
+from shardsafe.interop.unpickle import Malformed, check_stream
 
 METADATA = ".metadata"
 MAX_METADATA = 1 << 30
@@ -93,9 +95,10 @@ def _read(path: str) -> dict[str, Any]:
             else:
                 self.state_dict[item.dest_index.fqn] = value
 
+    metadata = _metadata(path)  # read and checked here, so that DCP never logs its own failure to read it
+
     class Reader(FileSystemReader):  # type: ignore[misc]
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            metadata = _metadata(path)
             try:
                 from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -165,7 +168,10 @@ def _metadata(path: str) -> Any:
     finally:
         os.close(fd)
     try:
+        check_stream(io.BytesIO(raw), f"{file}")
         metadata = pickle.loads(raw)
+    except Malformed as err:
+        raise CorruptCheckpointError(f"{err}: damaged; nothing was imported") from err
     except Exception as err:
         raise CorruptCheckpointError(
             f"{file}: not a readable DCP metadata pickle ({type(err).__name__}: {err})"

@@ -379,10 +379,16 @@ def _unpickle_at(f: Any, persistent_load: unpickle.PersistentLoad, allow_pickle:
         load = unpickle.load_full if allow_pickle else unpickle.load_restricted
         return load(f, persistent_load)
     except Refused as why:
+        # No checksum covers a legacy file: a flipped byte can turn a name into another. Only a pickle
+        # whose structure holds and whose global really exists is taken as asking for full unpickling.
         f.seek(start)
-        if unpickle.well_formed(f):
-            raise _Unsafe(what, why) from None
-        raise Malformed(f"{what}: a damaged pickle") from None
+        if why.name is None or not unpickle.well_formed(f):
+            raise Malformed(f"{what}: a damaged pickle ({why})") from None
+        if not unpickle.exists(why.name):
+            raise Malformed(
+                f"{what} names the global {why.name}, which does not exist here (or needs a package this Python lacks)"
+            ) from None
+        raise _Unsafe(what, why) from None
     except Malformed as err:
         raise Malformed(f"{what}: {err}") from err
 

@@ -17,12 +17,14 @@ the unpickling is reported as :class:`Malformed`.
 from __future__ import annotations
 
 import _compat_pickle
+import importlib.util
 import io
 import math
 import pickle
 import pickletools
 import re
 import struct
+import sys
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -41,7 +43,12 @@ class Malformed(Exception):
 
 
 class Refused(Exception):
-    """A well-formed pickle asks for something weights-only reading does not do."""
+    """A well-formed pickle asks for something weights-only reading does not do: ``name`` is the global
+    it names (``None`` for an opcode)."""
+
+    def __init__(self, message: str, name: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name
 
 
 # ------------------------------------------------------------------------------- checked callables
@@ -272,14 +279,40 @@ def storage_dtype(storage_type: Any) -> torch.dtype:
 # ------------------------------------------------------------------------------- the unpickler
 
 
+class Bounded:
+    """A seekable file whose ``read(n)`` never asks for more than is left: a length a damaged pickle
+    declares (4 GiB) would otherwise be allocated by the buffered reader before it finds the end."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        here = f.tell()
+        self.end = f.seek(0, 2)
+        f.seek(here)
+
+    def read(self, n: int = -1) -> bytes:
+        left = self.end - self.f.tell()
+        data: bytes = self.f.read(left if n is None or n < 0 else min(n, left))
+        return data
+
+    def readline(self, limit: int = -1) -> bytes:
+        line: bytes = self.f.readline(limit)
+        return line
+
+    def tell(self) -> int:
+        return int(self.f.tell())
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return int(self.f.seek(offset, whence))
+
+
 class _Reader:
     """``read``/``readline`` over a file or bytes that raise :class:`Malformed` when the data ends early."""
 
     def __init__(self, f: Any) -> None:
-        self.f = f
+        self.f = Bounded(f)
 
     def read(self, n: int) -> bytes:
-        data: bytes = self.f.read(n)
+        data = self.f.read(n)
         if len(data) != n:
             raise Malformed("the pickle ends early")
         return data
@@ -299,7 +332,7 @@ def _global(module: str, name: str) -> Any:
     if full in _GLOBALS:
         return _GLOBALS[full]
     if _NAME.fullmatch(module) and _NAME.fullmatch(name):
-        raise Refused(f"global {full}")
+        raise Refused(f"global {full}", full)
     raise Malformed(f"a global named {full[:80]!r}")
 
 
@@ -457,9 +490,31 @@ class _Unpickler:
         return self.stack[-1]  # type: ignore[no-any-return]
 
 
+def check_stream(f: Any, what: str = "the pickle") -> None:
+    """Before the standard unpickler reads the pickle at ``f``'s position (which ``f`` is left past):
+    it is complete, opcode by opcode, and its memo indices grow as a pickler writes them. A damaged
+    index (``LONG_BINPUT`` 2**31) would make the standard unpickler allocate a memo that large."""
+    puts = 0
+    try:
+        for op, arg, _ in pickletools.genops(Bounded(f)):  # type: ignore[arg-type]
+            if op.name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                if not isinstance(arg, int) or not 0 <= arg <= puts + 1024:
+                    raise Malformed(f"{what} stores memo entry {arg!r} after {puts} entries")
+                puts += 1
+            elif op.name == "MEMOIZE":
+                puts += 1
+    except Malformed:
+        raise
+    except Exception as err:  # what genops says of a cut or damaged pickle
+        raise Malformed(f"{what} is not a complete pickle ({type(err).__name__}: {str(err)[:200]})") from err
+
+
 def load_full(f: Any, persistent_load: PersistentLoad) -> Any:
     """Full unpickling (``allow_pickle``): what ``torch.load(weights_only=False)`` does, storages from
-    ``persistent_load``. Runs code the file names."""
+    ``persistent_load``, after :func:`check_stream`. Runs code the file names."""
+    start = f.tell()
+    check_stream(f)
+    f.seek(start)
 
     class Full(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
@@ -474,7 +529,7 @@ def load_full(f: Any, persistent_load: PersistentLoad) -> Any:
             return persistent_load(pid)
 
     try:
-        return Full(f, encoding="utf-8").load()
+        return Full(Bounded(f), encoding="utf-8").load()
     except (Malformed, Refused):
         raise
     except RecursionError as err:
@@ -491,12 +546,28 @@ class _Null(io.StringIO):
 _NULL = _Null()
 
 
+def exists(name: str) -> bool:
+    """Whether the global ``module.attr`` could be found by full unpickling here, told without importing
+    anything (a module not imported yet: whether its top-level package is installed)."""
+    module, _, attr = name.rpartition(".")
+    loaded = sys.modules.get(module)
+    if loaded is not None:
+        return hasattr(loaded, attr)
+    parts = module.split(".")
+    known = next((k for k in range(len(parts), 0, -1) if ".".join(parts[:k]) in sys.modules), 0)
+    try:  # the first part not imported yet: found (not run) by its loaded parent, or as a top-level name
+        return importlib.util.find_spec(".".join(parts[: known + 1])) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def well_formed(f: Any, end: int | None = None) -> bool:
     """Whether the pickle at ``f``'s position is complete, with a consistent stack and memo (and ends at
     ``end``, when given): a refusal of a damaged pickle is reported as damage, never as a reason to
     unpickle it fully."""
 
     try:
+        f = Bounded(f)
         pickletools.dis(f, out=_NULL)
         return end is None or f.tell() == end
     except Exception:
