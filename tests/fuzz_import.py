@@ -320,6 +320,8 @@ def mutate_pickle(rng: random.Random, data: bytes) -> tuple[bytes, str]:
     ops = ops_of(data)
     done = []
     for _ in range(rng.choice([1, 1, 1, 2, 3])):
+        if len(ops) < 3:
+            break
         i = rng.randrange(1, len(ops) - 1)
         name = ops[i][0]
         op = rng.choice(["arg"] * 4 + ["delete", "duplicate", "swap", "insert"])
