@@ -45,7 +45,7 @@ DCP_METADATA = dcpread.METADATA
 class ImportResult:
     path: str  # the new checkpoint
     source: str
-    source_format: str  # "torch.save" or "dcp"
+    source_format: str  # "torch.save", "dcp" or "safetensors"
     keys: list[str]  # its top-level entries
     tensors: int
     bytes: int  # bytes verified
