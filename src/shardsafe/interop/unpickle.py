@@ -252,7 +252,7 @@ def _globals() -> dict[str, Any]:
     }
     out: dict[str, Any] = {name: _Call(name, fn) for name, fn in calls.items()}
     out["torch.Tensor"] = torch.Tensor  # a value, never called: a type _rebuild_from_type_v2 names
-    for dtype in (getattr(torch, name) for name in dir(torch)):
+    for dtype in list(vars(torch).values()):  # vars(): no lazy attribute is touched
         if isinstance(dtype, torch.dtype):
             out[str(dtype)] = dtype
     for cls in torch._storage_classes:
@@ -263,7 +263,13 @@ def _globals() -> dict[str, Any]:
     return out
 
 
-_GLOBALS = _globals()
+_GLOBALS: dict[str, Any] = {}
+
+
+def _allowed() -> dict[str, Any]:
+    if not _GLOBALS:  # built on first use, not when shardsafe is imported
+        _GLOBALS.update(_globals())
+    return _GLOBALS
 
 
 def storage_dtype(storage_type: Any) -> torch.dtype:
@@ -329,8 +335,9 @@ def _global(module: str, name: str) -> Any:
         module, name = _compat_pickle.NAME_MAPPING[(module, name)]
     module = _compat_pickle.IMPORT_MAPPING.get(module, module)
     full = f"{module}.{name}"
-    if full in _GLOBALS:
-        return _GLOBALS[full]
+    allowed = _allowed()
+    if full in allowed:
+        return allowed[full]
     if _NAME.fullmatch(module) and _NAME.fullmatch(name):
         raise Refused(f"global {full}", full)
     raise Malformed(f"a global named {full[:80]!r}")
