@@ -109,7 +109,7 @@ def bomb(path: Path, nbytes: int) -> Path:
     obj = {"w": View(s, (nbytes // 4,), (1,))}
     info = zipfile.ZipInfo("archive/data/0")
     info.compress_type = zipfile.ZIP_DEFLATED
-    with zipfile.ZipFile(path, "w") as z:
+    with zipfile.ZipFile(path, "w", compresslevel=1) as z:
         z.writestr("archive/data.pkl", pickled(obj))
         z.writestr("archive/byteorder", b"little")
         with z.open(info, "w", force_zip64=True) as out:

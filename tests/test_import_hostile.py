@@ -51,15 +51,11 @@ def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     return rc, out + err
 
 
-def _child(code: str, timeout: float = 120) -> dict[str, Any]:
-    """Run ``code`` (which sets ``result``) in a fresh interpreter whose address space may grow by
-    :data:`CAP` beyond what importing torch takes; its outcome as a dict (``hang`` on a timeout)."""
-    script = f"""
-import json, resource, sys, traceback
-import torch, shardsafe
-with open("/proc/self/statm") as f:
-    used = int(f.read().split()[0]) * resource.getpagesize()
-resource.setrlimit(resource.RLIMIT_AS, (used + {CAP}, resource.RLIM_INFINITY))
+def _children(codes: list[str], timeout: float = 120) -> list[dict[str, Any]]:
+    """Run each of ``codes`` in turn in one fresh interpreter whose address space may grow by :data:`CAP`
+    beyond what importing torch takes; the outcome of each as a dict (``hang`` for those a timeout cut)."""
+    blocks = "\n".join(
+        f"""
 out = {{}}
 try:
 {chr(10).join("    " + line for line in code.strip().splitlines())}
@@ -72,16 +68,32 @@ except BaseException as err:
     out.update(error=type(err).__name__, checkpoint_error=isinstance(err, shardsafe.CheckpointError),
                message=str(err), chain=chain)
 out["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-print(json.dumps(out))
+print(json.dumps(out), flush=True)
+"""
+        for code in codes
+    )
+    script = f"""
+import json, resource, sys, traceback
+import torch, shardsafe
+with open("/proc/self/statm") as f:
+    used = int(f.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (used + {CAP}, resource.RLIM_INFINITY))
+{blocks}
 """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS)]), "OMP_NUM_THREADS": "1"}
     try:
         run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"hang": True}
-    lines = run.stdout.strip().splitlines()
-    assert lines, run.stderr[-3000:]
-    return json.loads(lines[-1])  # type: ignore[no-any-return]
+        stdout, stderr = run.stdout, run.stderr
+    except subprocess.TimeoutExpired as cut:
+        stdout = cut.stdout.decode() if isinstance(cut.stdout, bytes) else (cut.stdout or "")
+        stderr = ""
+    got = [json.loads(line) for line in stdout.strip().splitlines() if line.startswith("{")]
+    assert got or stderr == "", stderr[-3000:]
+    return got + [{"hang": True}] * (len(codes) - len(got))
+
+
+def _child(code: str, timeout: float = 120) -> dict[str, Any]:
+    return _children([code], timeout)[0]
 
 
 def _refused_without_allocating(outcome: dict[str, Any], *words: str) -> None:
@@ -238,8 +250,8 @@ def test_legacy_files_with_lying_sizes_are_refused_before_allocating(tmp_path: P
             header_numel={"k": 2**40},
         ),
     }
-    for name, src in cases.items():
-        outcome = _child(f"shardsafe.import_checkpoint({str(src)!r}, {str(tmp_path / name)!r})")
+    codes = [f"shardsafe.import_checkpoint({str(src)!r}, {str(tmp_path / name)!r})" for name, src in cases.items()]
+    for (name, src), outcome in zip(cases.items(), _children(codes), strict=True):
         _refused_without_allocating(outcome, str(src))
         assert not (tmp_path / name).exists()
 
@@ -257,11 +269,13 @@ def test_unsafe_content_is_refused_as_such_and_damage_is_not(
     rc, text = _cli(capsys, str(evil), str(tmp_path / "d0"))
     assert rc == 2 and "--allow-pickle" in text
     # allocation through allowed constructors (weights_only's own allowlist has these): refused, never run
+    codes = []
     for i, obj in enumerate(
         [Call(bytearray, 1 << 40), Call(torch.Tensor, 1 << 40), Call(torch.UntypedStorage, 1 << 40)]
     ):
         src = zip_file(tmp_path / f"alloc{i}.pt", {"w": obj}, {})
-        outcome = _child(f"shardsafe.import_checkpoint({str(src)!r}, {str(tmp_path / f'a{i}')!r})")
+        codes.append(f"shardsafe.import_checkpoint({str(src)!r}, {str(tmp_path / f'a{i}')!r})")
+    for outcome in _children(codes):
         _refused_without_allocating(outcome)
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"\x00not a torch file" * 10)
@@ -323,23 +337,20 @@ def _dcp(path: Path) -> None:
 
 
 def test_a_dcp_folder_with_a_fifo_is_refused_not_waited_on(tmp_path: Path) -> None:
-    _dcp(tmp_path / "dcp")
-    data = next(p for p in (tmp_path / "dcp").iterdir() if p.suffix == ".distcp")
-    data.unlink()
-    os.mkfifo(data)
-    outcome = _child(
-        f"shardsafe.import_checkpoint({str(tmp_path / 'dcp')!r}, {str(tmp_path / 'dest')!r}, allow_pickle=True)",
-        timeout=90,
-    )
-    _refused_without_allocating(outcome, "regular file", data.name)
-    meta = tmp_path / "dcp" / ".metadata"
-    meta.unlink()
-    os.mkfifo(meta)
-    outcome = _child(
-        f"shardsafe.import_checkpoint({str(tmp_path / 'dcp')!r}, {str(tmp_path / 'dest')!r}, allow_pickle=True)",
-        timeout=90,
-    )
-    _refused_without_allocating(outcome, "regular file", ".metadata")
+    for name in ("data", "meta"):
+        _dcp(tmp_path / name)
+    data = next(p for p in (tmp_path / "data").iterdir() if p.suffix == ".distcp")
+    meta = tmp_path / "meta" / ".metadata"
+    for fifo in (data, meta):
+        fifo.unlink()
+        os.mkfifo(fifo)
+    codes = [
+        f"shardsafe.import_checkpoint({str(tmp_path / name)!r}, {str(tmp_path / 'dest')!r}, allow_pickle=True)"
+        for name in ("data", "meta")
+    ]
+    for fifo, outcome in zip((data, meta), _children(codes, timeout=90), strict=True):
+        _refused_without_allocating(outcome, "regular file", fifo.name)
+    assert not (tmp_path / "dest").exists()
 
 
 def test_a_dcp_read_runs_under_a_deadline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
