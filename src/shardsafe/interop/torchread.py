@@ -71,6 +71,18 @@ class Source:
         return bytes(out)
 
 
+    def pread_into(self, view: memoryview, offset: int) -> None:
+        """Fill ``view`` with the bytes at ``offset`` (straight from the file, no copy in between)."""
+        if offset < 0 or offset + len(view) > self.length:
+            raise Malformed(f"a read of {len(view)} bytes at {offset} passes the end ({self.length} bytes)")
+        done = 0
+        while done < len(view):
+            got = os.preadv(self.fd, [view[done:]], self.start + offset + done)
+            if not got:
+                raise Malformed(f"the file ends at byte {offset + done}, before the {len(view)} bytes it declares")
+            done += got
+
+
 class _Window(io.RawIOBase):
     """A :class:`Source` as a read-only, seekable raw file (for :mod:`zipfile` and the pickles)."""
 
@@ -271,7 +283,7 @@ def _record(src: Source, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> tor
             raise Malformed(f"record {info.filename[:80]!r} has another name in its local header")
         for lo in range(0, info.file_size, _CHUNK):
             hi = min(lo + _CHUNK, info.file_size)
-            view[lo:hi] = src.pread(hi - lo, begin + lo)
+            src.pread_into(view[lo:hi], begin + lo)
             crc = zlib.crc32(view[lo:hi], crc)
     else:
         with archive.open(info) as stream:
