@@ -51,6 +51,7 @@ ALLOWED_BUILTIN_RAISES = {
     ("storage/fsspec_util.py", "ImportError"): "fsspec/s3fs not installed: the message names the extra to install",
     ("storage/remote.py", "ImportError"): "fsspec/s3fs not installed: the message names the extra to install",
     ("fabric.py", "NotImplementedError"): "Lightning's own contract for an unsupported load_raw target",
+    ("state/rest.py", "KeyError"): "the dict protocol of load's remainder, for a key the checkpoint does not hold",
 }
 
 

@@ -185,9 +185,17 @@ class Pool:
         self._jobs.put(((lambda: fn(*args)), future))
         return future
 
-    def shutdown(self, wait: bool) -> None:
-        """Let the threads end once the queued calls are done; with ``wait``, wait until they have (the
-        caller knows none is stuck: its calls are done)."""
+    def shutdown(self, wait: bool, *, cancel: bool = False) -> None:
+        """Let the threads end once the queued calls are done (with ``cancel``, calls not started yet are
+        cancelled instead); with ``wait``, wait until they have (the caller knows none is stuck)."""
+        if cancel:
+            while True:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None and job[1] is not None:
+                    job[1].cancel()
         for _ in self._threads:
             self._jobs.put(None)
         if wait:

@@ -1,5 +1,6 @@
 """Interop with the rest of the ecosystem: export a checkpoint in the Hugging Face layout (or as one
-``torch.save`` file), import ``torch.save`` files and DCP folders. docs/interop.md describes both.
+``torch.save`` file), import ``torch.save`` files, DCP folders and Hugging Face safetensors exports,
+read as hostile input. docs/interop.md describes both.
 
 Layer: may import engine, format, storage, knobs, errors; imported by the public package and the CLI."""
 

@@ -3,10 +3,12 @@
 written into new data files of OUT, one per source file, with fresh checksums; the manifest is the
 source's with no references. The copy is committed like a save: data files first, the manifest last
 in one atomic step (staging and rename locally, one PUT on object stores). One process; bounded
-memory (one checksum block at a time)."""
+memory (one checksum block at a time). A failure leaves nothing behind: the data files written so far,
+the staging folder and the folders created above OUT are removed (only those)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -16,6 +18,7 @@ from typing import Any
 
 import torch
 
+from shardsafe.engine.guard import mapped_errors
 from shardsafe.engine.plan import PendingChunk
 from shardsafe.engine.progress import ProgressCallback, check_callback, file_bytes
 from shardsafe.engine.read import read_manifest
@@ -23,10 +26,14 @@ from shardsafe.engine.tracker import Tracker, tracked
 from shardsafe.errors import CheckpointExistsError, CorruptCheckpointError
 from shardsafe.format.datafile import read_blocks, write_file
 from shardsafe.format.manifest import Chunk, FileEntry, Manifest, TensorEntry, parse_manifest
-from shardsafe.storage import get_storage
+from shardsafe.interop.outdir import check_parents, make_parents, remove_created
+from shardsafe.storage import MANIFEST_NAME, get_storage, is_remote
 from shardsafe.storage.base import Commit, Storage
 from shardsafe.storage.names import data_file, refusal
 from shardsafe.storage.refs import chunk_path, missing_base
+from shardsafe.storage.unlink import delete_files
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -58,13 +65,51 @@ def consolidate(
 
 def _consolidate(src: str, out: str, storage_options: dict[str, Any] | None, tracker: Tracker) -> ConsolidateResult:
     storage, dest = get_storage(src, storage_options), get_storage(out, storage_options)
-    manifest = read_manifest(storage, src)
+    with mapped_errors("export", src):
+        manifest = read_manifest(storage, src)
+    local = not is_remote(out)
+    if local:
+        if os.path.islink(out):
+            raise CheckpointExistsError(
+                f"export of {src!r}: {out} is a symbolic link; export to the folder it points to, or to a new path"
+            )
+        check_parents(os.path.dirname(os.path.abspath(out)))
     why = refusal(dest, out, overwrite=False)
     if why is not None:
         raise CheckpointExistsError(f"export of {src!r}: {why}")
     save_id = f"{int(time.time())}{uuid.uuid4().hex[:10]}"
     staging = dest.staging_dir(out, save_id)
-    dest.prepare_staging(staging)
+    created = make_parents(os.path.dirname(os.path.abspath(out))) if local else []
+    written: list[str] = []
+    try:
+        dest.prepare_staging(staging)
+        return _copy(src, out, storage, dest, manifest, save_id, staging, written, tracker)
+    except BaseException:
+        _discard(dest, staging, written)
+        remove_created(created)
+        raise
+
+
+def _discard(dest: Storage, staging: str, written: list[str]) -> None:
+    """Remove the data files this copy wrote and its staging folder (never anything else)."""
+    try:
+        delete_files(dest, staging, [*written, MANIFEST_NAME])
+        dest.remove_dir_if_empty(staging)
+    except (OSError, ValueError) as err:
+        logger.warning("shardsafe export: could not remove the staging folder %s: %s", staging, err)
+
+
+def _copy(
+    src: str,
+    out: str,
+    storage: Storage,
+    dest: Storage,
+    manifest: Manifest,
+    save_id: str,
+    staging: str,
+    written: list[str],
+    tracker: Tracker,
+) -> ConsolidateResult:
     groups: dict[tuple[str, str], list[tuple[str, Chunk]]] = {}
     for name, t in manifest.tensors.items():
         for c in t.chunks:
@@ -80,6 +125,7 @@ def _consolidate(src: str, out: str, storage_options: dict[str, Any] | None, tra
     for i, (members, pending, (_, header)) in enumerate(plans):
         fname = data_file(i, save_id)
         windows = tracker.counted(_bytes(storage, src, manifest, members), header)
+        written.append(fname)
         writer = dest.open_writer(dest.join(staging, fname))
         try:
             entry, records = write_file(writer, fname, pending, manifest.block_bytes, lambda: None, windows)
@@ -123,14 +169,15 @@ def _bytes(storage: Storage, src: str, manifest: Manifest, members: list[tuple[s
         length = c.end - c.begin
         for k in range(max(1, -(-length // block))):
             lo, hi = k * block, min((k + 1) * block, length)
-            try:
-                read_blocks(storage, path, c, block, lo, hi, name, None, keep)
-            except FileNotFoundError:
-                if c.ref:
-                    raise missing_base(src, manifest, c.ref, c.file, path) from None
-                raise CorruptCheckpointError(f"{path}: data file missing") from None
-            except EOFError as err:
-                raise CorruptCheckpointError(f"{path}: {err}") from err
+            with mapped_errors("export", src):
+                try:
+                    read_blocks(storage, path, c, block, lo, hi, name, None, keep)
+                except (FileNotFoundError, NotADirectoryError) as err:  # a base moved away, or now a file
+                    if c.ref:
+                        raise missing_base(src, manifest, c.ref, c.file, path) from err
+                    raise CorruptCheckpointError(f"{path}: data file missing") from err
+                except EOFError as err:
+                    raise CorruptCheckpointError(f"{path}: {err}") from err
             for view in got:
                 yield memoryview(view)
             got.clear()

@@ -24,16 +24,18 @@ from typing import Any
 import torch
 
 from shardsafe import knobs
+from shardsafe.engine.guard import mapped_errors
 from shardsafe.engine.progress import ProgressCallback, check_callback
 from shardsafe.engine.read import check_sizes, read_manifest
 from shardsafe.engine.tracker import tracked
 from shardsafe.errors import CheckpointError, InvalidArgumentError
 from shardsafe.format.datafile import tensor_bytes
 from shardsafe.format.manifest import SAFETENSORS_DTYPES, Manifest
+from shardsafe.interop.names import wrapper_prefix
 from shardsafe.interop.outdir import ExportDir, write_all
 from shardsafe.interop.select import select
 from shardsafe.interop.stream import Piece, PieceReader, pieces, same_bytes
-from shardsafe.interop.ties import declared_ties
+from shardsafe.interop.ties import describe_model
 from shardsafe.storage import get_storage
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,7 @@ class ExportResult:
     tied: dict[str, str] = field(default_factory=dict)  # left-out name -> the name it is tied to
     skipped: list[str] = field(default_factory=list)  # non-tensor values of the sub-tree, not exported
     key: str = ""  # the checkpoint entry exported
+    stripped: str = ""  # a wrapper's prefix found and stripped from every name (interop/names.py)
 
 
 def parse_size(size: int | str) -> int:
@@ -126,10 +129,16 @@ def export_hf(
     if tied not in ("auto", "keep"):
         raise InvalidArgumentError(f"tied={tied!r}: give 'auto' or 'keep'")
     config_doc = _config(config)
+    model = describe_model(config_doc) if config_doc is not None else None
     with tracked("export", source, progress, "manifest") as tracker:
         storage = get_storage(source, storage_options)
-        manifest = read_manifest(storage, source)
+        with mapped_errors("export", source):
+            manifest = read_manifest(storage, source)
         chosen = select(manifest, key, source, strip_prefix=strip_prefix)
+        names = [n for n, _ in chosen.tensors]
+        stripped = wrapper_prefix(names, model, where=source, key=chosen.key, given=strip_prefix)
+        if stripped:
+            chosen = select(manifest, chosen.key, source, strip_prefix=stripped)
         if config_doc is not None and out_dtype is not None:
             config_doc = {**config_doc, "dtype": str(out_dtype).removeprefix("torch.")}
             if "torch_dtype" in config_doc:
@@ -138,12 +147,13 @@ def export_hf(
         reader: PieceReader | None = None
         try:
             refs = dict(chosen.tensors)
-            check_sizes(storage, source, manifest, list(refs.values()))
+            with mapped_errors("export", source):  # a base folder that became a file, a file cut short
+                check_sizes(storage, source, manifest, list(refs.values()))
             slab = knobs.export_slab_bytes()
             todo = {name: pieces(manifest, ref, slab) for name, ref in chosen.tensors}
             capacity = max((p.nbytes for ps in todo.values() for p in ps), default=8)
             reader = PieceReader(storage, source, manifest, min(capacity, max(slab, 8)), timeout or knobs.io_timeout())
-            ties = _ties(manifest, reader, refs, config_doc, slab) if tied == "auto" and config_doc is not None else {}
+            ties = _ties(manifest, reader, refs, model.ties, slab) if tied == "auto" and model is not None else {}
             names = [n for n, _ in chosen.tensors if n not in ties]
             sizes = {n: _out_nbytes(manifest, refs[n], out_dtype) for n in names}
             shards = plan_shards(names, sizes, limit)
@@ -189,6 +199,7 @@ def export_hf(
         tied=ties,
         skipped=chosen.skipped,
         key=chosen.key,
+        stripped=stripped,
     )
 
 
@@ -256,10 +267,9 @@ def _cast_buffer(
 
 
 def _ties(
-    manifest: Manifest, reader: PieceReader, refs: Mapping[str, str], config: Mapping[str, Any], slab: int
+    manifest: Manifest, reader: PieceReader, refs: Mapping[str, str], declared: Mapping[str, str], slab: int
 ) -> dict[str, str]:
     """The declared ties among the exported names whose bytes really are equal (else both are written)."""
-    declared = declared_ties(config) or {}
     ties: dict[str, str] = {}
     for name, source in declared.items():
         if name not in refs or source not in refs:

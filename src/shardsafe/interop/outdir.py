@@ -7,8 +7,9 @@ half-written export under the target's name.
 
 The target must be absent, an empty directory, or a previous export (a directory holding exactly the
 files its ``.shardsafe-export.json`` lists; replaced only with ``overwrite``). Anything else is
-refused untouched. Deleting is limited to the files this module wrote or a previous export's marker
-lists, each name checked to be a plain name inside the directory.
+refused untouched, and so is a target under a regular file (:func:`make_parents`). Deleting is limited
+to the files this module wrote or a previous export's marker lists, each name checked to be a plain name
+inside the directory, and to the empty folders it created above the target, when the export fails.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def marker_files(path: str) -> list[str] | None:
             return None
         with open(os.path.join(path, MARKER), "rb") as f:
             doc = json.loads(f.read(_MARKER_MAX))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # a marker nested too deep for json is no marker
         return None
     files = doc.get("files") if isinstance(doc, dict) and doc.get("format") == MARKER_FORMAT else None
     if not isinstance(files, list) or not all(plain_name(n) for n in files) or MARKER in files:
@@ -70,6 +71,55 @@ def previous_export(path: str) -> list[str] | None:
     except OSError:
         return None
     return files if files is not None and entries == {*files, MARKER} else None
+
+
+def make_parents(parent: str) -> list[str]:
+    """Create the folder ``parent`` and those missing above it; returns the ones created, outermost
+    first (for :func:`remove_created`). Raises :class:`CheckpointExistsError` naming the nearest existing
+    ancestor when it is not a folder (an export under a regular file), before creating anything."""
+    missing = check_parents(parent)
+    created: list[str] = []
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder)
+        except FileExistsError:
+            if not os.path.isdir(folder):
+                remove_created(created)
+                raise CheckpointExistsError(f"{folder} appeared as a file during the export: refused") from None
+            continue
+        created.append(folder)
+    return created
+
+
+def check_parents(parent: str) -> list[str]:
+    """The folders missing above and at ``parent``, outermost last; :class:`CheckpointExistsError` when
+    the nearest existing one is not a folder."""
+    missing: list[str] = []
+    here = os.path.abspath(parent)
+    while not os.path.lexists(here):
+        missing.append(here)
+        up = os.path.dirname(here)
+        if up == here:
+            break
+        here = up
+    if os.path.lexists(here) and not os.path.isdir(here):
+        raise CheckpointExistsError(
+            f"{here} is not a directory (a file is there), so nothing can be written under it: refused, nothing was "
+            "changed. Export to a path inside a folder"
+        )
+    return missing
+
+
+def remove_created(created: list[str]) -> None:
+    """Remove the folders :func:`make_parents` created, innermost first, each only if empty."""
+    for folder in reversed(created):
+        try:
+            os.rmdir(folder)
+        except FileNotFoundError:
+            continue
+        except OSError as err:  # something else was put there meanwhile: left as it is, said so
+            logger.warning("shardsafe export: could not remove the folder %s it created: %s", folder, err)
+            return
 
 
 def inside(path: str, root: str) -> bool:
@@ -99,8 +149,12 @@ class ExportDir:
         self.replaces: list[str] | None = self._check(overwrite)
         self.overwrite = overwrite
         self.staging = os.path.join(self.parent, f".{self.name}.export-{uuid.uuid4().hex[:12]}")
-        os.makedirs(self.parent, exist_ok=True)
-        os.mkdir(self.staging)
+        self.created = make_parents(self.parent)
+        try:
+            os.mkdir(self.staging)
+        except BaseException:
+            remove_created(self.created)
+            raise
         self.written: list[str] = []
 
     def _check(self, overwrite: bool) -> list[str] | None:
@@ -181,7 +235,7 @@ class ExportDir:
         _remove_export(aside, files)
 
     def abort(self) -> None:
-        """Remove what this export wrote (its staging directory), nothing else."""
+        """Remove what this export wrote (its staging directory, the folders it created), nothing else."""
         for name in [*self.written, MARKER]:
             try:
                 os.unlink(os.path.join(self.staging, name))
@@ -193,6 +247,8 @@ class ExportDir:
             pass
         except OSError as err:
             logger.warning("shardsafe export: could not remove staging directory %s: %s", self.staging, err)
+            return
+        remove_created(self.created)
 
 
 def _some(names: list[str]) -> str:

@@ -4,16 +4,23 @@ A checkpoint holds several entries (``model``, ``optimizer``, ``step``...). An e
 sub-tree by key and names its tensors the way a ``state_dict`` does: dict keys and list indices joined
 with ``.``, so a module entry's tensors keep the parameter names ``from_pretrained`` expects
 (``transformer.h.0.attn.c_attn.weight``). Only the manifest is read here.
+
+Without a key: the checkpoint's one module entry; with no module entry, the one entry that is a dict of
+tensors only (a ``state_dict``, as an imported ``torch.save`` file holds under ``model``), or everything
+when every entry holding tensors is a single tensor (an imported flat state dict).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from shardsafe.errors import InvalidArgumentError
 from shardsafe.format.manifest import Manifest
+
+logger = logging.getLogger(__name__)
 
 ALL = "/"
 """The key that selects every entry of the checkpoint."""
@@ -29,7 +36,9 @@ class Selection:
 
 def select(manifest: Manifest, key: str | None, where: str, *, strip_prefix: str | None = None) -> Selection:
     """The sub-tree ``key`` of the checkpoint at ``where`` (a ``/``-separated path: top-level entry, then
-    dict keys or list indices; ``/`` for everything; ``None``: the one module entry)."""
+    dict keys or list indices; ``/`` for everything; ``None``: see the module docstring). With
+    ``strip_prefix``, the tensors whose names start with it are taken without it; the others are left
+    out (listed in ``skipped``, and warned about); none starting with it is an error."""
     if key is None:
         key = _default_key(manifest, where)
     if key == ALL:
@@ -46,7 +55,23 @@ def select(manifest: Manifest, key: str | None, where: str, *, strip_prefix: str
         else:
             tensors.append((name, ref))
     if strip_prefix:
-        tensors = [(_strip(name, strip_prefix, where, key), ref) for name, ref in tensors]
+        inside = [(name[len(strip_prefix) :], ref) for name, ref in tensors if _under(name, strip_prefix)]
+        outside = [name for name, _ in tensors if not _under(name, strip_prefix)]
+        if not inside:
+            raise InvalidArgumentError(
+                f"{where}: tensor {tensors[0][0]!r} of entry {key!r} does not start with the prefix {strip_prefix!r} "
+                "to strip, nor does any other; give the prefix the model's names share, or pick a deeper key="
+            )
+        if outside:
+            logger.warning(
+                "shardsafe export: %d tensor(s) of %s [%s] do not start with %r and are left out: %s",
+                len(outside),
+                where,
+                key,
+                strip_prefix,
+                ", ".join(outside[:5]) + (", ..." if len(outside) > 5 else ""),
+            )
+        tensors, skipped = inside, skipped + outside
     seen: dict[str, str] = {}
     for name, ref in tensors:
         if name in seen:
@@ -66,13 +91,40 @@ def describe(manifest: Manifest) -> str:
 
 
 def _default_key(manifest: Manifest, where: str) -> str:
-    modules = [k for k, o in manifest.objects.items() if o["kind"] == "module"]
+    objects = manifest.objects
+    modules = [k for k, o in objects.items() if o["kind"] == "module"]
     if len(modules) == 1:
         return modules[0]
+    holding = [k for k, o in objects.items() if any(ref is not None for _, ref in _walk(o["value"], ""))]
+    if not modules:
+        if holding and all(_is_tensor(objects[k]["value"]) for k in holding):
+            return ALL  # a flat state dict: one entry per tensor
+        state_dicts = [k for k in holding if _state_dict(objects[k]["value"])]
+        if len(state_dicts) == 1:
+            return state_dicts[0]
+    choices = modules or [k for k in holding if _state_dict(objects[k]["value"])] or holding
+    if not choices:
+        raise InvalidArgumentError(f"{where} holds no tensors, among: {describe(manifest)}; nothing to export")
+    what = f"{len(modules)} module entries" if modules else "no module entry"
     raise InvalidArgumentError(
-        f"{where} holds {len(modules)} module entries among: {describe(manifest)}. Name the one to export with "
-        "key= (--key), e.g. --key model, or a path into an entry (--key state_dict), or --key / for everything"
+        f"{where} holds {what} among: {describe(manifest)}. Name the one to export with key= (--key), e.g. "
+        f"--key {choices[0]} ({', '.join(choices[:6])} hold tensors), a path into an entry (--key "
+        f"{choices[0]}/...), or --key / for everything"
     )
+
+
+def _is_tensor(node: Any) -> bool:
+    return isinstance(node, dict) and node.get("$") in ("tensor", "ndarray")
+
+
+def _state_dict(node: Any) -> bool:
+    """A dict whose values are all tensors (what ``model.state_dict()`` saves as)."""
+    children = list(_children(node)) if isinstance(node, dict) and node.get("$") == "dict" else []
+    return bool(children) and all(_is_tensor(v) for _, v in children)
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name.startswith(prefix) and len(name) > len(prefix)
 
 
 def _descend(manifest: Manifest, key: str, where: str) -> Any:
@@ -115,12 +167,3 @@ def _walk(node: Any, prefix: str) -> Iterator[tuple[str, str | None]]:
             yield from _walk(child, f"{prefix}.{name}" if prefix else name)
         return
     yield prefix, None
-
-
-def _strip(name: str, prefix: str, where: str, key: str) -> str:
-    if not name.startswith(prefix) or len(name) == len(prefix):
-        raise InvalidArgumentError(
-            f"{where}: tensor {name!r} of entry {key!r} does not start with the prefix {prefix!r} to strip; "
-            "give the prefix every name shares, or pick a deeper key="
-        )
-    return name[len(prefix) :]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
 
@@ -22,12 +22,14 @@ import torch
 
 from shardsafe import knobs
 from shardsafe.deadline import Deadline
+from shardsafe.engine.guard import mapped_errors
 from shardsafe.engine.read import plan_reads, run_tasks
 from shardsafe.errors import CheckpointError, CorruptCheckpointError
 from shardsafe.format.datafile import read_verified
 from shardsafe.format.manifest import Chunk, Manifest, TensorEntry
 from shardsafe.storage import Storage
 from shardsafe.storage.refs import chunk_path
+from shardsafe.workers import Pool
 
 
 @dataclass(frozen=True)
@@ -83,13 +85,13 @@ class PieceReader:
     def __init__(self, storage: Storage, path: str, manifest: Manifest, capacity: int, timeout: float) -> None:
         self.storage, self.path, self.manifest, self.timeout = storage, path, manifest, timeout
         self.buffers = [torch.empty(max(capacity, 8), dtype=torch.uint8) for _ in range(2)]
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="shardsafe-export-read")
-        self.io = ThreadPoolExecutor(knobs.io_threads(), thread_name_prefix="shardsafe-export-io")
+        self.pool = Pool(1, "export-read")  # daemon threads: a read hung for good never keeps the process alive
+        self.io = Pool(knobs.io_threads(), "export-io")
 
     def close(self) -> None:
         """Stop reading; a read still running (a hung filesystem) is abandoned, not waited for."""
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        self.io.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown(wait=False, cancel=True)
+        self.io.shutdown(wait=False, cancel=True)
 
     def stream(self, todo: Sequence[Piece]) -> Iterator[tuple[Piece, torch.Tensor]]:
         """Each piece with its data (a tensor of the saved dtype, valid until the next item is taken)."""
@@ -111,7 +113,12 @@ class PieceReader:
             ) from None
 
     def read(self, piece: Piece, buf: torch.Tensor) -> torch.Tensor:
-        """(reader thread, or the caller) The piece's bytes, verified, as a tensor in ``buf``."""
+        """(reader thread, or the caller) The piece's bytes, verified, as a tensor in ``buf``; any
+        failure a :class:`CheckpointError` (engine/guard.py)."""
+        with mapped_errors("export", self.path):
+            return self._read(piece, buf)
+
+    def _read(self, piece: Piece, buf: torch.Tensor) -> torch.Tensor:
         entry = self.manifest.tensors[piece.name]
         if buf.numel() < piece.nbytes:  # a single row wider than the slab
             buf = torch.empty(piece.nbytes, dtype=torch.uint8)

@@ -19,13 +19,14 @@ import torch
 
 from shardsafe import knobs
 from shardsafe.deadline import Deadline
+from shardsafe.engine.guard import mapped_errors
 from shardsafe.engine.progress import ProgressCallback, check_callback, load_bytes
 from shardsafe.engine.read import check_sizes, plan_reads, read_manifest, run_tasks
 from shardsafe.engine.tracker import tracked
 from shardsafe.errors import CheckpointExistsError, InvalidArgumentError
 from shardsafe.format.values import decode, validate
 from shardsafe.interop.hf import ExportResult, _out_dtype, resolve_dtype
-from shardsafe.interop.outdir import inside
+from shardsafe.interop.outdir import check_parents, inside, make_parents, remove_created
 from shardsafe.interop.select import select
 from shardsafe.storage import get_storage, is_remote
 from shardsafe.storage.local import fsync_dir
@@ -59,41 +60,47 @@ def export_torch(
         raise InvalidArgumentError(f"{target} lies inside the checkpoint {source}; export to a path outside it")
     if os.path.lexists(target):
         raise CheckpointExistsError(f"{target} exists: refused, nothing was changed. Export to a new file name")
+    parent = os.path.dirname(target)
+    check_parents(parent)
     with tracked("export", source, progress, "manifest") as tracker:
         storage = get_storage(source, storage_options)
-        manifest = read_manifest(storage, source)
-        chosen = select(manifest, key, source)
-        validate(chosen.node, f"{source}: {chosen.key}", allow_pickle=allow_pickle)
-        refs = [ref for _, ref in chosen.tensors]
-        check_sizes(storage, source, manifest, refs)
-        tensors: dict[str, torch.Tensor] = {}
-        tasks = []
-        for ref in refs:
-            entry = manifest.tensors[ref]
-            tensors[ref] = torch.empty(entry.shape, dtype=entry.dtype)
-            tasks += plan_reads(ref, entry, tensors[ref], (0,) * len(entry.shape))
-        tracker.set_total(load_bytes(manifest, tasks))
-        tracker.phase = "read"
-        deadline = Deadline.after(timeout or knobs.io_timeout(), "io")
-        run_tasks(storage, source, manifest, tasks, lambda: None, deadline, tracker.add)
-        tracker.phase = "write"
-        for ref, t in tensors.items():
-            tensors[ref] = t.to(_out_dtype(t.dtype, out_dtype))
-        value = decode(chosen.node, f"{source}: {chosen.key}", tensors.__getitem__, allow_pickle=allow_pickle)
-        parent = os.path.dirname(target)
-        os.makedirs(parent, exist_ok=True)
+        with mapped_errors("export", source):
+            manifest = read_manifest(storage, source)
+            chosen = select(manifest, key, source)
+            validate(chosen.node, f"{source}: {chosen.key}", allow_pickle=allow_pickle)
+            refs = [ref for _, ref in chosen.tensors]
+            check_sizes(storage, source, manifest, refs)
+            tensors: dict[str, torch.Tensor] = {}
+            tasks = []
+            for ref in refs:
+                entry = manifest.tensors[ref]
+                tensors[ref] = torch.empty(entry.shape, dtype=entry.dtype)
+                tasks += plan_reads(ref, entry, tensors[ref], (0,) * len(entry.shape))
+            tracker.set_total(load_bytes(manifest, tasks))
+            tracker.phase = "read"
+            deadline = Deadline.after(timeout or knobs.io_timeout(), "io")
+            run_tasks(storage, source, manifest, tasks, lambda: None, deadline, tracker.add)
+            tracker.phase = "write"
+            for ref, t in tensors.items():
+                tensors[ref] = t.to(_out_dtype(t.dtype, out_dtype))
+            value = decode(chosen.node, f"{source}: {chosen.key}", tensors.__getitem__, allow_pickle=allow_pickle)
+        created = make_parents(parent)
         tmp = os.path.join(parent, f".{os.path.basename(target)}.export-{uuid.uuid4().hex[:12]}.tmp")
+        done = False
         try:
             torch.save(value, tmp)
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             _link_new(tmp, target)
             fsync_dir(parent)
+            done = True
         finally:
             try:
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
+            if not done:
+                remove_created(created)
     total = sum(t.nbytes for t in tensors.values())
     logger.info(
         "shardsafe: exported %s [%s] to %s (torch.save): %d tensors, %.1f MiB, %.2fs",
