@@ -1,17 +1,27 @@
 """A progress bar for saves and loads on a terminal: pass ``progress=shardsafe.ProgressBar()``.
 
-On a terminal it redraws one line in place (``\\r``) and ends it when the operation ends. Off a terminal
-(a log file, a pipe, CI) it writes plain lines without control characters, and only for an operation
-that runs past ``SHARDSAFE_PROGRESS_INTERVAL`` (so quick saves leave the log alone).
+On a terminal it redraws one line in place (``\\r``) and ends it when the operation ends; the line is kept
+one column narrower than the terminal (asked at every redraw, ``COLUMNS`` first), since a line that
+wraps is redrawn only from its last row and leaves the rest behind: the bar shrinks first, then the
+tail is cut. Off a terminal (a log file, a pipe, CI) it writes plain lines, whole, without control
+characters, and only for an operation that runs past ``SHARDSAFE_PROGRESS_INTERVAL`` (so quick saves
+leave the log alone).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import TextIO
 
+from shardsafe.display import columns, cut
 from shardsafe.engine.progress import Progress, describe, human_bytes
 from shardsafe.errors import InvalidArgumentError
+
+_MIN_BAR = 10
+"""The bar is shrunk to fit a narrow terminal down to this many characters, then the line's tail is cut."""
+_DEFAULT_COLUMNS = 80
+"""A terminal that does not say its width is taken to be this wide (as ``shutil.get_terminal_size`` does)."""
 
 
 def _clock(seconds: float) -> str:
@@ -19,11 +29,22 @@ def _clock(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
-def format_bar(p: Progress, width: int = 28) -> str:
+def format_bar(p: Progress, width: int = 28, room: int | None = None) -> str:
     """One line: ``save [#######-------]  45%  1.2 GiB/2.7 GiB  310.0 MiB/s  ETA 0:05  write  rank 3 at 20%``
     (the phase shows what a full bar still waits for: ``report``, ``commit``).
     The bar is ``width`` characters between the brackets; the slowest rank appears when it lags (more
-    than 10 points behind the whole)."""
+    than 10 points behind the whole). With ``room``, the line takes at most that many terminal columns:
+    the bar shrinks (down to 10 characters), then the tail is cut."""
+    line = _line(p, width)
+    if room is None:
+        return line
+    over = columns(line) - room
+    if over > 0 and width > _MIN_BAR:
+        line = _line(p, max(_MIN_BAR, width - over))
+    return cut(line, max(0, room))
+
+
+def _line(p: Progress, width: int) -> str:
     filled = int(p.fraction * width + 1e-9)
     bar = "#" * filled + "-" * (width - filled)
     line = f"{p.op} [{bar}] {100 * p.fraction:3.0f}%  {human_bytes(p.done_bytes)}/{human_bytes(p.total_bytes)}"
@@ -54,10 +75,11 @@ class ProgressBar:
     def __call__(self, p: Progress) -> None:
         out = self.stream if self.stream is not None else sys.stderr
         if _is_tty(out):
-            line = format_bar(p, self.width)
-            pad = " " * max(0, self._drawn - len(line))
+            room = _terminal_columns(out) - 1
+            line = format_bar(p, self.width, room)
+            pad = " " * max(0, min(self._drawn, room) - columns(line))  # over what is left of a longer line
             out.write("\r" + line + pad + ("\n" if p.finished else ""))
-            self._drawn = 0 if p.finished else len(line)
+            self._drawn = 0 if p.finished else columns(line)
         else:
             if not p.finished or self._plain_started:
                 out.write(f"shardsafe: {describe(p)}\n")
@@ -70,3 +92,16 @@ def _is_tty(stream: TextIO) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):  # a closed or file-like stream without a terminal
         return False
+
+
+def _terminal_columns(stream: TextIO) -> int:
+    """The width of the terminal behind ``stream``: ``COLUMNS`` when set (as ``shutil.get_terminal_size``
+    reads it), else the terminal's own, else 80."""
+    env = os.environ.get("COLUMNS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        size = os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):  # a file-like stream without a descriptor, or closed
+        return _DEFAULT_COLUMNS
+    return size if size > 0 else _DEFAULT_COLUMNS  # a pseudo-terminal whose size was never set says 0
