@@ -5,7 +5,8 @@ one column narrower than the terminal (asked at every redraw, ``COLUMNS`` first)
 wraps is redrawn only from its last row and leaves the rest behind: the bar shrinks first, then the
 tail is cut. Off a terminal (a log file, a pipe, CI) it writes plain lines, whole, without control
 characters, and only for an operation that runs past ``SHARDSAFE_PROGRESS_INTERVAL`` (so quick saves
-leave the log alone).
+leave the log alone). On and off a terminal, a record that comes before the operation knows its total
+(a manifest being read, an export being planned) is not shown: the bar starts when there is work.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class ProgressBar:
         self._plain_started = False
 
     def __call__(self, p: Progress) -> None:
+        if p.total_bytes == 0 and not p.finished:
+            return  # nothing planned yet (a manifest being read, an export being planned): no "0 B of 0 B"
         out = self.stream if self.stream is not None else sys.stderr
         if _is_tty(out):
             room = _terminal_columns(out) - 1
