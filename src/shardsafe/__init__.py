@@ -126,13 +126,13 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """A public name, imported on first use; or a subpackage (``shardsafe.storage``), imported now as
-    ``import shardsafe`` made them available before the names were imported lazily."""
-    module = _LAZY.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value
-        return value
+    """A public name, on first use: the first one imports them all, as ``import shardsafe`` did before the
+    names were imported lazily (so a program that touches one has the same modules loaded as then). Or a
+    subpackage (``shardsafe.storage``), imported now, as importing the whole API made them available."""
+    if name in _LAZY:
+        for public, module in _LAZY.items():
+            globals()[public] = getattr(importlib.import_module(module), public)
+        return globals()[name]
     if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
