@@ -8,7 +8,8 @@ ranks would declare this rank dead. So shardsafe talks to the store through a cl
 
 - one per process and store, cached, made by ``clone()`` of the process group's store (for a
   ``TCPStore``, possibly under ``PrefixStore``s, that is a new connection to the same host and port
-  with the same prefixes);
+  with the same prefixes); torch 2.6 and 2.7 have no ``clone()``, and there the shared client is used
+  (a DEBUG line says so);
 - connected on a background thread, so no caller waits on a slow connect: an operation that starts
   before it is ready (after a short bounded wait) uses the shared client, as does every operation on
   a store of another kind (``FileStore``, ``HashStore``), where clients do not block each other that way.
@@ -44,7 +45,14 @@ class Connection:
         try:
             shared, self.shared = self.shared, None  # hold no reference to the group's store past this
             assert shared is not None
-            self._store = shared.clone()  # type: ignore[attr-defined]
+            clone = getattr(shared, "clone", None)
+            if clone is None:  # torch 2.6 and 2.7 have no Store.clone: sharing the client is all there is
+                logger.debug(
+                    "shardsafe: this torch's store has no clone(); shardsafe shares the process group's client of %s",
+                    self.where,
+                )
+                return
+            self._store = clone()
         except Exception as err:  # reported; shardsafe then shares the process group's client
             logger.warning(
                 "shardsafe: could not open its own connection to the rendezvous store %s (%s: %s); it shares "
