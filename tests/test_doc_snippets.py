@@ -6,6 +6,7 @@ page does not make says so in an HTML comment on the line just before it, and ge
 
     <!-- snippet: needs model, opt, sched, step -->        names and files from PLACEHOLDERS / FILES below
     <!-- snippet: script; needs MyModel, make_loader -->    run as a script of its own (it starts processes)
+    <!-- snippet: ...; if fsdp-on-cpu -->                   run only where torch can (CONDITIONS below)
     <!-- snippet: skip: why -->                             not run (it is still compiled); listed in SKIPPED
 
 A name a snippet uses without defining or declaring it fails the test (NameError), so the comments stay
@@ -29,6 +30,7 @@ import pytest
 import torch
 
 import shardsafe
+from shardsafe.runtime.compat import fsdp_on_cpu_problem
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -51,6 +53,7 @@ class Snippet:
     needs: tuple[str, ...] = ()
     script: bool = False
     skip: str | None = None
+    conditions: tuple[str, ...] = ()
 
     @property
     def first(self) -> str:
@@ -68,6 +71,7 @@ def _snippets(path: Path) -> list[Snippet]:
         code = "\n".join(lines[i + 1 : end]) + "\n"
         mark = _MARK.match(lines[i - 1].strip()) if i > 0 else None
         needs: tuple[str, ...] = ()
+        conditions: list[str] = []
         script, skip = False, None
         if mark is not None:
             body = mark.group("body")
@@ -79,9 +83,11 @@ def _snippets(path: Path) -> list[Snippet]:
                         script = True
                     elif part.startswith("needs "):
                         needs = tuple(n.strip() for n in part.removeprefix("needs ").split(","))
+                    elif part.startswith("if "):
+                        conditions.append(part.removeprefix("if ").strip())
                     else:
                         raise AssertionError(f"{page}:{i}: unknown snippet comment {part!r}")
-        found.append(Snippet(page, i + 1, code, needs, script, skip))
+        found.append(Snippet(page, i + 1, code, needs, script, skip, tuple(conditions)))
     return found
 
 
@@ -185,6 +191,10 @@ SCRIPT_PRELUDE = {
 """Definitions put before a script snippet (names it gives in ``needs``)."""
 
 
+CONDITIONS: dict[str, Callable[[], str | None]] = {"fsdp-on-cpu": fsdp_on_cpu_problem}
+"""What a snippet may require of the installed torch (``if NAME``): each gives why it cannot, or None."""
+
+
 @dataclass
 class _Page:
     folder: Path
@@ -224,6 +234,10 @@ def test_snippet_runs(page: _Page, request: pytest.FixtureRequest) -> None:
     compiled = compile(snippet.code, f"{snippet.page}:{snippet.line}", "exec")  # every snippet parses
     if snippet.skip is not None:
         pytest.skip(f"{snippet.page}:{snippet.line}: {snippet.skip}")
+    for condition in snippet.conditions:
+        problem = CONDITIONS[condition]()
+        if problem is not None:
+            pytest.skip(f"{snippet.page}:{snippet.line}: not on this torch: {problem}")
     if snippet.script:
         _run_script(snippet, page.folder)
         return
