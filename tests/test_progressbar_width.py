@@ -81,6 +81,29 @@ def test_every_redraw_fits_a_terminal_of_that_width(columns: int, monkeypatch: p
         assert lines[2].rstrip().endswith("done in 1:06:40") and "rank 63 at 12%" in lines[1], lines
 
 
+@pytest.mark.parametrize("columns", [80, 60])
+def test_the_outcome_of_a_finished_operation_stays_when_fields_go(
+    columns: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Space goes first to the operation, the bar, the percentage and the outcome (``done``/``FAILED in
+    <phase>``); the slowest rank, phase, throughput, time left, sizes and the outcome's time give way, in
+    that order."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    tty = _Tty()
+    bar = ProgressBar(tty)
+    bar(_record())
+    bar(_record(finished=True, error="CorruptCheckpointError: bad block", phase="read"))
+    running, failed = _drawn(tty.getvalue())
+    assert _columns(running) <= columns - 1 and _columns(failed) <= columns - 1
+    assert re.search(r"\]\s+50%", running) and "rank 63" not in running, running  # the first field to go
+    outcome = "FAILED in read in 1:06:40" if columns >= 80 else "FAILED in read"
+    assert failed.rstrip().endswith(outcome), (columns, failed)
+    out = _Tty()
+    ProgressBar(out)(_record(done_bytes=1023 * 2**30, finished=True, phase="done"))
+    (done,) = _drawn(out.getvalue())
+    assert re.search(r"100%.*done( in 1:06:40)?\s*$", done) and _columns(done) <= columns - 1, done
+
+
 def test_a_narrower_redraw_clears_the_longer_one_within_the_width(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLUMNS", "80")
     tty = _Tty()
@@ -88,8 +111,8 @@ def test_a_narrower_redraw_clears_the_longer_one_within_the_width(monkeypatch: p
     bar(_record())  # long: cut to 79 columns
     bar(_record(op="save", done_bytes=2**20, total_bytes=2**30, seconds=2.0, ranks=1))  # short: padded to 79
     lines = _drawn(tty.getvalue())
-    assert _columns(lines[0]) == 79 and _columns(lines[1]) == 79, lines
-    assert lines[1].startswith("save [") and lines[1].endswith(" "), lines
+    assert _columns(lines[0]) <= 79 and _columns(lines[1]) == _columns(lines[0]), lines
+    assert lines[1].startswith("save [") and lines[1].endswith("  "), lines
 
 
 def test_wide_characters_count_double(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,10 +3,11 @@
 On a terminal it redraws one line in place (``\\r``) and ends it when the operation ends; the line is kept
 one column narrower than the terminal (asked at every redraw, ``COLUMNS`` first), since a line that
 wraps is redrawn only from its last row and leaves the rest behind: the bar shrinks first, then the
-tail is cut. Off a terminal (a log file, a pipe, CI) it writes plain lines, whole, without control
-characters, and only for an operation that runs past ``SHARDSAFE_PROGRESS_INTERVAL`` (so quick saves
-leave the log alone). On and off a terminal, a record that comes before the operation knows its total
-(a manifest being read, an export being planned) is not shown: the bar starts when there is work.
+least telling fields go (the outcome of a finished operation stays), then the tail is cut. Off a
+terminal (a log file, a pipe, CI) it writes plain lines, whole, without control characters, and only
+for an operation that runs past ``SHARDSAFE_PROGRESS_INTERVAL`` (so quick saves leave the log alone).
+On and off a terminal, a record that comes before the operation knows its total (a manifest being
+read, an export being planned) is not shown: the bar starts when there is work.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from shardsafe.engine.progress import Progress, describe, human_bytes
 from shardsafe.errors import InvalidArgumentError
 
 _MIN_BAR = 10
-"""The bar is shrunk to fit a narrow terminal down to this many characters, then the line's tail is cut."""
+"""The bar is shrunk to fit a narrow terminal down to this many characters before fields are dropped."""
 _DEFAULT_COLUMNS = 80
 """A terminal that does not say its width is taken to be this wide (as ``shutil.get_terminal_size`` does)."""
 
@@ -32,32 +33,52 @@ def _clock(seconds: float) -> str:
 
 def format_bar(p: Progress, width: int = 28, room: int | None = None) -> str:
     """One line: ``save [#######-------]  45%  1.2 GiB/2.7 GiB  310.0 MiB/s  ETA 0:05  write  rank 3 at 20%``
-    (the phase shows what a full bar still waits for: ``report``, ``commit``).
-    The bar is ``width`` characters between the brackets; the slowest rank appears when it lags (more
-    than 10 points behind the whole). With ``room``, the line takes at most that many terminal columns:
-    the bar shrinks (down to 10 characters), then the tail is cut."""
-    line = _line(p, width)
+    (the phase shows what a full bar still waits for: ``report``, ``commit``); the final record ends with
+    ``done in m:ss`` or ``FAILED in <phase> in m:ss``. The bar is ``width`` characters between the
+    brackets; the slowest rank appears when it lags (more than 10 points behind the whole).
+
+    With ``room``, the line takes at most that many terminal columns: the bar shrinks (down to 10
+    characters), then fields go, least telling first (slowest rank, phase, throughput, time left, sizes,
+    the outcome's time; the operation, bar, percentage and outcome stay), then the tail is cut."""
+    fields = _fields(p)
+    line = _join(p, width, fields)
     if room is None:
         return line
     over = columns(line) - room
     if over > 0 and width > _MIN_BAR:
-        line = _line(p, max(_MIN_BAR, width - over))
+        width = max(_MIN_BAR, width - over)
+        line = _join(p, width, fields)
+    for drop in sorted((f for f in fields if f[0] > 0), key=lambda f: -f[0]):
+        if columns(line) <= room:
+            break
+        fields = [f for f in fields if f is not drop]
+        line = _join(p, width, fields)
     return cut(line, max(0, room))
 
 
-def _line(p: Progress, width: int) -> str:
-    filled = int(p.fraction * width + 1e-9)
-    bar = "#" * filled + "-" * (width - filled)
-    line = f"{p.op} [{bar}] {100 * p.fraction:3.0f}%  {human_bytes(p.done_bytes)}/{human_bytes(p.total_bytes)}"
-    line += f"  {human_bytes(p.bytes_per_second)}/s"
+def _fields(p: Progress) -> list[tuple[int, str]]:
+    """The line's fields after the percentage, in order, each with how readily it goes when space is
+    short (0: never; the larger, the sooner). A field that starts with a space follows the one before
+    it at one space (``FAILED in read`` ``in 0:05``) rather than two."""
+    fields = [(2, f"{human_bytes(p.done_bytes)}/{human_bytes(p.total_bytes)}")]
+    fields.append((4, f"{human_bytes(p.bytes_per_second)}/s"))
     if p.finished:
-        line += f"  {'FAILED in ' + p.phase if p.error else 'done'} in {_clock(p.seconds)}"
-        return line
+        fields.append((0, f"FAILED in {p.phase}" if p.error else "done"))
+        fields.append((1, f" in {_clock(p.seconds)}"))
+        return fields
     eta = p.eta_seconds
-    line += f"  ETA {_clock(eta)}" if eta is not None else "  ETA --:--"
-    line += f"  {p.phase}"
+    fields.append((3, f"ETA {_clock(eta)}" if eta is not None else "ETA --:--"))
+    fields.append((5, p.phase))
     if p.ranks > 1 and p.slowest_fraction < p.fraction - 0.1:
-        line += f"  rank {p.slowest_rank} at {100 * p.slowest_fraction:.0f}%"
+        fields.append((6, f"rank {p.slowest_rank} at {100 * p.slowest_fraction:.0f}%"))
+    return fields
+
+
+def _join(p: Progress, width: int, fields: list[tuple[int, str]]) -> str:
+    filled = int(p.fraction * width + 1e-9)
+    line = f"{p.op} [{'#' * filled}{'-' * (width - filled)}] {100 * p.fraction:3.0f}%"
+    for _, text in fields:
+        line += text if text.startswith(" ") else "  " + text
     return line
 
 
