@@ -80,6 +80,8 @@ def _measure(contender: str, ckpt: str, out: str, shard: str) -> dict[str, Any]:
     import shardsafe
     from bench.measure import _reset_peak, _status_kib
 
+    assert shardsafe.export_hf  # the API is imported on first use: before the baseline
+
     if contender.startswith("load"):
         from huggingface_hub import save_torch_state_dict
     rss = _status_kib("VmRSS")

@@ -179,6 +179,7 @@ def _child_shardsafe(state: dict[str, Any], scratch: str, reps: int, out: dict[s
     import shardsafe
     from shardsafe.engine import staging
 
+    assert shardsafe.async_save  # the API is imported on first use: before the first call is timed
     path = os.path.join(scratch, "shardsafe")
     for rep in range(reps + 1):  # the first call of the process, then the steady state
         handle = _timed(

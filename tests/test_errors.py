@@ -52,6 +52,10 @@ ALLOWED_BUILTIN_RAISES = {
     ("storage/remote.py", "ImportError"): "fsspec/s3fs not installed: the message names the extra to install",
     ("fabric.py", "NotImplementedError"): "Lightning's own contract for an unsupported load_raw target",
     ("state/rest.py", "KeyError"): "the dict protocol of load's remainder, for a key the checkpoint does not hold",
+    # A module's __getattr__ (PEP 562: public names imported on first use) must raise AttributeError
+    # for a name it does not have, or hasattr(), getattr(..., default) and `from X import name` break.
+    ("__init__.py", "AttributeError"): "module __getattr__ protocol (PEP 562)",
+    ("interop/__init__.py", "AttributeError"): "module __getattr__ protocol (PEP 562)",
 }
 
 

@@ -144,6 +144,7 @@ def in_child(code: str, tmp_path: Path, *, memory: int = 2**30) -> subprocess.Co
     prelude = textwrap.dedent(
         f"""
         import resource, shardsafe, torch
+        [getattr(shardsafe, name) for name in shardsafe.__all__]  # the whole API (imported on first use) first
         with open("/proc/self/statm") as f:
             used = int(f.read().split()[0]) * resource.getpagesize()
         resource.setrlimit(resource.RLIMIT_AS, (used + {memory}, resource.RLIM_INFINITY))

@@ -2,21 +2,18 @@
 pickle-free and never hang.
 
 Every rank calls the same functions; the library decides which rank writes which bytes.
+
+The public names are imported on first use (PEP 562 ``__getattr__``), so that ``import shardsafe``, and
+with it the ``shardsafe`` command's ``--help``, does not import torch; the errors and ``__version__``
+are imported at once. A new public name goes into ``_LAZY``, the ``TYPE_CHECKING`` block and ``__all__``.
 """
 
-from shardsafe.engine.api import (
-    CheckpointInfo,
-    SaveHandle,
-    SaveOptions,
-    VerifySummary,
-    async_save,
-    inspect,
-    load,
-    save,
-    verify,
-)
-from shardsafe.engine.progress import Progress
-from shardsafe.engine.progressbar import ProgressBar
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
 from shardsafe.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -40,12 +37,52 @@ from shardsafe.errors import (
     UnsafeValueError,
     WorkerError,
 )
-from shardsafe.format.values import PerRank
-from shardsafe.interop import ExportResult, ImportResult, export_hf, export_torch, import_checkpoint
-from shardsafe.manager import CheckpointManager, CheckpointRecord
-from shardsafe.runtime import Runtime
-from shardsafe.state.per_rank import per_rank
 from shardsafe.version import __version__
+
+if TYPE_CHECKING:
+    from shardsafe.engine.api import (
+        CheckpointInfo,
+        SaveHandle,
+        SaveOptions,
+        VerifySummary,
+        async_save,
+        inspect,
+        load,
+        save,
+        verify,
+    )
+    from shardsafe.engine.progress import Progress
+    from shardsafe.engine.progressbar import ProgressBar
+    from shardsafe.format.values import PerRank
+    from shardsafe.interop import ExportResult, ImportResult, export_hf, export_torch, import_checkpoint
+    from shardsafe.manager import CheckpointManager, CheckpointRecord
+    from shardsafe.runtime import Runtime
+    from shardsafe.state.per_rank import per_rank
+
+_LAZY: dict[str, str] = {
+    "CheckpointInfo": "shardsafe.engine.api",
+    "SaveHandle": "shardsafe.engine.api",
+    "SaveOptions": "shardsafe.engine.api",
+    "VerifySummary": "shardsafe.engine.api",
+    "async_save": "shardsafe.engine.api",
+    "inspect": "shardsafe.engine.api",
+    "load": "shardsafe.engine.api",
+    "save": "shardsafe.engine.api",
+    "verify": "shardsafe.engine.api",
+    "Progress": "shardsafe.engine.progress",
+    "ProgressBar": "shardsafe.engine.progressbar",
+    "PerRank": "shardsafe.format.values",
+    "ExportResult": "shardsafe.interop",
+    "ImportResult": "shardsafe.interop",
+    "export_hf": "shardsafe.interop",
+    "export_torch": "shardsafe.interop",
+    "import_checkpoint": "shardsafe.interop",
+    "CheckpointManager": "shardsafe.manager",
+    "CheckpointRecord": "shardsafe.manager",
+    "Runtime": "shardsafe.runtime",
+    "per_rank": "shardsafe.state.per_rank",
+}
+"""Each public name imported on first use, and the module it comes from."""
 
 __all__ = [
     "CheckpointError",
@@ -92,3 +129,20 @@ __all__ = [
     "save",
     "verify",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, on first use: the first one imports them all, as ``import shardsafe`` did before the
+    names were imported lazily (so a program that touches one has the same modules loaded as then). Or a
+    subpackage (``shardsafe.storage``), imported now, as importing the whole API made them available."""
+    if name in _LAZY:
+        for public, module in _LAZY.items():
+            globals()[public] = getattr(importlib.import_module(module), public)
+        return globals()[name]
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

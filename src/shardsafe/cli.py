@@ -7,7 +7,10 @@ rank: it only reads checkpoints.
 - ``shardsafe export CKPT OUT`` / ``shardsafe import SRC DEST``: see :mod:`shardsafe.interop.cli`.
 
 Exit status: 0 when all is well, 1 when a checkpoint is corrupt, incomplete (uncommitted) or not
-there, 2 for a usage error.
+there, 2 for a usage error. A reader that goes away (``shardsafe inspect CKPT | head -1``) is no failure.
+
+Torch and the rest of the library are imported inside the commands that need them, so ``--help`` and
+``--version`` answer at once.
 """
 
 from __future__ import annotations
@@ -16,17 +19,18 @@ import argparse
 import datetime
 import json
 import math
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any, TextIO
 
-import shardsafe
 from shardsafe.display import exact_size, table
 from shardsafe.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from shardsafe.interop.cli import add_commands as add_interop_commands
 from shardsafe.interop.cli import bar
 from shardsafe.interop.cli import run as run_interop
+from shardsafe.version import __version__
 
 EXIT_OK = 0
 EXIT_BAD = 1
@@ -46,10 +50,11 @@ def _path(text: str) -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardsafe",
-        description="Inspect and verify shardsafe checkpoints.",
+        description="Inspect, verify and list shardsafe checkpoints; export them to the Hugging Face layout "
+        "or a torch.save file; import torch.save files and DCP checkpoints.",
         epilog="Exit status: 0 fine, 1 corrupt, incomplete or missing checkpoint, 2 usage error.",
     )
-    parser.add_argument("--version", action="version", version=f"shardsafe {shardsafe.__version__}")
+    parser.add_argument("--version", action="version", version=f"shardsafe {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     inspect = commands.add_parser(
@@ -86,15 +91,43 @@ def _doc(command: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``shardsafe`` command with ``argv`` (default ``sys.argv[1:]``); returns the exit status.
-    A failure of any kind is one line on stderr and exit status 1, never a traceback."""
+    A failure of any kind is one line on stderr and exit status 1, never a traceback. A closed stdout
+    (the reader of a pipe went away, as ``head`` does once it has its lines) ends the command quietly
+    with the status it had reached (0 unless it had already found a failure)."""
+    code = EXIT_OK
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's flush at exit
+    except BrokenPipeError:
+        _discard_stdout()
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     try:
         args = _parser().parse_args(argv)
     except SystemExit as stop:  # argparse exits on --help, --version and usage errors
         return stop.code if isinstance(stop.code, int) else EXIT_USAGE
     try:
         return _run(args)
+    except BrokenPipeError:
+        raise
     except Exception as err:  # whatever a damaged checkpoint provokes: reported, never a traceback
         return _fail(args.command, err)
+
+
+def _discard_stdout() -> None:
+    """Point stdout's descriptor at the null device, so that what is still buffered (flushed again at
+    exit) goes nowhere instead of raising once more."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test's buffer): nothing is flushed at exit
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, fd)
+    finally:
+        os.close(null)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -132,8 +165,10 @@ def _one_line(text: str) -> str:
 
 def _verify(path: str, *, out: TextIO) -> int:
     """Verify ``path`` byte for byte; one line on ``out`` when intact, else one on stderr."""
+    from shardsafe.engine.api import verify
+
     try:
-        summary = shardsafe.verify(path, progress=bar())
+        summary = verify(path, progress=bar())
     except (CheckpointError, *_REPORTED) as err:
         return _fail("verify", err)
     out.write(
@@ -144,8 +179,10 @@ def _verify(path: str, *, out: TextIO) -> int:
 
 def _inspect(path: str, *, as_json: bool, out: TextIO) -> int:
     """Describe ``path`` from its manifest: a JSON object, or header lines and a table of entries."""
+    from shardsafe.engine.api import inspect
+
     try:
-        info = shardsafe.inspect(path)
+        info = inspect(path)
     except (CheckpointError, *_REPORTED) as err:
         return _fail("inspect", err)
     if as_json:

@@ -1,8 +1,10 @@
-"""Text shown to people: aligned tables and byte sizes, for the ``shardsafe`` command (``inspect``,
-``verify``) and the manager's ``ls``. Imports nothing of shardsafe; the CLI and the manager use it."""
+"""Text shown to people: aligned tables, byte sizes and the terminal columns a text takes, for the
+``shardsafe`` command (``inspect``, ``verify``), the manager's ``ls`` and the progress bar. Imports nothing
+of shardsafe; the CLI, the manager and the engine's progress bar use it."""
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Collection, Sequence
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -35,3 +37,25 @@ def table(rows: Sequence[Sequence[str]], *, right: Collection[int] = (), pad_las
         ]
         lines.append("  ".join([*cells, *row[padded:]]).rstrip())
     return lines
+
+
+def _char_columns(c: str) -> int:
+    if unicodedata.combining(c) or unicodedata.category(c) in ("Mn", "Me", "Cf"):
+        return 0
+    return 2 if unicodedata.east_asian_width(c) in ("W", "F") else 1
+
+
+def columns(text: str) -> int:
+    """The terminal columns ``text`` (printable characters, one line) takes: a wide East Asian character
+    takes two, a combining mark none."""
+    return sum(_char_columns(c) for c in text)
+
+
+def cut(text: str, width: int) -> str:
+    """The longest start of ``text`` that takes at most ``width`` terminal columns (see :func:`columns`)."""
+    used = 0
+    for i, c in enumerate(text):
+        used += _char_columns(c)
+        if used > width:
+            return text[:i]
+    return text

@@ -24,6 +24,7 @@ from shardsafe import knobs
 from shardsafe.deadline import Deadline
 from shardsafe.engine import hostmem
 from shardsafe.engine.memory import available_memory
+from shardsafe.engine.not_found import not_found
 from shardsafe.errors import CheckpointError, CheckpointNotFoundError, CheckpointTimeoutError, CorruptCheckpointError
 from shardsafe.format.datafile import digest, read_blocks, tensor_bytes
 from shardsafe.format.manifest import Chunk, Manifest, TensorEntry, parse_manifest
@@ -42,11 +43,14 @@ def read_manifest(storage: Storage, path: str) -> Manifest:
     try:
         raw = storage.read_bytes(where)
     except FileNotFoundError:
-        raise _not_found(storage, path) from None
+        raise not_found(storage, path) from None
     except IsADirectoryError:
         raise CorruptCheckpointError(f"{where} is a directory, not a manifest") from None
     except NotADirectoryError:
-        raise CheckpointNotFoundError(f"{path} is a file, not a checkpoint directory; check the path") from None
+        raise CheckpointNotFoundError(
+            f"{path} is a file, not a checkpoint directory; check the path (a torch.save file is brought in with "
+            f"`shardsafe import {path} DEST`)"
+        ) from None
     manifest = parse_manifest(raw, where)
     check_refs(path, manifest)
     return manifest
@@ -99,15 +103,6 @@ def check_allocation(
             f"{sizes[largest]}), but only {have} are available to this process. Load into a "
             "state whose tensors already exist (filled in place), or on a machine with more memory."
         )
-
-
-def _not_found(storage: Storage, path: str) -> CheckpointNotFoundError:
-    if storage.list_dir(path):
-        return CheckpointNotFoundError(
-            f"{path} holds no MANIFEST.json: it is an uncommitted (interrupted or failed) save, not a checkpoint. "
-            "Load an older checkpoint; a CheckpointManager removes such leftovers."
-        )
-    return CheckpointNotFoundError(f"no checkpoint at {path} (no MANIFEST.json); check the path")
 
 
 @dataclass

@@ -65,6 +65,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     """Run ``export`` or ``import`` with parsed ``args``; one line on ``out``, or one on stderr."""
     try:
         return _export(args, out) if args.command == "export" else _import(args, out)
+    except BrokenPipeError:  # stdout's reader went away: the command's own business (shardsafe.cli.main)
+        raise
     except UnsafeValueError as err:
         return _fail(args.command, "REFUSED", err, EXIT_USAGE)
     except ValueError as err:

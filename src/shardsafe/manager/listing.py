@@ -19,6 +19,7 @@ from typing import Any, Literal, TextIO
 
 from shardsafe.display import binary_size, table
 from shardsafe.engine import api
+from shardsafe.engine.not_found import describe
 from shardsafe.engine.progress import ProgressCallback
 from shardsafe.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardsafe.manager.config import NameTemplate
@@ -274,6 +275,10 @@ def ls_main(
     elif fs.exists(fs.join(root, MANIFEST_NAME)):
         out.write(f"{root} is itself a checkpoint, not a root of checkpoints; list its parent directory\n")
     else:
-        out.write(f"no checkpoints under {root}\n")
+        found = describe(fs, root)  # a folder of another kind says so (DCP, Hugging Face, a retired base)
+        if found.kind in ("retired", "deleting", "dcp", "hf", "uncommitted"):
+            out.write(f"no checkpoints under {root}: {found.message}\n")
+        else:
+            out.write(f"no checkpoints under {root}\n")
     bad = [r for r in records if r.status not in ("committed", "retired")]
     return 1 if verify and bad else 0

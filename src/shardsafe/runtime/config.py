@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from shardsafe.errors import InvalidArgumentError, InvalidTypeError, LaunchError
+from shardsafe.runtime.compat import fsdp_on_cpu_problem
 from shardsafe.runtime.env import ClusterEnv
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,12 @@ def resolve(config: RuntimeConfig, cluster: ClusterEnv | None) -> Plan:
         )
     if config.block_types is not None and strategy != "fsdp":
         raise InvalidArgumentError(f"block_types= only applies to strategy='fsdp' (got strategy={strategy!r})")
+    problem = fsdp_on_cpu_problem() if strategy == "fsdp" and accelerator == "cpu" else None
+    if problem is not None:
+        raise InvalidArgumentError(
+            f"strategy='fsdp' with accelerator='cpu': {problem}. Use strategy='ddp' on CPU, accelerator='cuda', or a "
+            "newer torch (the install section of the README lists the tested releases)"
+        )
     backend = "nccl" if accelerator == "cuda" else "gloo"
     plan = Plan(
         accelerator=accelerator,

@@ -250,8 +250,7 @@ def _remote_failure(rank: int, world: int, msg: tuple[Any, ...]) -> _Failure:
             remote_traceback=tb,
         )
     err.__cause__ = WorkerTraceback(rank, tb)
-    if hasattr(err, "add_note"):
-        err.add_note(f"raised on rank {rank} of {world} (worker pid {pid}); the other workers were stopped")
+    _note(err, f"raised on rank {rank} of {world} (worker pid {pid}); the other workers were stopped")
     return _Failure(rank=rank, when=when, died=False, error=err)
 
 
@@ -285,10 +284,22 @@ def _raise_root_cause(failures: list[_Failure]) -> None:
     deaths = [f for f in failures if f.died]
     first = min(deaths or failures, key=lambda f: f.when)
     others = [f for f in failures if f is not first]
-    if others and hasattr(first.error, "add_note"):
-        for f in sorted(others, key=lambda f: f.rank):
-            first.error.add_note(f"rank {f.rank} also failed: {type(f.error).__name__}: {f.error}".split("\n")[0])
+    for f in sorted(others, key=lambda f: f.rank):
+        _note(first.error, f"rank {f.rank} also failed: {type(f.error).__name__}: {f.error}".split("\n")[0])
     raise first.error
+
+
+def _note(err: BaseException, text: str) -> None:
+    """``err.add_note(text)``; on Python 3.10, which has no ``add_note``, appended to ``__notes__`` as
+    PEP 678 defines it (kept for code that reads it; 3.10's traceback does not print it)."""
+    if hasattr(err, "add_note"):
+        err.add_note(text)
+        return
+    try:
+        notes = getattr(err, "__notes__", None)
+        err.__notes__ = [*(notes or []), text]  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):  # an exception type that refuses new attributes: no note
+        pass
 
 
 def _stop(procs: list[Any], *, grace: float, polite: bool) -> None:

@@ -11,7 +11,8 @@
   are, by default, the modules held in an ``nn.ModuleList`` (where transformer blocks live);
   ``Runtime(block_types=[MyBlock])`` names the classes instead. ``fully_shard``
   replaces every parameter by a sharded DTensor parameter, so each optimizer's param groups are rebuilt
-  to point at the new parameters, by parameter name, keeping every hyperparameter.
+  to point at the new parameters, by parameter name, keeping every hyperparameter. (On CPU it needs a
+  torch whose FSDP2 runs there, not 2.6: the Runtime refuses that when it is created, :mod:`.compat`.)
 """
 
 from __future__ import annotations

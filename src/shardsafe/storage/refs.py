@@ -140,3 +140,28 @@ def referenced_files(
         if ref is not None:
             used.update(n for n in ref.files if DATA_FILE.match(n))
     return used
+
+
+def referrers(storage: Storage, directory: str) -> dict[str, str]:
+    """(any rank, local; for messages) The siblings of ``directory`` whose manifest refers to its data
+    files, each with what it is: ``committed``, ``retired`` (its tombstone refers) or ``in flight`` (the
+    staged manifest of a save not yet committed). Manifests that do not validate are skipped."""
+    own = split(directory)[1]
+    found: dict[str, str] = {}
+    for where, raw in _manifests_beside(storage, directory, True, None):
+        try:
+            manifest = parse_manifest(raw, where)
+        except CorruptCheckpointError:
+            continue
+        if own not in manifest.refs:
+            continue
+        folder, name = split(where)
+        sibling_name = split(folder)[1]
+        staging = STAGING_DIR.match(sibling_name)
+        if staging is not None:
+            found.setdefault(staging.group("target"), "in flight")
+        else:
+            kind = "retired" if name == TOMBSTONE else "committed"
+            if found.get(sibling_name) != "committed":
+                found[sibling_name] = kind
+    return found
