@@ -86,8 +86,10 @@ def test_every_error_in_errors_derives_from_checkpoint_error_and_is_public() -> 
 
 
 def test_runtime_and_remote_errors_are_checkpoint_errors() -> None:
-    assert issubclass(shardsafe.LaunchError, RuntimeError) and issubclass(shardsafe.LaunchError, errors.CheckpointError)
-    assert issubclass(shardsafe.WorkerError, errors.CheckpointError)
+    from shardsafe.runtime import LaunchError, WorkerError
+
+    assert issubclass(LaunchError, RuntimeError) and issubclass(LaunchError, errors.CheckpointError)
+    assert issubclass(WorkerError, errors.CheckpointError)
     assert issubclass(errors.RemoteIOError, OSError)
 
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import shardsafe
+from shardsafe.cli.ls import ls_main
 from shardsafe.engine.incremental import BaseRefusedError
 from shardsafe.format.manifest import seal_manifest
-from shardsafe.manager import ls_main
 from shardsafe.storage.delete import delete_checkpoint
 from shardsafe.storage.local import LocalStorage
 from shardsafe.storage.names import TOMBSTONE

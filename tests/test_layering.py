@@ -41,6 +41,7 @@ LAYERS: dict[str, float] = {
     "shardsafe.storage.refs": 5,
     "shardsafe.storage.delete": 6,
     "shardsafe.state": 7,
+    "shardsafe.progress": 7.5,
     "shardsafe.engine": 8,
     "shardsafe.manager": 9,
     "shardsafe.interop": 9,

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import shardsafe
+from shardsafe.cli.ls import ls_main
 from shardsafe.errors import CorruptCheckpointError, MissingKeysError
-from shardsafe.manager import CheckpointManager, ManagerConfig, NameTemplate, ls_main
+from shardsafe.manager import CheckpointManager, ManagerConfig, NameTemplate
 from shardsafe.manager.cleanup import apply_retention, delete_checkpoint
 from shardsafe.manager.listing import CheckpointRecord
 from shardsafe.manager.retention import RetentionPolicy

@@ -19,7 +19,7 @@ import torch
 import shardsafe
 from shardsafe import CheckpointManager, CheckpointNotFoundError
 from shardsafe.cli import main
-from shardsafe.manager.listing import ls_main
+from shardsafe.cli.ls import ls_main
 
 
 def _readers(path: Path) -> dict[str, Callable[[], object]]:

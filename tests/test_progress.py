@@ -17,7 +17,7 @@ import torch
 
 import shardsafe
 from shardsafe import Progress, ProgressBar
-from shardsafe.engine.progressbar import format_bar
+from shardsafe.progress.bar import format_bar
 
 from harness import check_ok, run_ranks
 
@@ -88,9 +88,9 @@ def test_info_line_past_the_interval(tmp_path: Any, monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("SHARDSAFE_PROGRESS_INTERVAL", "0.05")
     monkeypatch.setenv("SHARDSAFE_FAULT", "save.write:rank=0:sleep=0.3")
     path = str(tmp_path / "c")
-    with caplog.at_level(logging.INFO, logger="shardsafe.engine.tracker"):
+    with caplog.at_level(logging.INFO, logger="shardsafe.progress.tracker"):
         shardsafe.save(path, _state())  # no callback: the INFO lines come anyway
-    lines = [r.getMessage() for r in caplog.records if r.name == "shardsafe.engine.tracker"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "shardsafe.progress.tracker"]
     running = [m for m in lines if "phase write" in m]
     assert running and all(f"save of {path}" in m and "/s" in m and "left" in m for m in running), lines
     assert "finished" in lines[-1] and "100%" in lines[-1], lines
@@ -98,9 +98,9 @@ def test_info_line_past_the_interval(tmp_path: Any, monkeypatch: pytest.MonkeyPa
 
 def test_quick_save_logs_no_progress_line(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
     monkeypatch.setenv("SHARDSAFE_PROGRESS_INTERVAL", "60")
-    with caplog.at_level(logging.INFO, logger="shardsafe.engine.tracker"):
+    with caplog.at_level(logging.INFO, logger="shardsafe.progress.tracker"):
         shardsafe.save(str(tmp_path / "c"), {"x": torch.ones(4)})  # far under the interval
-    assert not [r for r in caplog.records if r.name == "shardsafe.engine.tracker"]
+    assert not [r for r in caplog.records if r.name == "shardsafe.progress.tracker"]
 
 
 def test_raising_callback_is_logged_and_the_save_commits(tmp_path: Any, caplog: Any) -> None:
@@ -111,7 +111,7 @@ def test_raising_callback_is_logged_and_the_save_commits(tmp_path: Any, caplog: 
         raise ValueError("bar broke")
 
     path = str(tmp_path / "c")
-    with caplog.at_level(logging.ERROR, logger="shardsafe.engine.tracker"):
+    with caplog.at_level(logging.ERROR, logger="shardsafe.progress.tracker"):
         shardsafe.save(path, _state(), progress=broken)
     assert len(calls) == 1  # not called again once it raised
     shardsafe.verify(path)
@@ -132,7 +132,7 @@ def test_blocked_callback_does_not_hold_the_save(tmp_path: Any, monkeypatch: pyt
         assert release.wait(60)
 
     path = str(tmp_path / "c")
-    with caplog.at_level(logging.WARNING, logger="shardsafe.engine.tracker"):
+    with caplog.at_level(logging.WARNING, logger="shardsafe.progress.tracker"):
         shardsafe.save(path, _state(), progress=blocked)  # returns although the callback never does
     shardsafe.verify(path)
     assert len(seen) == 1 and not seen[0].finished

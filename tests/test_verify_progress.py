@@ -130,11 +130,11 @@ def test_raising_callback_does_not_stop_verification(
         calls.append(p)
         raise RuntimeError("bar broke")
 
-    with caplog.at_level(logging.INFO, logger="shardsafe.engine.tracker"):
+    with caplog.at_level(logging.INFO, logger="shardsafe.progress.tracker"):
         summary = shardsafe.verify(path, progress=broken)
     assert summary.bytes == sum(f.stat().st_size for f in _data_files(tmp_path / "c"))
     assert len(calls) == 1 and not calls[0].finished  # raised on the first record: never called again
-    lines = [r.getMessage() for r in caplog.records if r.name == "shardsafe.engine.tracker"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "shardsafe.progress.tracker"]
     assert any("progress callback of the verify" in m and "bar broke" in m for m in lines), lines
     assert "finished" in lines[-1] and "100%" in lines[-1], lines  # records went on being made
 

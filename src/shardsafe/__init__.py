@@ -3,6 +3,10 @@ pickle-free and never hang.
 
 Every rank calls the same functions; the library decides which rank writes which bytes.
 
+The top level is the checkpoint API (save, async_save, load, verify, inspect, export and import), the
+types it returns, its errors and the checkpoint manager. The training runtime (``shardsafe.runtime``)
+and the Lightning Fabric strategies (``shardsafe.fabric``) are subpackages a program imports itself.
+
 The public names are imported on first use (PEP 562 ``__getattr__``), so that ``import shardsafe``, and
 with it the ``shardsafe`` command's ``--help``, does not import torch; the errors and ``__version__``
 are imported at once. A new public name goes into ``_LAZY``, the ``TYPE_CHECKING`` block and ``__all__``.
@@ -25,7 +29,6 @@ from shardsafe.errors import (
     InternalError,
     InvalidArgumentError,
     InvalidTypeError,
-    LaunchError,
     MissingKeysError,
     OperationTimeoutError,
     RankDeadError,
@@ -35,13 +38,13 @@ from shardsafe.errors import (
     RemoteRankError,
     StateMismatchError,
     UnsafeValueError,
-    WorkerError,
 )
 from shardsafe.version import __version__
 
 if TYPE_CHECKING:
     from shardsafe.engine.api import (
         CheckpointInfo,
+        EntryInfo,
         SaveHandle,
         SaveOptions,
         VerifySummary,
@@ -51,16 +54,15 @@ if TYPE_CHECKING:
         save,
         verify,
     )
-    from shardsafe.engine.progress import Progress
-    from shardsafe.engine.progressbar import ProgressBar
-    from shardsafe.format.values import PerRank
     from shardsafe.interop import ExportResult, ImportResult, export_hf, export_torch, import_checkpoint
-    from shardsafe.manager import CheckpointManager, CheckpointRecord
-    from shardsafe.runtime import Runtime
+    from shardsafe.manager import CheckpointManager, CheckpointRecord, ManagerConfig
+    from shardsafe.progress.bar import ProgressBar
+    from shardsafe.progress.record import Progress
     from shardsafe.state.per_rank import per_rank
 
 _LAZY: dict[str, str] = {
     "CheckpointInfo": "shardsafe.engine.api",
+    "EntryInfo": "shardsafe.engine.api",
     "SaveHandle": "shardsafe.engine.api",
     "SaveOptions": "shardsafe.engine.api",
     "VerifySummary": "shardsafe.engine.api",
@@ -69,9 +71,8 @@ _LAZY: dict[str, str] = {
     "load": "shardsafe.engine.api",
     "save": "shardsafe.engine.api",
     "verify": "shardsafe.engine.api",
-    "Progress": "shardsafe.engine.progress",
-    "ProgressBar": "shardsafe.engine.progressbar",
-    "PerRank": "shardsafe.format.values",
+    "Progress": "shardsafe.progress.record",
+    "ProgressBar": "shardsafe.progress.bar",
     "ExportResult": "shardsafe.interop",
     "ImportResult": "shardsafe.interop",
     "export_hf": "shardsafe.interop",
@@ -79,7 +80,7 @@ _LAZY: dict[str, str] = {
     "import_checkpoint": "shardsafe.interop",
     "CheckpointManager": "shardsafe.manager",
     "CheckpointRecord": "shardsafe.manager",
-    "Runtime": "shardsafe.runtime",
+    "ManagerConfig": "shardsafe.manager",
     "per_rank": "shardsafe.state.per_rank",
 }
 """Each public name imported on first use, and the module it comes from."""
@@ -95,15 +96,15 @@ __all__ = [
     "ClosedError",
     "CoordinationError",
     "CorruptCheckpointError",
+    "EntryInfo",
     "ExportResult",
     "ImportResult",
     "InternalError",
     "InvalidArgumentError",
     "InvalidTypeError",
-    "LaunchError",
+    "ManagerConfig",
     "MissingKeysError",
     "OperationTimeoutError",
-    "PerRank",
     "Progress",
     "ProgressBar",
     "RankDeadError",
@@ -111,13 +112,11 @@ __all__ = [
     "RankTimeoutError",
     "RemoteIOError",
     "RemoteRankError",
-    "Runtime",
     "SaveHandle",
     "SaveOptions",
     "StateMismatchError",
     "UnsafeValueError",
     "VerifySummary",
-    "WorkerError",
     "__version__",
     "async_save",
     "export_hf",

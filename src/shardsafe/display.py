@@ -1,6 +1,5 @@
-"""Text shown to people: aligned tables, byte sizes and the terminal columns a text takes, for the
-``shardsafe`` command (``inspect``, ``verify``), the manager's ``ls`` and the progress bar. Imports nothing
-of shardsafe; the CLI, the manager and the engine's progress bar use it."""
+"""Text shown to people: aligned tables, byte sizes, one-line text and the terminal columns a text takes,
+for the ``shardsafe`` command, progress lines and the progress bar. Imports nothing of shardsafe."""
 
 from __future__ import annotations
 
@@ -10,12 +9,12 @@ from collections.abc import Collection, Sequence
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 
-def binary_size(n: int) -> str:
-    """``n`` bytes in the largest binary unit it reaches: ``512 B``, ``3.0 MiB``."""
+def binary_size(n: float) -> str:
+    """``n`` bytes (or bytes per second) in the largest binary unit it reaches: ``512 B``, ``3.0 MiB``."""
     size, i = float(n), 0
-    while size >= 1024 and i < len(_UNITS) - 1:
+    while abs(size) >= 1024 and i < len(_UNITS) - 1:
         size, i = size / 1024, i + 1
-    return f"{n} B" if i == 0 else f"{size:.1f} {_UNITS[i]}"
+    return f"{size:.0f} B" if i == 0 else f"{size:.1f} {_UNITS[i]}"
 
 
 def exact_size(n: int) -> str:
@@ -49,6 +48,13 @@ def columns(text: str) -> int:
     """The terminal columns ``text`` (printable characters, one line) takes: a wide East Asian character
     takes two, a combining mark none."""
     return sum(_char_columns(c) for c in text)
+
+
+def one_line(text: str) -> str:
+    """``text`` as one line of printable characters (a name from a hostile file may hold line breaks or
+    terminal escapes): line breaks become `` | ``, other control characters their escape sequence."""
+    joined = " | ".join(line.strip() for line in text.splitlines() if line.strip())
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in joined)
 
 
 def cut(text: str, width: int) -> str:

@@ -80,22 +80,6 @@ class RemoteIOError(CheckpointError, OSError):
     """A storage request still failed after retrying until its deadline."""
 
 
-class LaunchError(CheckpointError, RuntimeError):
-    """The runtime was used in a way that cannot work (e.g. ``launch()`` twice, ``setup()`` before
-    ``launch()``, a world size that disagrees with torchrun's). Raised at once, never after a hang."""
-
-
-class WorkerError(CheckpointError, RuntimeError):
-    """A worker process failed and its own exception could not be carried over (it died without
-    reporting, e.g. ``os._exit``, SIGKILL or a crash, or its exception could not be unpickled)."""
-
-    def __init__(self, message: str, *, rank: int, exitcode: int | None, remote_traceback: str = "") -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.exitcode = exitcode
-        self.remote_traceback = remote_traceback
-
-
 class CoordinationError(CheckpointError):
     """Ranks could not agree: base class of the errors of the cross-rank protocol."""
 
@@ -145,7 +129,6 @@ __all__ = [
     "InternalError",
     "InvalidArgumentError",
     "InvalidTypeError",
-    "LaunchError",
     "MissingKeysError",
     "OperationTimeoutError",
     "RankDeadError",
@@ -155,5 +138,4 @@ __all__ = [
     "RemoteRankError",
     "StateMismatchError",
     "UnsafeValueError",
-    "WorkerError",
 ]

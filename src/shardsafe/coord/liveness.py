@@ -36,7 +36,7 @@ class Watch:
     ranks: Callable[[], list[int]]
     on_dead: Callable[[list[int], float], None]
     wake: threading.Event = field(default_factory=threading.Event)
-    reported: set[int] = field(default_factory=set)
+    declared: set[int] = field(default_factory=set)
 
 
 class Watchdog:
@@ -140,9 +140,9 @@ class Watchdog:
             elif now - last[1] > knobs.dead_after():
                 dead.append((r, now - last[1]))
         for w in watches:
-            mine = [(r, s) for r, s in dead if r in w.ranks() and r not in w.reported]
+            mine = [(r, s) for r, s in dead if r in w.ranks() and r not in w.declared]
             if mine:
-                w.reported.update(r for r, _ in mine)
+                w.declared.update(r for r, _ in mine)
                 try:
                     w.on_dead([r for r, _ in mine], max(s for _, s in mine))
                 finally:

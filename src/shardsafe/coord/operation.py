@@ -17,7 +17,7 @@ Store layout under ``shardsafe/<group>/``::
     <channel>/<seq>/present                       rank 0 is inside the operation (its watchers start then)
     <channel>/<seq>/decision                      a save's commit or abort: the first compare_set wins
     <channel>/<seq>/ack/{n,all}                   acknowledgements: rank 0 returns after every live rank's
-    <channel>/<seq>/progress/r/<rank>             progress counts (coord/progress.py)
+    <channel>/<seq>/progress/r/<rank>             progress counts (progress/keys.py)
     alive/<rank>                                  the rank's heartbeat counter (liveness.py)
     status/<rank>                                 where the rank is now (stall and timeout reports)
 """

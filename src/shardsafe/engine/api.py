@@ -20,8 +20,8 @@ from shardsafe.engine import load as _load
 from shardsafe.engine.guard import mapped_errors
 from shardsafe.engine.inspect import CheckpointInfo, EntryInfo, VerifySummary, inspect, verify
 from shardsafe.engine.options import SaveOptions, complete, spelled_out
-from shardsafe.engine.progress import Progress, ProgressCallback, check_callback
 from shardsafe.engine.save import SaveHandle, SaveJob
+from shardsafe.progress.record import Progress, ProgressCallback, check_callback
 from shardsafe.state.rest import Rest, check_rest
 from shardsafe.storage import get_storage
 

@@ -38,9 +38,9 @@ from shardsafe.coord.agreement import Round
 from shardsafe.coord.failures import Failure, wrap
 from shardsafe.coord.messages import Committed, Envelope, Outcome, Timeout, WriteReport
 from shardsafe.engine import incremental
-from shardsafe.engine.tracker import Tracker
 from shardsafe.errors import CheckpointError, CorruptCheckpointError, RankDeadError, UnsafeValueError
 from shardsafe.format.manifest import Chunk, FileEntry, Manifest, TensorEntry, parse_manifest
+from shardsafe.progress.tracker import Tracker
 from shardsafe.state import per_rank
 from shardsafe.state.flatten import FlatState
 from shardsafe.storage import MANIFEST_NAME, Commit, Storage, is_remote

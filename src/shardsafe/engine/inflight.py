@@ -43,7 +43,7 @@ def _raise_unseen(handle: SaveHandle) -> None:
     try:
         handle.wait()  # bounded by that save's own end deadline (plus margins)
     except BaseException:
-        if not handle._reported:
+        if not handle._error_seen:
             raise
         logger.debug("shardsafe: earlier save of %s had failed (already reported)", handle.path)
 
@@ -54,7 +54,7 @@ def _flush_at_exit() -> None:
     with _inflight_lock:
         pending = list(_inflight)
     for handle in pending:
-        if handle.done() and handle._reported:
+        if handle.done() and handle._error_seen:
             continue
         try:
             handle.wait()

@@ -13,13 +13,13 @@ from typing import Any
 
 from shardsafe.engine.guard import mapped_errors
 from shardsafe.engine.memory import available_memory
-from shardsafe.engine.progress import ProgressCallback, check_callback
 from shardsafe.engine.read import read_manifest
-from shardsafe.engine.tracker import Tracker, tracked
 from shardsafe.errors import CheckpointError, CorruptCheckpointError
 from shardsafe.format.datafile import read_blocks, verify_header
 from shardsafe.format.manifest import Chunk, Manifest
 from shardsafe.format.values import decode, dtype_name
+from shardsafe.progress.record import ProgressCallback, check_callback
+from shardsafe.progress.tracker import Tracker, tracked
 from shardsafe.storage import Storage, get_storage
 from shardsafe.storage.refs import check_ref_files, missing_base, sibling
 

@@ -25,11 +25,11 @@ import torch
 from shardsafe.coord import Clock, Operation, fault_point
 from shardsafe.coord.messages import Counts, Envelope
 from shardsafe.engine.phases import PhaseLog
-from shardsafe.engine.progress import ProgressCallback, load_bytes
-from shardsafe.engine.read import Task, check_allocation, check_sizes, plan_reads, read_manifest, run_tasks
-from shardsafe.engine.tracker import Tracker
+from shardsafe.engine.read import Task, check_allocation, check_sizes, load_bytes, plan_reads, read_manifest, run_tasks
 from shardsafe.errors import CheckpointError, CorruptCheckpointError, MissingKeysError
 from shardsafe.format.manifest import Manifest
+from shardsafe.progress.record import ProgressCallback
+from shardsafe.progress.tracker import Tracker
 from shardsafe.state.layout import Box
 from shardsafe.state.rest import Remainder, Rest, choose
 from shardsafe.state.restore import Op, Restorer
@@ -61,7 +61,7 @@ def load(
     started = time.monotonic()
     phases = PhaseLog("load", path, "manifest")
     phase = phases.enter("manifest", None if op is None else op.global_rank)
-    tracker = Tracker("load", path, progress)  # engine/tracker.py; phases set below
+    tracker = Tracker("load", path, progress)  # progress/tracker.py; phases set below
     tracker.start(op)
     tracker.phase = phase
     error: BaseException | None = None
@@ -191,7 +191,7 @@ def _plan_load(
     check_sizes(storage, path, manifest, r.names())  # before allocating what the manifest sizes
     if device is None or device.type == "cpu":  # new host tensors must fit in the memory available
         check_allocation(storage, path, manifest, r.fresh_bytes())
-    early, tasks = (_plan(manifest, boxes) for boxes in r.prepare())
+    early, tasks = (_reads_of(manifest, boxes) for boxes in r.prepare())
     if early:  # new tensors whose values the plan must compare before the go (FSDP1 optimizer state)
         run_tasks(storage, path, manifest, early, lambda: None, clock.work)
     r.check()
@@ -241,7 +241,7 @@ def _final_counts(tracker: Tracker) -> Callable[[dict[int, Envelope]], None]:
     return decide
 
 
-def _plan(manifest: Manifest, boxes: list[tuple[str, Box]]) -> list[Task]:
+def _reads_of(manifest: Manifest, boxes: list[tuple[str, Box]]) -> list[Task]:
     """(every rank, locally) The reads that fill each destination box from the saved chunks it meets."""
     return [t for name, (offsets, dest) in boxes for t in plan_reads(name, manifest.tensors[name], dest, offsets)]
 

@@ -10,8 +10,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypedDict, TypeVar
 
 from shardsafe.coord import Deadlines
-from shardsafe.engine.progress import ProgressCallback
 from shardsafe.errors import InvalidTypeError
+from shardsafe.progress.record import ProgressCallback
 
 
 class SaveOptions(TypedDict, total=False):

@@ -80,3 +80,13 @@ def plan_writes(items: Sequence[TensorItem], rank: int, world_size: int) -> list
 def own_chunks(flat: FlatState) -> list[PendingChunk]:
     """(every rank) The chunks of this rank's per-rank tensors: each written whole, by this rank."""
     return [PendingChunk(i.name, (0,) * len(i.shape), i.shape, i.local) for i in flat.per_rank]
+
+
+def file_bytes(chunks: Sequence[PendingChunk]) -> tuple[int, int]:
+    """(a writing rank) The size of the data file ``chunks`` make, and of its header (0, 0: no file)."""
+    if not chunks:
+        return 0, 0
+    from shardsafe.format.datafile import build_header
+
+    header = len(build_header(chunks))
+    return header + sum(c.nbytes for c in chunks), header

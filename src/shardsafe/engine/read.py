@@ -160,7 +160,7 @@ def run_tasks(
     if not tasks:
         return 0
     threads = max(1, min(knobs.io_threads(), len(tasks)))
-    run = _Run(storage, path, manifest, tasks, threads)
+    run = _ReadRun(storage, path, manifest, tasks, threads)
     run.on_bytes = on_bytes
     pool = Pool(threads, "read")  # daemon threads: a read hung for good never keeps the process alive
     futures: list[Future[int]] = []
@@ -243,7 +243,7 @@ class _Bounce:
                 self.events[h] = None
 
 
-class _Run:
+class _ReadRun:
     """One :func:`run_tasks` call: the fence, the bounce buffers, the devices' side streams."""
 
     def __init__(self, storage: Storage, path: str, manifest: Manifest, tasks: Sequence[Task], threads: int) -> None:
@@ -266,7 +266,7 @@ class _Run:
     def task(self, t: Task) -> int:
         bounce = self.free.get_nowait()  # one per thread
         try:
-            return _run(self, t, bounce)
+            return _read_task(self, t, bounce)
         except _Cancelled:
             return 0
         finally:
@@ -297,7 +297,7 @@ class _Run:
                 hostmem.current_waits_for(dev, stream)
 
 
-def _run(run: _Run, t: Task, bounce: _Bounce) -> int:
+def _read_task(run: _ReadRun, t: Task, bounce: _Bounce) -> int:
     """(a reader thread) Fill ``t.dest`` from its chunk; returns the bytes read."""
     c = t.chunk
     file = chunk_path(run.storage, run.path, c)
@@ -338,7 +338,7 @@ def _run(run: _Run, t: Task, bounce: _Bounce) -> int:
     return stop - start
 
 
-def _copy_into(run: _Run, dest: torch.Tensor, src: torch.Tensor) -> None:
+def _copy_into(run: _ReadRun, dest: torch.Tensor, src: torch.Tensor) -> None:
     """Verified bytes in a private CPU tensor into the caller's ``dest`` (any layout, dtype or device),
     inside the fence; a CUDA copy runs on the side stream and has landed when this returns."""
     with run.fence:
@@ -361,7 +361,7 @@ def _into(out: memoryview, start: int) -> Callable[[int, memoryview], None]:
 
 
 def _read(
-    run: _Run,
+    run: _ReadRun,
     file: str,
     c: Chunk,
     start: int,
@@ -393,3 +393,20 @@ def _read(
         )
     except (EOFError, FileNotFoundError) as err:
         raise CorruptCheckpointError(f"{file}: cannot read tensor {name!r}: {err}") from err
+
+
+def load_bytes(manifest: Manifest, tasks: Sequence[Task]) -> int:
+    """(a loading rank) The bytes ``tasks`` deliver (what :func:`~shardsafe.engine.read.run_tasks`
+    returns): whole rows of each overlap, the item of a 0-d tensor."""
+    total = 0
+    for t in tasks:
+        itemsize = manifest.tensors[t.name].dtype.itemsize
+        sizes = t.chunk.sizes
+        if not sizes:
+            total += itemsize
+            continue
+        row = itemsize
+        for s in sizes[1:]:
+            row *= s
+        total += (t.box_hi[0] - t.box_lo[0]) * row
+    return total

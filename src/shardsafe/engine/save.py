@@ -37,13 +37,12 @@ from shardsafe.coord.messages import PerRankNodes, PerRankPaths, SaveArrival, Sa
 from shardsafe.engine import commit, incremental, staging
 from shardsafe.engine.options import SaveOptions
 from shardsafe.engine.phases import PhaseLog
-from shardsafe.engine.plan import PendingChunk, own_chunks, plan_writes
-from shardsafe.engine.progress import file_bytes
-from shardsafe.engine.tracker import Tracker
+from shardsafe.engine.plan import PendingChunk, file_bytes, own_chunks, plan_writes
 from shardsafe.errors import CheckpointExistsError, OperationTimeoutError, UnsafeValueError
 from shardsafe.format.datafile import write_file
 from shardsafe.format.manifest import Chunk, Manifest
 from shardsafe.format.values import encode
+from shardsafe.progress.tracker import Tracker
 from shardsafe.state import per_rank
 from shardsafe.state.flatten import FlatState, exchange_payload, flatten
 from shardsafe.storage import Storage, Writer, get_storage
@@ -77,7 +76,7 @@ class SaveJob:
         self.staged: staging.Staged | None = None
         self.started = time.monotonic()
         self.blocking_seconds = 0.0
-        self.tracker = Tracker("save", self.path, options["progress"])  # engine/tracker.py
+        self.tracker = Tracker("save", self.path, options["progress"])  # progress/tracker.py
         self.header_bytes = 0
         self._refused: BaseException | None = None  # rank 0: the target or base refused (decided for all)
         self._prepared = False  # rank 0 created staging
@@ -355,7 +354,7 @@ class SaveHandle:
         self.job = job
         self._thread = thread
         self._error: BaseException | None = None
-        self._reported = False
+        self._error_seen = False
 
     @property
     def path(self) -> str:
@@ -389,5 +388,5 @@ class SaveHandle:
                     "call wait() again or raise the timeout"
                 )
         if self._error is not None:
-            self._reported = True
+            self._error_seen = True
             raise self._error

@@ -3,7 +3,7 @@
 read as hostile input. docs/interop.md describes both.
 
 The public names are imported on first use, so that the ``shardsafe`` command can build its parser from
-:mod:`shardsafe.interop.cli` without importing torch.
+:mod:`shardsafe.cli.interop` without importing torch.
 
 Layer: may import engine, format, storage, knobs, errors; imported by the public package and the CLI."""
 

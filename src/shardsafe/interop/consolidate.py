@@ -19,14 +19,14 @@ from typing import Any
 import torch
 
 from shardsafe.engine.guard import mapped_errors
-from shardsafe.engine.plan import PendingChunk
-from shardsafe.engine.progress import ProgressCallback, check_callback, file_bytes
+from shardsafe.engine.plan import PendingChunk, file_bytes
 from shardsafe.engine.read import read_manifest
-from shardsafe.engine.tracker import Tracker, tracked
 from shardsafe.errors import CheckpointExistsError, CorruptCheckpointError
 from shardsafe.format.datafile import read_blocks, write_file
 from shardsafe.format.manifest import Chunk, FileEntry, Manifest, TensorEntry, parse_manifest
 from shardsafe.interop.outdir import check_parents, make_parents, remove_created
+from shardsafe.progress.record import ProgressCallback, check_callback
+from shardsafe.progress.tracker import Tracker, tracked
 from shardsafe.storage import MANIFEST_NAME, get_storage, is_remote
 from shardsafe.storage.base import Commit, Storage
 from shardsafe.storage.names import data_file, refusal

@@ -25,9 +25,7 @@ import torch
 
 from shardsafe import knobs
 from shardsafe.engine.guard import mapped_errors
-from shardsafe.engine.progress import ProgressCallback, check_callback
 from shardsafe.engine.read import check_sizes, read_manifest
-from shardsafe.engine.tracker import tracked
 from shardsafe.errors import CheckpointError, InvalidArgumentError
 from shardsafe.format.datafile import tensor_bytes
 from shardsafe.format.manifest import SAFETENSORS_DTYPES, Manifest
@@ -36,6 +34,8 @@ from shardsafe.interop.outdir import ExportDir, write_all
 from shardsafe.interop.select import select
 from shardsafe.interop.stream import Piece, PieceReader, pieces, same_bytes
 from shardsafe.interop.ties import describe_model
+from shardsafe.progress.record import ProgressCallback, check_callback
+from shardsafe.progress.tracker import tracked
 from shardsafe.storage import get_storage
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from shardsafe.interop.resume import shape
 from shardsafe.storage import MANIFEST_NAME, is_remote
 
 if TYPE_CHECKING:
-    from shardsafe.engine.progress import ProgressCallback
+    from shardsafe.progress.record import ProgressCallback
 
 logger = logging.getLogger(__name__)
 

@@ -20,14 +20,14 @@ import torch
 from shardsafe import knobs
 from shardsafe.deadline import Deadline
 from shardsafe.engine.guard import mapped_errors
-from shardsafe.engine.progress import ProgressCallback, check_callback, load_bytes
-from shardsafe.engine.read import check_sizes, plan_reads, read_manifest, run_tasks
-from shardsafe.engine.tracker import tracked
+from shardsafe.engine.read import check_sizes, load_bytes, plan_reads, read_manifest, run_tasks
 from shardsafe.errors import CheckpointExistsError, InvalidArgumentError
 from shardsafe.format.values import decode, validate
 from shardsafe.interop.hf import ExportResult, _out_dtype, resolve_dtype
 from shardsafe.interop.outdir import check_parents, inside, make_parents, remove_created
 from shardsafe.interop.select import select
+from shardsafe.progress.record import ProgressCallback, check_callback
+from shardsafe.progress.tracker import tracked
 from shardsafe.storage import get_storage, is_remote
 from shardsafe.storage.local import fsync_dir
 

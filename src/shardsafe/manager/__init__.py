@@ -2,14 +2,15 @@
 preemption. :class:`CheckpointManager` is the entry point; retention policies are pure functions.
 
 Lives here: the manager (``manager``), its config (``config``), when to save (``schedule``), preemption
-signals (``preemption``), retention policies (``retention``), listing and ``ls`` (``listing``), cleanup
-of leftovers (``cleanup``), resume (``resume``) and the base of an incremental save (``incremental``).
-Its store agreements live in coord.steps.
+signals (``preemption``), retention policies (``retention``), the scan of a root (``listing``; the
+``shardsafe ls`` command prints it, :mod:`shardsafe.cli.ls`), cleanup of leftovers (``cleanup``), resume
+(``resume``) and the chain of incremental saves: which base, when a full save is due (``chain``). Its
+per-step agreements live in coord.steps.
 
 Layer: may import engine, storage, coord, display, errors; imported by the public package and the CLI."""
 
 from shardsafe.manager.config import ManagerConfig, NameTemplate
-from shardsafe.manager.listing import CheckpointRecord, ls_main
+from shardsafe.manager.listing import CheckpointRecord
 from shardsafe.manager.manager import CheckpointManager
 from shardsafe.manager.retention import RetentionPolicy, keep_best, keep_every_n_steps, keep_last
 
@@ -22,5 +23,4 @@ __all__ = [
     "keep_best",
     "keep_every_n_steps",
     "keep_last",
-    "ls_main",
 ]

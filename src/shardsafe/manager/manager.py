@@ -20,16 +20,16 @@ from shardsafe.coord.steps import StepBroadcast, StopAgreement, StoreKeys
 from shardsafe.engine import api
 from shardsafe.engine.guard import mapped_errors
 from shardsafe.engine.options import SaveOptions
-from shardsafe.engine.progress import ProgressCallback, check_callback
 from shardsafe.errors import ClosedError, InvalidArgumentError
+from shardsafe.manager.chain import COUNT, Known, choose_base
 from shardsafe.manager.cleanup import apply_retention, remove_leftovers
 from shardsafe.manager.config import ManagerConfig
-from shardsafe.manager.incremental import COUNT, Known, choose_base
 from shardsafe.manager.listing import CheckpointRecord, scan
 from shardsafe.manager.preemption import SignalFlag
 from shardsafe.manager.resume import newest_verified, resume_newest
 from shardsafe.manager.retention import RetentionPolicy
 from shardsafe.manager.schedule import PREEMPTION, Schedule
+from shardsafe.progress.record import ProgressCallback, check_callback
 from shardsafe.storage import get_storage
 
 logger = logging.getLogger(__name__)

@@ -28,10 +28,10 @@ from typing import Any
 from shardsafe.coord import Deadline, Deadlines, Operation
 from shardsafe.coord.messages import Attempt, Attempts, ResumePlan
 from shardsafe.engine import api
-from shardsafe.engine.progress import ProgressCallback
 from shardsafe.errors import CheckpointError, CorruptCheckpointError, RemoteRankError
 from shardsafe.manager.config import ManagerConfig
 from shardsafe.manager.listing import CheckpointRecord, scan
+from shardsafe.progress.record import ProgressCallback
 from shardsafe.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def candidates(
     """(rank 0, local) What a resume may load, newest first, each with whether the manager named it
     (its ``name`` template made the name), and what it skips with the reason, as ``[name, path, step,
     reason]``. Every committed checkpoint under the root counts, whatever its name, by its step (of the
-    template's name; else recorded in its metadata or told by its name, listing.py:step_from_name); on
+    template's name; else recorded in its metadata or told by its name, manager/listing.py:step_from_name); on
     equal steps the manager's own name first, then the newer commit. A checkpoint of another name
     whose step cannot be told, or that lacks an entry of ``asked`` (the state's keys), is skipped."""
     records = scan(fs, config.root, config.template, others=True)
@@ -100,7 +100,7 @@ def _lacks(path: str, asked: Collection[str]) -> str | None:
     )
 
 
-def _plan(fs: Storage, config: ManagerConfig, asked: Collection[str]) -> ResumePlan:
+def _candidates_plan(fs: Storage, config: ManagerConfig, asked: Collection[str]) -> ResumePlan:
     found, skipped = candidates(fs, config, asked)
     return ResumePlan([[r.name, r.path, r.step, own] for r, own in found], skipped)
 
@@ -158,7 +158,7 @@ def _resume(
 ) -> Resumed | None:
     def listing(_envelopes: dict[int, Any]) -> ResumePlan:
         try:
-            return _plan(fs, config, list(state))
+            return _candidates_plan(fs, config, list(state))
         except CheckpointError:
             raise
         except Exception as err:  # decided for every rank: each raises this same error

@@ -2,11 +2,12 @@
 srun started), set up model and optimizers for ``single``, ``ddp`` or ``fsdp`` (FSDP2), and talk across
 ranks with deadlines and desync detection. Checkpoints go through :func:`shardsafe.save`/:func:`shardsafe.load`.
 
-Layer: may import engine, coord, errors; imported by the public package."""
+Not loaded by ``import shardsafe``: ``from shardsafe.runtime import Runtime``.
 
-from shardsafe.errors import LaunchError, WorkerError
+Layer: may import engine, coord, errors; imported by nothing of the checkpoint API."""
+
 from shardsafe.runtime.config import RuntimeConfig
-from shardsafe.runtime.errors import WorkerTraceback
+from shardsafe.runtime.errors import LaunchError, WorkerError, WorkerTraceback
 from shardsafe.runtime.runtime import Runtime
 
 __all__ = ["LaunchError", "Runtime", "RuntimeConfig", "WorkerError", "WorkerTraceback"]

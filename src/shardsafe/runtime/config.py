@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardsafe.errors import InvalidArgumentError, InvalidTypeError, LaunchError
+from shardsafe.errors import InvalidArgumentError, InvalidTypeError
 from shardsafe.runtime.compat import fsdp_on_cpu_problem
 from shardsafe.runtime.env import ClusterEnv
+from shardsafe.runtime.errors import LaunchError
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +21,7 @@ STRATEGIES = ("auto", "single", "ddp", "fsdp")
 
 @dataclass(frozen=True, kw_only=True)
 class RuntimeConfig:
-    """The arguments of :class:`shardsafe.Runtime`, checked on creation."""
+    """The arguments of :class:`shardsafe.runtime.Runtime`, checked on creation."""
 
     accelerator: str = "auto"
     """``"cpu"``, ``"cuda"``, or ``"auto"`` (CUDA when available)."""

@@ -1,6 +1,6 @@
 """Detecting a world that someone else started: torchrun (torch.distributed.run) or SLURM's srun.
 
-When one is present, :meth:`shardsafe.Runtime.launch` starts no process and joins it instead.
+When one is present, :meth:`shardsafe.runtime.Runtime.launch` starts no process and joins it instead.
 """
 
 from __future__ import annotations

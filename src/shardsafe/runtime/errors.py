@@ -1,7 +1,26 @@
-"""The carrier of a worker's traceback. The runtime's errors (:class:`~shardsafe.errors.LaunchError`,
-:class:`~shardsafe.errors.WorkerError`) live in :mod:`shardsafe.errors` with every other error."""
+r"""The runtime's errors (both :class:`~shardsafe.errors.CheckpointError`\ s, so ``except CheckpointError``
+catches them) and the carrier of a worker's traceback. They belong to the runtime, which ``import
+shardsafe`` does not load: import them from :mod:`shardsafe.runtime`."""
 
 from __future__ import annotations
+
+from shardsafe.errors import CheckpointError
+
+
+class LaunchError(CheckpointError, RuntimeError):
+    """The runtime was used in a way that cannot work (e.g. ``launch()`` twice, ``setup()`` before
+    ``launch()``, a world size that disagrees with torchrun's). Raised at once, never after a hang."""
+
+
+class WorkerError(CheckpointError, RuntimeError):
+    """A worker process failed and its own exception could not be carried over (it died without
+    reporting, e.g. ``os._exit``, SIGKILL or a crash, or its exception could not be unpickled)."""
+
+    def __init__(self, message: str, *, rank: int, exitcode: int | None, remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.remote_traceback = remote_traceback
 
 
 class WorkerTraceback(Exception):

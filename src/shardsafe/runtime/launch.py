@@ -1,4 +1,4 @@
-"""Starting worker processes and watching them: the parent side of :meth:`shardsafe.Runtime.launch`.
+"""Starting worker processes and watching them: the parent side of :meth:`shardsafe.runtime.Runtime.launch`.
 
 The parent hosts the rendezvous store (a ``TCPStore`` bound to a port the OS picks, kept open for the
 whole run, so no other program can take the port between choosing and using it) and starts one worker
@@ -31,9 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardsafe.errors import LaunchError, WorkerError
 from shardsafe.runtime.config import Plan, RuntimeConfig
-from shardsafe.runtime.errors import WorkerTraceback
+from shardsafe.runtime.errors import LaunchError, WorkerError, WorkerTraceback
 
 if TYPE_CHECKING:  # torch.distributed re-exports these without declaring them for type checkers
     from torch._C._distributed_c10d import TCPStore

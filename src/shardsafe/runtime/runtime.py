@@ -16,11 +16,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from shardsafe.coord import Deadlines, call_site, rendezvous
-from shardsafe.errors import InvalidArgumentError, LaunchError
+from shardsafe.errors import InvalidArgumentError
 from shardsafe.runtime import launch as _launch
 from shardsafe.runtime import strategies
 from shardsafe.runtime.config import Plan, RuntimeConfig, resolve
 from shardsafe.runtime.env import ClusterEnv, detect
+from shardsafe.runtime.errors import LaunchError
 
 if TYPE_CHECKING:  # torch.distributed re-exports these without declaring them for type checkers
     from torch._C._distributed_c10d import Store, TCPStore

@@ -1,5 +1,5 @@
-"""Loading into the caller's state in place, as torch.distributed.checkpoint does (DESIGN.md
-principle 11). (every rank, locally) A :class:`Restorer` walks the caller's state beside the
+"""Loading into the caller's state in place, as torch.distributed.checkpoint does (docs/design.md,
+principle 7). (every rank, locally) A :class:`Restorer` walks the caller's state beside the
 checkpoint's typed JSON and plans; it modifies nothing until :meth:`Restorer.apply`:
 
 - a tensor (a DTensor: its local shard; a ShardedTensor: its local shards) that meets a ``tensor``

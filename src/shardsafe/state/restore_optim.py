@@ -78,7 +78,7 @@ def plan_optimizer(r: Restorer, key: str, opt: torch.optim.Optimizer, node: Json
     saved = parse_optimizer(node, where)
     r.cpu_only = True  # torch's load_state_dict places state by its parameter (``step`` stays on CPU)
     try:
-        planned = _plan(r, key, opt, saved, state)
+        planned = _plan_groups(r, key, opt, saved, state)
     finally:
         r.cpu_only = False
     if planned is not None and type(opt).load_state_dict is torch.optim.Optimizer.load_state_dict:
@@ -138,7 +138,7 @@ def _names(opt: torch.optim.Optimizer, names: dict[int, str], fsdp: Fsdp1State |
     return out
 
 
-def _plan(
+def _plan_groups(
     r: Restorer,
     key: str,
     opt: torch.optim.Optimizer,

@@ -1,6 +1,7 @@
 """The progress of a save, load, verify or export: the :class:`Progress` record handed to ``progress=``,
-its plain description, and the byte counts of each operation (the :class:`~shardsafe.engine.tracker.Tracker`
-does the counting, sharing and reporting).
+its plain description (:class:`~shardsafe.progress.tracker.Tracker` does the counting, sharing and
+reporting; :func:`~shardsafe.engine.plan.file_bytes` and :func:`~shardsafe.engine.read.load_bytes` give an
+operation's totals).
 
 Bytes counted: a save counts the bytes of this rank's data file as they are handed to storage (the
 safetensors header, then every window of data); its total is the file's size, so the final
@@ -12,16 +13,11 @@ chunks the manifest lists in them); an export the bytes it writes (``torch`` for
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from shardsafe.display import binary_size
 from shardsafe.errors import InvalidTypeError
-
-if TYPE_CHECKING:
-    from shardsafe.engine.plan import PendingChunk
-    from shardsafe.engine.read import Task
-    from shardsafe.format.manifest import Manifest
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,19 +84,10 @@ def check_callback(progress: object) -> ProgressCallback | None:
     return progress  # type: ignore[return-value]
 
 
-def human_bytes(n: float) -> str:
-    """``n`` bytes in binary units, one decimal (``1.5 GiB``)."""
-    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
-    i = 0
-    while abs(n) >= 1024 and i < len(units) - 1:
-        n, i = n / 1024, i + 1
-    return f"{n:.0f} {units[i]}" if i == 0 else f"{n:.1f} {units[i]}"
-
-
 def describe(p: Progress) -> str:
     """One plain line with a record's figures (the INFO line, and the progress bar off a terminal)."""
-    head = f"{p.op} of {p.path}: phase {p.phase}, {human_bytes(p.done_bytes)} of {human_bytes(p.total_bytes)}"
-    line = f"{head} ({100 * p.fraction:.0f}%) in {p.seconds:.1f}s at {human_bytes(p.bytes_per_second)}/s"
+    head = f"{p.op} of {p.path}: phase {p.phase}, {binary_size(p.done_bytes)} of {binary_size(p.total_bytes)}"
+    line = f"{head} ({100 * p.fraction:.0f}%) in {p.seconds:.1f}s at {binary_size(p.bytes_per_second)}/s"
     if p.finished:
         return line + (f"; FAILED: {p.error}" if p.error else "; finished")
     eta = p.eta_seconds
@@ -110,30 +97,3 @@ def describe(p: Progress) -> str:
         if p.ranks_reporting < p.ranks:
             line += f" ({p.ranks - p.ranks_reporting} rank(s) not heard from yet)"
     return line
-
-
-def file_bytes(chunks: Sequence[PendingChunk]) -> tuple[int, int]:
-    """(a writing rank) The size of the data file ``chunks`` make, and of its header (0, 0: no file)."""
-    if not chunks:
-        return 0, 0
-    from shardsafe.format.datafile import build_header
-
-    header = len(build_header(chunks))
-    return header + sum(c.nbytes for c in chunks), header
-
-
-def load_bytes(manifest: Manifest, tasks: Sequence[Task]) -> int:
-    """(a loading rank) The bytes ``tasks`` deliver (what :func:`~shardsafe.engine.read.run_tasks`
-    returns): whole rows of each overlap, the item of a 0-d tensor."""
-    total = 0
-    for t in tasks:
-        itemsize = manifest.tensors[t.name].dtype.itemsize
-        sizes = t.chunk.sizes
-        if not sizes:
-            total += itemsize
-            continue
-        row = itemsize
-        for s in sizes[1:]:
-            row *= s
-        total += (t.box_hi[0] - t.box_lo[0]) * row
-    return total

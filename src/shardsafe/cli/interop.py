@@ -1,4 +1,4 @@
-"""The ``shardsafe export`` and ``shardsafe import`` commands (wired into :mod:`shardsafe.cli`).
+"""The ``shardsafe export`` and ``shardsafe import`` commands (wired into :mod:`shardsafe.cli.main`).
 
 Exit status: 0 done; 1 the source is corrupt, missing or unreadable, or the target is refused (nothing
 changed); 2 a usage error, or a source that would need unpickling without ``--allow-pickle``.
@@ -7,15 +7,13 @@ changed); 2 a usage error, or a source that would need unpickling without ``--al
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from typing import Any, TextIO
 
-from shardsafe.engine.progress import Progress, ProgressCallback
-from shardsafe.engine.progressbar import ProgressBar
+from shardsafe.cli.status import EXIT_BAD, EXIT_OK, EXIT_USAGE
+from shardsafe.display import one_line
 from shardsafe.errors import CheckpointError, InvalidArgumentError, UnsafeValueError
-
-EXIT_OK, EXIT_BAD, EXIT_USAGE = 0, 1, 2
+from shardsafe.progress.bar import command_bar as bar
 
 EXPORT_DOC = (
     "Write one entry of a shardsafe checkpoint (any saved world size) in the Hugging Face layout: "
@@ -78,28 +76,6 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
 def _fail(command: str, what: str, err: BaseException, code: int) -> int:
     print(one_line(f"shardsafe {command}: {what}: {err}"), file=sys.stderr)
     return code
-
-
-def bar(label: str | None = None) -> ProgressCallback:
-    """The commands' ``progress=``: a :class:`ProgressBar` on stderr, which draws a bar when stderr is a
-    terminal (off one: plain lines, only for an operation that runs past the interval). ``label``
-    replaces the operation's name at the start of the bar (``verify step-100``); it and the record's
-    path and error (a directory name may hold terminal escapes) are made one line of printable characters."""
-    drawn = ProgressBar()
-    shown = None if label is None else one_line(label)
-
-    def safe(p: Progress) -> None:
-        error = None if p.error is None else one_line(p.error)
-        drawn(dataclasses.replace(p, op=shown or p.op, path=one_line(p.path), error=error))
-
-    return safe
-
-
-def one_line(text: str) -> str:
-    """``text`` as one line of printable characters (a name from a hostile file may hold line breaks or
-    terminal escapes): line breaks become `` | ``, other control characters their escape sequence."""
-    joined = " | ".join(line.strip() for line in text.splitlines() if line.strip())
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in joined)
 
 
 def _export(args: argparse.Namespace, out: TextIO) -> int:

@@ -1,7 +1,7 @@
-"""Counting, sharing and reporting the progress of one save or load (records: :mod:`shardsafe.engine.progress`).
+"""Counting, sharing and reporting the progress of one save or load (records: :mod:`shardsafe.progress.record`).
 
 Threads: every rank with peers runs one progress thread per operation that posts its counts at most
-every ``SHARDSAFE_PROGRESS_INTERVAL`` seconds (:mod:`shardsafe.coord.progress`); on rank 0 the same
+every ``SHARDSAFE_PROGRESS_INTERVAL`` seconds (:mod:`shardsafe.progress.keys`); on rank 0 the same
 thread gathers the others' counts, logs an INFO line and hands a record to the callback's own thread.
 So neither a slow store nor a slow or failing callback holds up a writer, a reader or a wait of the
 protocol. A callback that raises is logged (ERROR, with its traceback) and not called again for that
@@ -18,8 +18,8 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from shardsafe import knobs
-from shardsafe.coord.progress import RankCounts, gather, publish, register, shared
-from shardsafe.engine.progress import Progress, ProgressCallback, describe
+from shardsafe.progress.keys import RankCounts, gather, publish, register, shared
+from shardsafe.progress.record import Progress, ProgressCallback, describe
 
 if TYPE_CHECKING:
     from shardsafe.coord import Operation
@@ -258,7 +258,7 @@ class Tracker:
 def tracked(op: str, path: str, callback: ProgressCallback | None, phase: str) -> Iterator[Tracker]:
     """(one process, no rendezvous: verify and export) A started :class:`Tracker` for the ``with`` body,
     in ``phase``; ended with the exception that leaves the body (the final record carries it), or with
-    none. The caller checks ``callback`` with :func:`~shardsafe.engine.progress.check_callback` first."""
+    none. The caller checks ``callback`` with :func:`~shardsafe.progress.record.check_callback` first."""
     tracker = Tracker(op, path, callback)
     tracker.phase = phase
     tracker.start(None)

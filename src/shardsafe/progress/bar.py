@@ -12,13 +12,14 @@ read, an export being planned) is not shown: the bar starts when there is work.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import TextIO
 
-from shardsafe.display import columns, cut
-from shardsafe.engine.progress import Progress, describe, human_bytes
+from shardsafe.display import binary_size, columns, cut, one_line
 from shardsafe.errors import InvalidArgumentError
+from shardsafe.progress.record import Progress, ProgressCallback, describe
 
 _MIN_BAR = 10
 """The bar is shrunk to fit a narrow terminal down to this many characters before fields are dropped."""
@@ -60,8 +61,8 @@ def _fields(p: Progress) -> list[tuple[int, str]]:
     """The line's fields after the percentage, in order, each with how readily it goes when space is
     short (0: never; the larger, the sooner). A field that starts with a space follows the one before
     it at one space (``FAILED in read`` ``in 0:05``) rather than two."""
-    fields = [(2, f"{human_bytes(p.done_bytes)}/{human_bytes(p.total_bytes)}")]
-    fields.append((4, f"{human_bytes(p.bytes_per_second)}/s"))
+    fields = [(2, f"{binary_size(p.done_bytes)}/{binary_size(p.total_bytes)}")]
+    fields.append((4, f"{binary_size(p.bytes_per_second)}/s"))
     if p.finished:
         fields.append((0, f"FAILED in {p.phase}" if p.error else "done"))
         fields.append((1, f" in {_clock(p.seconds)}"))
@@ -129,3 +130,19 @@ def _terminal_columns(stream: TextIO) -> int:
     except (AttributeError, OSError, ValueError):  # a file-like stream without a descriptor, or closed
         return _DEFAULT_COLUMNS
     return size if size > 0 else _DEFAULT_COLUMNS  # a pseudo-terminal whose size was never set says 0
+
+
+def command_bar(label: str | None = None) -> ProgressCallback:
+    """The ``shardsafe`` commands' ``progress=``: a :class:`ProgressBar` on stderr, which draws a bar when
+    stderr is a terminal (off one: plain lines, only for an operation that runs past the interval).
+    ``label`` replaces the operation's name at the start of the bar (``verify step-100``); it and the
+    record's path and error (a directory name may hold terminal escapes) are made one line of printable
+    characters."""
+    drawn = ProgressBar()
+    shown = None if label is None else one_line(label)
+
+    def safe(p: Progress) -> None:
+        error = None if p.error is None else one_line(p.error)
+        drawn(dataclasses.replace(p, op=shown or p.op, path=one_line(p.path), error=error))
+
+    return safe

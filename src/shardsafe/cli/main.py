@@ -4,7 +4,7 @@ rank: it only reads checkpoints.
 - ``shardsafe inspect PATH [--json]``: what a checkpoint holds, from its manifest alone.
 - ``shardsafe verify PATH``: every byte of every data file checked against its checksum.
 - ``shardsafe ls ROOT [--verify] [--json]``: the checkpoints under a directory, with their status.
-- ``shardsafe export CKPT OUT`` / ``shardsafe import SRC DEST``: see :mod:`shardsafe.interop.cli`.
+- ``shardsafe export CKPT OUT`` / ``shardsafe import SRC DEST``: see :mod:`shardsafe.cli.interop`.
 
 Exit status: 0 when all is well, 1 when a checkpoint is corrupt, incomplete (uncommitted) or not
 there, 2 for a usage error. A reader that goes away (``shardsafe inspect CKPT | head -1``) is no failure.
@@ -25,16 +25,13 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any, TextIO
 
+from shardsafe.cli.interop import add_commands as add_interop_commands
+from shardsafe.cli.interop import run as run_interop
+from shardsafe.cli.status import EXIT_BAD, EXIT_OK, EXIT_USAGE
 from shardsafe.display import exact_size, table
 from shardsafe.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from shardsafe.interop.cli import add_commands as add_interop_commands
-from shardsafe.interop.cli import bar
-from shardsafe.interop.cli import run as run_interop
+from shardsafe.progress.bar import command_bar as bar
 from shardsafe.version import __version__
-
-EXIT_OK = 0
-EXIT_BAD = 1
-EXIT_USAGE = 2
 
 # What a command may raise for a bad, missing or unreachable checkpoint besides a CheckpointError
 # (reported, exit 1): a store that cannot be reached, a missing optional package.
@@ -137,7 +134,7 @@ def _run(args: argparse.Namespace) -> int:
         return _verify(args.path, out=sys.stdout)
     if args.command in ("export", "import"):
         return run_interop(args, sys.stdout)
-    from shardsafe.manager.listing import ls_main  # the manager is not needed by inspect/verify
+    from shardsafe.cli.ls import ls_main  # the manager is not needed by inspect/verify
 
     return ls_main(
         args.root, verify=args.verify, as_json=args.json, out=sys.stdout, progress=lambda name: bar(f"verify {name}")
