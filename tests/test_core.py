@@ -8,8 +8,9 @@ outcome on every rank, errors that keep their kind, and a store-request count th
 - A rank frozen during a load, declared dead, and woken up afterwards gets the outcome the others got.
 - Two ranks that both hit a full disk both raise a CheckpointError (not a bare FileNotFoundError on
   the one whose staging the other already discarded).
-- A manager failure only rank 0 can see (its listing of the root fails) reaches every rank within
-  seconds, as an instance of the same class.
+- A manager failure only rank 0 can see (its listing of the root fails, when it chooses the base of an
+  incremental save or when it resumes) reaches every rank within seconds, as an instance of the same
+  class.
 - The number of store requests per rank for a save and for a load is fixed (docs/architecture.md),
   and rank 0's does not grow with the number of ranks.
 """
@@ -138,20 +139,12 @@ def test_a_rank_frozen_during_a_load_and_woken_gets_the_same_outcome(tmp_path: P
 def _both_full(rank: int, world: int, root: str) -> dict[str, Any]:
     from shardsafe.storage import local
 
-    real_open = local.LocalStorage.open_writer
-
-    def late_open(self: Any, path: str) -> Any:
+    def full(_self: Any, _data: memoryview) -> None:
         if rank == 1:
             time.sleep(1.5)  # rank 0 has failed and discarded staging by now
-        writer = real_open(self, path)
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-        def full(_data: memoryview) -> None:
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        writer.write = full
-        return writer
-
-    local.LocalStorage.open_writer = late_open  # type: ignore[method-assign]
+    local.LocalWriter.write = full  # type: ignore[method-assign]
     state = {"a": torch.full((4096,), 1.0), "b": torch.full((4096,), 2.0)}  # each rank writes one
     return _attempt(lambda: shardsafe.save(f"{root}/c", state, timeout=60))
 
@@ -187,6 +180,32 @@ def _rank0_listing_fails(rank: int, world: int, root: str) -> dict[str, Any]:
     finally:
         if rank == 0:
             resume.scan = real  # type: ignore[assignment]
+
+
+def _rank0_base_choice_fails(rank: int, world: int, root: str) -> dict[str, Any]:
+    """An incremental manager whose rank 0 cannot list the root when it chooses the base of a save."""
+    from shardsafe.manager import manager
+
+    model = torch.nn.Linear(4, 4)
+    with shardsafe.CheckpointManager(root, every_n_steps=1, incremental=True, timeout=30) as mgr:
+        mgr.save(1, {"model": model})
+        if rank == 0:
+
+            def denied(*args: Any, **kwargs: Any) -> Any:
+                raise PermissionError(errno.EACCES, "Permission denied", root)
+
+            manager.scan = denied  # type: ignore[assignment]
+        return _attempt(lambda: mgr.save(2, {"model": model}))
+
+
+def test_a_manager_save_whose_base_choice_fails_on_rank0_fails_on_every_rank(tmp_path: Path) -> None:
+    """Before: rank 0 raised PermissionError before it joined the save, and rank 1 waited out the arrival
+    deadline (30 s) to say that rank 0 never arrived."""
+    r0, r1 = check_ok(run_ranks(_rank0_base_choice_fails, 2, str(tmp_path), timeout=120))
+    assert not r0["ok"] and "Permission denied" in r0["msg"], r0
+    assert not r1["ok"] and "Permission denied" in r1["msg"] and "never arrived" not in r1["msg"], r1
+    assert r0["type"] in r1["mro"] and "CheckpointError" in r1["mro"], (r0, r1)
+    assert r1["elapsed"] < 10, r1
 
 
 def test_a_manager_error_only_rank0_sees_reaches_every_rank_as_the_same_class(tmp_path: Path) -> None:

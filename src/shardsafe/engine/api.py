@@ -92,7 +92,9 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], **options: Unpa
     ``base``: an incremental save (docs/incremental.md). The path of a committed checkpoint in the same
     folder as ``path``; chunks whose bytes equal the same tensor's same box in ``base`` (compared by
     content hash) are not written again, the new manifest refers to ``base``'s files instead, so
-    ``base`` must stay beside ``path`` for as long as ``path`` is used. Rank 0's ``base`` applies.
+    ``base`` must stay beside ``path`` for as long as ``path`` is used. Rank 0's ``base`` applies; it may
+    be a callable that rank 0 calls when the save starts to choose it (``None``: a full save), as the
+    checkpoint manager does: what it raises fails the save on every rank.
     ``progress``: a callable that rank 0 calls with a :class:`Progress` record (all ranks' bytes
     written so far, gathered through the store) at least every ``SHARDSAFE_PROGRESS_INTERVAL`` seconds
     (default 2) and once at the end, from a thread of its own; ignored on other ranks. A callback that

@@ -24,7 +24,7 @@ class SaveOptions(TypedDict, total=False):
     metadata: Any
     allow_pickle: bool
     storage_options: dict[str, Any] | None
-    base: str | os.PathLike[str] | None
+    base: str | os.PathLike[str] | Callable[[], str | None] | None
     progress: ProgressCallback | None
 
 

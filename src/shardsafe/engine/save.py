@@ -181,10 +181,13 @@ class SaveJob:
             self._refused = CheckpointExistsError(why)
             return
         self._base: dict[str, str] = {}
-        if self.options["base"] is not None:
+        chosen = self.options["base"]
+        if callable(chosen):  # rank 0 chooses now (the manager: from what the root holds)
+            chosen = chosen()
+        if chosen is not None:
             import json
 
-            checked = json.loads(incremental.check_base(self.storage, self.path, os.fspath(self.options["base"])))
+            checked = json.loads(incremental.check_base(self.storage, self.path, os.fspath(chosen)))
             if "base_error" in checked:
                 self._refused = incremental.BaseRefusedError(checked["base_error"])
                 return
@@ -282,9 +285,12 @@ class SaveJob:
                 chunks, files, _fingerprint(flat), self.block_bytes, per_rank.report(flat), self.tracker.own_counts()
             )
         except BaseException as err:
-            if writer is not None:
-                writer.abort()
             error = err
+            if writer is not None:
+                try:
+                    writer.abort()
+                except OSError as gone:  # staging already removed (another rank's abort): nothing left to undo
+                    logger.debug("shardsafe: rank %d: discarding its unfinished data file: %s", op.rank, gone)
         try:
             self._commit(report, error)
         except BaseException as err:

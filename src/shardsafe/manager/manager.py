@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
@@ -20,7 +20,7 @@ from shardsafe.coord.steps import StepBroadcast, StopAgreement, StoreKeys
 from shardsafe.engine import api
 from shardsafe.engine.guard import mapped_errors
 from shardsafe.engine.options import SaveOptions
-from shardsafe.errors import ClosedError, InvalidArgumentError
+from shardsafe.errors import CheckpointError, ClosedError, InvalidArgumentError
 from shardsafe.manager.chain import COUNT, Known, choose_base
 from shardsafe.manager.cleanup import apply_retention, remove_leftovers
 from shardsafe.manager.config import ManagerConfig
@@ -193,7 +193,7 @@ class CheckpointManager:
         if self.rank == 0:
             logger.debug("shardsafe: manager saves step %d to %s (trigger: %s)", step, path, reason or "save()")
         self._schedule.started()
-        base = self._base(name, metadata)
+        base = self._base(name, metadata) if self.config.incremental and self.rank == 0 else None
         options: SaveOptions = {
             "overwrite": True,
             "timeout": self.config.timeout,
@@ -302,20 +302,23 @@ class CheckpointManager:
         if self._closed:
             raise ClosedError(f"{self!r} is closed; create a new CheckpointManager to save or resume again")
 
-    def _base(self, name: str, metadata: dict[str, Any]) -> str | None:
-        """(rank 0 decides; the save takes rank 0's base for every rank) The base of an incremental save
-        to ``name``, or ``None`` for a full save; records in ``metadata`` how many incremental saves
-        this one makes since the last full one (read back from storage by the next save, whatever
-        process makes it: manager.incremental)."""
-        if not self.config.incremental or self.rank != 0:
-            return None  # rank 0's metadata is the one committed
-        every = self.config.full_save_every or knobs.full_save_every()
-        records = scan(self._fs, self.config.root, self.config.template)
-        base, metadata[COUNT] = choose_base(
-            self._fs, records, name, every=every, exclude=self._damaged, known=self._links
-        )
-        logger.debug("shardsafe: manager saves %s %s", name, f"incrementally on {base}" if base else "in full")
-        return base
+    def _base(self, name: str, metadata: dict[str, Any]) -> Callable[[], str | None]:
+        """(rank 0; the save takes rank 0's base for every rank) What chooses the base of an incremental
+        save to ``name`` (``None``: a full save) when the save starts, inside it, so that a failure to
+        read the root fails the save on every rank instead of leaving the others waiting for rank 0;
+        it records in ``metadata`` how many incremental saves this one makes since the last full one
+        (read back from storage by the next save, whatever process makes it: manager/chain.py)."""
+
+        def choose() -> str | None:
+            every = self.config.full_save_every or knobs.full_save_every()
+            records = scan(self._fs, self.config.root, self.config.template)
+            base, metadata[COUNT] = choose_base(
+                self._fs, records, name, every=every, exclude=self._damaged, known=self._links
+            )
+            logger.debug("shardsafe: manager saves %s %s", name, f"incrementally on {base}" if base else "in full")
+            return base
+
+        return choose
 
     def _poll_pending(self) -> None:
         """(rank 0) Apply retention as soon as an async save has committed, without waiting for it.
@@ -353,7 +356,7 @@ class CheckpointManager:
             apply_retention(self._storage, records, self._policy, protect=protect, exclude=self._damaged)
             busy = {self._pending.name} if self._pending is not None else set()
             remove_leftovers(self._fs, self._storage, records, min_age=self.config.leftover_age, busy=busy)
-        except OSError as err:
+        except (OSError, CheckpointError) as err:  # retention is not the save: its failure is reported, not raised
             logger.error(
                 "shardsafe: housekeeping of %s after committing %s failed: %s. The checkpoint is safe; old "
                 "ones were not deleted this time.",
