@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import shardsafe
+from shardsafe.cli.ls import ls_main
 from shardsafe.format.manifest import seal_manifest
-from shardsafe.manager import CheckpointManager, ls_main
+from shardsafe.manager import CheckpointManager
 from test_incremental import disk_bytes, frozen_state, manifest, step
 
 from harness import check_ok, run_ranks
@@ -243,7 +244,7 @@ def test_more_references_than_saves_since_a_full_one_makes_the_next_save_full(tm
 
 
 def test_one_manager_reads_each_referenced_manifest_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from shardsafe.manager import incremental
+    from shardsafe.manager import chain as incremental
 
     reads: list[str] = []
     real = incremental._referenced_manifest

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import shardsafe
-from shardsafe.manager import CheckpointManager, ls_main
+from shardsafe.cli.ls import ls_main
+from shardsafe.manager import CheckpointManager
 
 
 def _state(seed: int) -> dict[str, Any]:
