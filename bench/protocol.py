@@ -46,6 +46,7 @@ def make_baseline(rev: str, into: Path) -> Path:
     raw = subprocess.run(
         ["git", "-C", str(HERE.parent), "archive", rev, "src/shardsafe"], check=True, capture_output=True
     ).stdout
+    into.mkdir(parents=True, exist_ok=True)
     subprocess.run(["tar", "-x", "-C", str(into)], input=raw, check=True)
     pkg = into / "shardsafe_base"
     shutil.move(str(into / "src" / "shardsafe"), pkg)

@@ -216,7 +216,7 @@ def test_state_dict_pattern_ddp_and_fsdp2(tmp_path: Path, strategy: str) -> None
         assert out["identity"], "the state dict's tensors must stay the same objects and storage"
         assert out["untouched"], "a shape mismatch must be refused before anything changes"
     kinds = {o["mismatch"][0] for o in outs}
-    assert kinds <= {"CheckpointError", "RemoteRankError"} and "CheckpointError" in kinds
+    assert kinds <= {"StateMismatchError", "RemoteRankError"} and "StateMismatchError" in kinds
     assert any("shape mismatch" in o["mismatch"][1] for o in outs)
 
 

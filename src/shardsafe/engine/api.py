@@ -17,7 +17,7 @@ from shardsafe import knobs
 from shardsafe.coord import Deadlines
 from shardsafe.engine import inflight
 from shardsafe.engine import load as _load
-from shardsafe.engine.guard import mapped_errors
+from shardsafe.engine.guard import entry_point, mapped_errors
 from shardsafe.engine.inspect import CheckpointInfo, EntryInfo, VerifySummary, inspect, verify
 from shardsafe.engine.options import SaveOptions, complete, spelled_out
 from shardsafe.engine.save import SaveHandle, SaveJob
@@ -66,6 +66,7 @@ def _start(path: str | os.PathLike[str], state: Mapping[str, Any], call: str, gi
     return handle
 
 
+@entry_point("save", reads=False)
 @spelled_out
 def save(path: str | os.PathLike[str], state: Mapping[str, Any], **options: Unpack[SaveOptions]) -> None:
     """Save ``state`` to ``path`` as one checkpoint, committed all-or-nothing.
@@ -103,6 +104,7 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], **options: Unpa
     _start(path, state, "save", options)
 
 
+@entry_point("async_save", reads=False)
 @spelled_out
 def async_save(path: str | os.PathLike[str], state: Mapping[str, Any], **options: Unpack[SaveOptions]) -> SaveHandle:
     """Like :func:`save`, but returns once this rank's share is copied into staging memory; writing
@@ -114,6 +116,7 @@ def async_save(path: str | os.PathLike[str], state: Mapping[str, Any], **options
     return _start(path, state, "async_save", options)
 
 
+@entry_point("load", reads=True)
 def load(
     path: str | os.PathLike[str],
     state: MutableMapping[str, Any] | None = None,

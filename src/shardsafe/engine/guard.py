@@ -1,35 +1,89 @@
-"""The last line of the read side: whatever escapes a public entry point (``load``, ``verify``,
-``inspect``, ``ls``, the manager's resume) reaches the caller as a :class:`CheckpointError` naming the
-operation and path, with the original exception chained as its cause. Validation raises
-:class:`CorruptCheckpointError` itself; this catches what nobody foresaw, so that callers (and the
+"""The last line of every public entry point: whatever escapes it reaches the caller as a
+:class:`CheckpointError` naming the operation and path, with the original exception chained as its
+cause (:func:`entry_point`, the decorator every public function and manager method wears;
+:func:`mapped_errors` for a block inside one). Validation raises :class:`CorruptCheckpointError` itself
+and the protocol raises its own errors; this catches what nobody foresaw, so that callers (and the
 CLI) need only ``except CheckpointError``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+import os
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any, TypeVar
 
-from shardsafe.errors import CheckpointError, CorruptCheckpointError
+from shardsafe.errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError, InvalidTypeError
 
 _DAMAGE = (EOFError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
 """Escaping a read of a committed checkpoint, these mean one of its files is missing or cut short."""
 
 
 @contextmanager
-def mapped_errors(operation: str, path: str) -> Iterator[None]:
+def mapped_errors(operation: str, path: str, *, reads: bool = True) -> Iterator[None]:
     """(any rank) Re-raise anything but a :class:`CheckpointError` (and ``BaseException``\\ s such as
-    ``KeyboardInterrupt``) as one, ``raise ... from`` the original."""
+    ``KeyboardInterrupt``) as one (:func:`mapped`), ``raise ... from`` the original."""
     try:
         yield
     except CheckpointError:
         raise
-    except _DAMAGE as err:
-        raise CorruptCheckpointError(
-            f"{operation} of {path!r}: a file of the checkpoint is missing or truncated ({type(err).__name__}: {err}). "
-            "Load an older checkpoint."
-        ) from err
     except Exception as err:
-        raise CheckpointError(
-            f"{operation} of {path!r} failed unexpectedly: {type(err).__name__}: {err}. The checkpoint may be "
-            "damaged or hostile, or the state may not match it; the cause is chained."
-        ) from err
+        raise mapped(operation, path, err, reads=reads) from err
+
+
+def mapped(operation: str, path: str, err: Exception, *, reads: bool) -> CheckpointError:
+    """The :class:`CheckpointError` an unforeseen ``err`` becomes: with ``reads`` (a read of a committed
+    checkpoint), a missing or truncated file is damage (:class:`CorruptCheckpointError`); a builtin
+    ``ValueError`` or ``TypeError`` stays one (as the misuse errors are), so ``except ValueError`` keeps
+    working for a caller that passed a bad argument no check foresaw; anything else a
+    :class:`CheckpointError`."""
+    if reads and isinstance(err, _DAMAGE):
+        return CorruptCheckpointError(
+            f"{operation} of {path!r}: a file of the checkpoint is missing or truncated ({type(err).__name__}: "
+            f"{err}). Load an older checkpoint."
+        )
+    kind = (
+        InvalidArgumentError
+        if isinstance(err, ValueError)
+        else InvalidTypeError
+        if isinstance(err, TypeError)
+        else CheckpointError
+    )
+    return kind(
+        f"{operation} of {path!r} failed unexpectedly: {type(err).__name__}: {err}. The checkpoint may be damaged "
+        "or hostile, or the state may not match it; the cause is chained. If neither, please report it."
+    )
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def entry_point(operation: str, *, reads: bool) -> Callable[[F], F]:
+    """The one wrapper of every public entry point (the checkpoint API, export and import, the manager's
+    methods): nothing but a :class:`CheckpointError` leaves it (misuse raises the ``ValueError`` and
+    ``TypeError`` subclasses of :mod:`shardsafe.errors`, which are ``CheckpointError``\\ s too), nor a
+    ``BaseException`` that is not an ``Exception`` (``KeyboardInterrupt``). ``reads``: a read of a
+    committed checkpoint, where a missing or truncated file means damage (:func:`mapped_errors`). The
+    path named in messages is the call's first argument, or the manager's root."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except CheckpointError:
+                raise
+            except Exception as err:
+                raise mapped(operation, _target(args, kwargs), err, reads=reads) from err
+
+        return call  # type: ignore[return-value]
+
+    return wrap
+
+
+def _target(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    first = args[0] if args else next(iter(kwargs.values()), "")
+    if isinstance(first, (str, os.PathLike)):
+        return os.fspath(first)  # type: ignore[arg-type]
+    config = getattr(first, "config", None)  # a manager's method: its root
+    return str(getattr(config, "root", ""))

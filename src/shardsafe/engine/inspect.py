@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from shardsafe.engine.guard import mapped_errors
+from shardsafe.engine.guard import entry_point, mapped_errors
 from shardsafe.engine.memory import available_memory
 from shardsafe.engine.read import read_manifest
 from shardsafe.errors import CheckpointError, CorruptCheckpointError
@@ -74,6 +74,7 @@ _AS_SAVED = (
 """The fields of :class:`CheckpointInfo` that are the manifest's own, as they are."""
 
 
+@entry_point("verify", reads=True)
 def verify(
     path: str | os.PathLike[str],
     *,
@@ -147,6 +148,7 @@ def _all(by_file: dict[tuple[str, str], list[tuple[str, Chunk]]]) -> list[tuple[
     return [item for items in by_file.values() for item in items]
 
 
+@entry_point("inspect", reads=True)
 def inspect(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo:
     """What a committed checkpoint holds, from its manifest (no data read); for an incremental one, the
     base checkpoints it refers to, whose files must be there (a missing base is a

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from shardsafe.engine.guard import mapped_errors
+from shardsafe.engine.guard import entry_point, mapped_errors
 from shardsafe.engine.plan import PendingChunk, file_bytes
 from shardsafe.engine.read import read_manifest
 from shardsafe.errors import CheckpointExistsError, CorruptCheckpointError
@@ -45,6 +45,7 @@ class ConsolidateResult:
     bases: list[str]
 
 
+@entry_point("export", reads=True)
 def consolidate(
     src: str | os.PathLike[str],
     out: str | os.PathLike[str],

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from shardsafe import knobs
-from shardsafe.engine.guard import mapped_errors
+from shardsafe.engine.guard import entry_point, mapped_errors
 from shardsafe.engine.read import check_sizes, read_manifest
 from shardsafe.errors import CheckpointError, InvalidArgumentError
 from shardsafe.format.datafile import tensor_bytes
@@ -86,6 +86,7 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     raise InvalidArgumentError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
 
 
+@entry_point("export", reads=True)
 def export_hf(
     checkpoint: str | os.PathLike[str],
     out: str | os.PathLike[str],

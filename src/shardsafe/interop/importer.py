@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from shardsafe import knobs
 from shardsafe.engine import api
+from shardsafe.engine.guard import entry_point
 from shardsafe.errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, UnsafeValueError
 from shardsafe.interop import dcpread, hfread, torchread
 from shardsafe.interop.outdir import inside
@@ -52,6 +53,7 @@ class ImportResult:
     wrapped: bool  # the source was not a dict of plain string keys: saved under WRAP_KEY
 
 
+@entry_point("import", reads=True)
 def import_checkpoint(
     source: str | os.PathLike[str],
     dest: str | os.PathLike[str],

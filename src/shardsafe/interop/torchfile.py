@@ -19,7 +19,7 @@ import torch
 
 from shardsafe import knobs
 from shardsafe.deadline import Deadline
-from shardsafe.engine.guard import mapped_errors
+from shardsafe.engine.guard import entry_point, mapped_errors
 from shardsafe.engine.read import check_sizes, load_bytes, plan_reads, read_manifest, run_tasks
 from shardsafe.errors import CheckpointExistsError, InvalidArgumentError
 from shardsafe.format.values import decode, validate
@@ -34,6 +34,7 @@ from shardsafe.storage.local import fsync_dir
 logger = logging.getLogger(__name__)
 
 
+@entry_point("export", reads=True)
 def export_torch(
     checkpoint: str | os.PathLike[str],
     out: str | os.PathLike[str],

@@ -18,7 +18,7 @@ from shardsafe.coord import Deadlines
 from shardsafe.coord.resolve import resolve_group
 from shardsafe.coord.steps import StepBroadcast, StopAgreement, StoreKeys
 from shardsafe.engine import api
-from shardsafe.engine.guard import mapped_errors
+from shardsafe.engine.guard import entry_point, mapped_errors
 from shardsafe.engine.options import SaveOptions
 from shardsafe.errors import CheckpointError, ClosedError, InvalidArgumentError
 from shardsafe.manager.chain import COUNT, Known, choose_base
@@ -146,6 +146,7 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------------------------- saving
 
+    @entry_point("CheckpointManager.should_save", reads=False)
     def should_save(self, step: int) -> bool:
         """(every rank, same steps) Whether ``step`` is to be saved: a preemption stop is due, or
         ``step % every_n_steps == 0``, or ``every_seconds`` have passed on rank 0's clock. The answer
@@ -154,6 +155,7 @@ class CheckpointManager:
         self._check_open()
         return self._schedule.reason(_check_step(step)) is not None
 
+    @entry_point("CheckpointManager.save", reads=False)
     def maybe_save(self, step: int, state: State, metrics: Metrics = None, *, progress: Callback = None) -> bool:
         """(every rank) :meth:`save` when :meth:`should_save`; returns whether it saved."""
         self._check_open()
@@ -164,6 +166,7 @@ class CheckpointManager:
         self.save(step, state, metrics, progress=progress)
         return True
 
+    @entry_point("CheckpointManager.save", reads=False)
     def save(self, step: int, state: State, metrics: Metrics = None, *, progress: Callback = None) -> None:
         """(every rank) Save ``state`` as the checkpoint of ``step`` (replacing one of that step
         atomically), with ``metadata={"step": step, "metrics": metrics}`` (and, with ``incremental``,
@@ -211,6 +214,7 @@ class CheckpointManager:
             self._after_commit(name)
         self._schedule.saved(step)
 
+    @entry_point("CheckpointManager.wait", reads=False)
     def wait(self) -> None:
         """(every rank) Wait for the async save in flight, if any, and raise its error if it failed
         (on every rank: the save protocol gives every rank the failure). Then rank 0 applies
@@ -224,6 +228,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------- resuming
 
+    @entry_point("CheckpointManager.resume", reads=True)
     def resume(
         self,
         state: MutableMapping[str, Any],
@@ -261,11 +266,13 @@ class CheckpointManager:
         self._schedule.saved(result.step)
         return result.step
 
+    @entry_point("CheckpointManager.list", reads=True)
     def list(self) -> list[CheckpointRecord]:
         """(any rank, local) The committed checkpoints of this manager (names made by ``name``), oldest
         first, with step, commit time, size and metrics. Reads only manifests."""
         return [r for r in scan(self._fs, self.config.root, self.config.template) if r.status == "committed"]
 
+    @entry_point("CheckpointManager.latest", reads=True)
     def latest(self) -> CheckpointRecord | None:
         """(any rank, local) The newest committed checkpoint that passes :func:`shardsafe.verify`
         (damaged ones are skipped with a WARNING); reads every byte of each one it checks."""
@@ -273,6 +280,7 @@ class CheckpointManager:
 
     # -------------------------------------------------------------------------------- closing
 
+    @entry_point("CheckpointManager.close", reads=False)
     def close(self) -> None:
         """(every rank) Flush the async save in flight (raising its error), then put back the signal
         handlers that were there before. Idempotent."""

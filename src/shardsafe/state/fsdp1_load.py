@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from shardsafe.errors import CheckpointError
+from shardsafe.errors import StateMismatchError
 from shardsafe.state.flatten import modules_of
 from shardsafe.state.fsdp1 import Fsdp1State, _Param, is_fsdp1
 from shardsafe.state.nodes import refs
@@ -73,7 +73,7 @@ def _flat(
     if not have:
         return None
     if len(have) != len(members):
-        raise CheckpointError(
+        raise StateMismatchError(
             f"{r.path}: {where}: the checkpoint has optimizer state for {have} but not for "
             f"{[o for o in names if o not in saved]}, which share one FSDP1 flat parameter (use_orig_params=False) "
             "and so one state; nothing was loaded. Load with use_orig_params=True."
@@ -82,7 +82,7 @@ def _flat(
     keys = list(states[0])
     for o, st in zip(names, states, strict=True):
         if list(st) != keys:
-            raise CheckpointError(
+            raise StateMismatchError(
                 f"{r.path}: {where}/{o}: optimizer state keys {list(st)}, not {keys} as for {names[0]}, which shares "
                 "its FSDP1 flat parameter (use_orig_params=False); nothing was loaded. Load with use_orig_params=True."
             )
@@ -99,7 +99,7 @@ def _flat(
             op = values[0]
         elif op is None:
             if any(n != nodes[0] for n in nodes):
-                raise CheckpointError(
+                raise StateMismatchError(
                     f"{r.path}: {where}: {k!r} differs between {names} ({[str(n)[:40] for n in nodes]}), which share "
                     "one FSDP1 flat parameter (use_orig_params=False) and so one state; nothing was loaded. Load "
                     "with use_orig_params=True."
@@ -134,7 +134,7 @@ def _shard(
     dest = current if fits else torch.zeros(p.shape, dtype=dtype, device=p.device)
     for q, node in parts:
         if not (isinstance(node, dict) and node.get("$") == "tensor"):
-            raise CheckpointError(
+            raise StateMismatchError(
                 f"{r.path}: {where}: {q.name} holds no tensor here, unlike {first_q.name}, which shares its FSDP1 "
                 "flat parameter; nothing was loaded. Load with use_orig_params=True."
             )
@@ -152,7 +152,7 @@ def _agree(r: Restorer, values: list[Op], names: list[str], where: str) -> Calla
     def check() -> None:
         got = [op() for op in values]
         if not all(_same(got[0], g) for g in got[1:]):
-            raise CheckpointError(
+            raise StateMismatchError(
                 f"{r.path}: {where} differs between {names} ({[str(g)[:40] for g in got]}), which share one FSDP1 "
                 "flat parameter (use_orig_params=False) and so one state; nothing was loaded. Load with "
                 "use_orig_params=True."

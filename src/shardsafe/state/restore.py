@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from shardsafe.errors import CheckpointError, CorruptCheckpointError
+from shardsafe.errors import CorruptCheckpointError, StateMismatchError
 from shardsafe.format.manifest import Manifest
 from shardsafe.format.values import PerRank, decode, dtype_name
 from shardsafe.format.walk import has_per_rank
@@ -120,7 +120,7 @@ class Restorer:
             self.steps.append(lambda: target.load_state_dict(op()))
         else:
             if skind == "optimizer" and isinstance(obj, dict):
-                raise CheckpointError(
+                raise StateMismatchError(
                     f"{self.path}: entry {key!r} was saved from an optimizer (its state keyed by parameter names); "
                     "pass the optimizer object itself (beside its model) to load it into, or load(path) to read it."
                 )
@@ -140,7 +140,7 @@ class Restorer:
 
     def _expect(self, key: str, saved: str, allowed: tuple[str, ...], what: str) -> None:
         if saved not in allowed:
-            raise CheckpointError(
+            raise StateMismatchError(
                 f"{self.path}: entry {key!r} was saved as a {saved}, but a {what} asks for it; pass a matching "
                 "object, or load(path) to read the entry as it was saved"
             )
@@ -149,7 +149,7 @@ class Restorer:
         if not (isinstance(node, dict) and node.get("$") == "dict"):
             message = f"{self.path}: {where}: expected {what} (a dict), found {describe(node)}"
             if kind == "value":  # saved that way: the state asks for something else
-                raise CheckpointError(message)
+                raise StateMismatchError(message)
             raise CorruptCheckpointError(message)  # a module or stateful entry is written as a dict
         return node
 
@@ -172,7 +172,7 @@ class Restorer:
         tag = tag_of(node)
         if isinstance(dest, Layout):  # a tensor held as boxes (FSDP1 parameters: views of the flat shard)
             if tag != "tensor":
-                raise CheckpointError(
+                raise StateMismatchError(
                     f"{self.path}: {where}: the state holds a tensor here, the checkpoint {describe(node)}; "
                     "the state and the checkpoint have different structures"
                 )
@@ -187,7 +187,7 @@ class Restorer:
                 # optimizer state of another dtype: a new tensor placed like the old one (DTensor too)
                 return self.fresh(node["ref"], lambda: torch.empty_like(dest, dtype=entry.dtype), like=dest)
             if not lenient:
-                raise CheckpointError(
+                raise StateMismatchError(
                     f"{self.path}: {where}: the state holds a tensor here, the checkpoint {describe(node)}; "
                     "the state and the checkpoint have different structures"
                 )
@@ -214,7 +214,7 @@ class Restorer:
         elif tag != "pickle" and kind_of(dest) != "value":  # an object with state_dict() inside an entry
             return self._merge_object(dest, node, where)
         elif holds_tensor(dest) and not lenient:
-            raise CheckpointError(
+            raise StateMismatchError(
                 f"{self.path}: {where}: the state holds {describe_value(dest)} with tensors here, the checkpoint "
                 f"{describe(node)}; the state and the checkpoint have different structures"
             )
@@ -226,7 +226,7 @@ class Restorer:
         ``nested_states``): its state dict filled as above, handed back after the reads; same object."""
         kind = kind_of(dest)
         if kind != "stateful":
-            raise CheckpointError(
+            raise StateMismatchError(
                 f"{self.path}: {where}: a {kind} inside an entry of the state; put it at the top level of the "
                 "state, where modules and optimizers are loaded (and saved)"
             )
@@ -275,24 +275,24 @@ class Restorer:
         entry = self.manifest.tensors[name]
         layout = dest if isinstance(dest, Layout) else layout_of(dest, roles=False)
         if layout.shape != entry.shape:
-            raise CheckpointError(
+            raise StateMismatchError(
                 f"{self.path}: {where}: shape mismatch: the checkpoint holds {list(entry.shape)}, the destination is "
                 f"{list(layout.shape)}. Build the model with the same configuration as the saved one."
             )
         if layout.dtype != entry.dtype and not self.cast:
-            raise CheckpointError(
+            raise StateMismatchError(
                 f"{self.path}: {where}: dtype mismatch: the checkpoint holds {dtype_name(entry.dtype)}, the "
                 f"destination is {dtype_name(layout.dtype)}. Pass cast=True to convert while loading, or load into "
                 "a tensor of the saved dtype."
             )
         for _, data in layout.boxes:
             if data.device.type == "meta":
-                raise CheckpointError(
+                raise StateMismatchError(
                     f"{self.path}: {where}: the destination is on the meta device (no storage to fill); "
                     "materialise the model first (e.g. model.to_empty(device=...)) and load again"
                 )
             if data.is_inference() or any(s == 0 and n > 1 for s, n in zip(data.stride(), data.shape, strict=True)):
-                raise CheckpointError(
+                raise StateMismatchError(
                     f"{self.path}: {where}: the destination cannot be written in place (an inference tensor, or an "
                     "expanded view whose elements share memory); put a plain tensor there"
                 )
