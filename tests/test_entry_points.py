@@ -4,6 +4,7 @@ with the original chained as its cause; a builtin ValueError or TypeError stays 
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import shardsafe
+from shardsafe.interop import hf
 from shardsafe.storage.local import LocalStorage
 
 
@@ -65,3 +67,31 @@ def test_a_builtin_value_error_underneath_stays_a_value_error(tmp_path: Path, mo
     with pytest.raises(ValueError) as info:
         shardsafe.inspect(tmp_path / "good")
     assert isinstance(info.value, shardsafe.CheckpointError) and "inspect of" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("raised", "kind", "words"),
+    [
+        (OSError(errno.ENOSPC, "No space left on device"), OSError, "free space"),
+        (PermissionError(errno.EACCES, "Permission denied", "/x/y"), PermissionError, "permissions"),
+        (OSError(errno.EROFS, "Read-only file system"), OSError, "read-only"),
+    ],
+)
+def test_a_storage_refusal_underneath_keeps_its_os_error_kind_and_errno(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, raised: OSError, kind: type[OSError], words: str
+) -> None:
+    """A disk full or a permission error met where no code expects one reaches the caller as a
+    :class:`shardsafe.StorageError` that is still the ``OSError`` it was: ``except OSError`` and
+    ``err.errno == errno.ENOSPC`` keep working, and the message names the operation, path and fix."""
+    shardsafe.save(tmp_path / "good", {"w": torch.ones(2)})
+
+    def refuse(*_args: Any, **_kwargs: Any) -> Any:
+        raise raised
+
+    monkeypatch.setattr(hf, "_write_shard", refuse)
+    with pytest.raises(kind) as info:
+        shardsafe.export_hf(tmp_path / "good", tmp_path / "out")
+    err = info.value
+    assert isinstance(err, shardsafe.StorageError) and isinstance(err, shardsafe.CheckpointError)
+    assert err.errno == raised.errno and err.__cause__ is raised
+    assert "export of" in str(err) and str(tmp_path / "good") in str(err) and words in str(err)

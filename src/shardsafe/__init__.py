@@ -37,6 +37,7 @@ from shardsafe.errors import (
     RemoteIOError,
     RemoteRankError,
     StateMismatchError,
+    StorageError,
     UnsafeValueError,
 )
 from shardsafe.version import __version__
@@ -115,6 +116,7 @@ __all__ = [
     "SaveHandle",
     "SaveOptions",
     "StateMismatchError",
+    "StorageError",
     "UnsafeValueError",
     "VerifySummary",
     "__version__",

@@ -80,6 +80,13 @@ class RemoteIOError(CheckpointError, OSError):
     """A storage request still failed after retrying until its deadline."""
 
 
+class StorageError(CheckpointError, OSError):
+    """The storage refused an operation (disk full, permission denied, read-only file system, a path
+    that is a file): the ``errno`` and ``filename`` of the original ``OSError`` are kept, and the error
+    raised is also an instance of that ``OSError``'s own class (``except PermissionError`` keeps
+    working). The original is chained as the cause."""
+
+
 class CoordinationError(CheckpointError):
     """Ranks could not agree: base class of the errors of the cross-rank protocol."""
 
@@ -137,5 +144,6 @@ __all__ = [
     "RemoteIOError",
     "RemoteRankError",
     "StateMismatchError",
+    "StorageError",
     "UnsafeValueError",
 ]

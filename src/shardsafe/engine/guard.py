@@ -7,13 +7,20 @@ CLI) need only ``except CheckpointError``."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from shardsafe.errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError, InvalidTypeError
+from shardsafe.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    StorageError,
+)
 
 _DAMAGE = (EOFError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
 """Escaping a read of a committed checkpoint, these mean one of its files is missing or cut short."""
@@ -42,6 +49,8 @@ def mapped(operation: str, path: str, err: Exception, *, reads: bool) -> Checkpo
             f"{operation} of {path!r}: a file of the checkpoint is missing or truncated ({type(err).__name__}: "
             f"{err}). Load an older checkpoint."
         )
+    if isinstance(err, OSError) and not isinstance(err, TimeoutError) and err.errno is not None:
+        return _storage_error(operation, path, err)
     kind = (
         InvalidArgumentError
         if isinstance(err, ValueError)
@@ -53,6 +62,30 @@ def mapped(operation: str, path: str, err: Exception, *, reads: bool) -> Checkpo
         f"{operation} of {path!r} failed unexpectedly: {type(err).__name__}: {err}. The checkpoint may be damaged "
         "or hostile, or the state may not match it; the cause is chained. If neither, please report it."
     )
+
+
+_STORAGE_KINDS: dict[type[OSError], type[StorageError]] = {}
+_ADVICE = {
+    errno.ENOSPC: "free space there or write elsewhere",
+    errno.EDQUOT: "free space within the quota or write elsewhere",
+    errno.EACCES: "check the permissions of the path",
+    errno.EPERM: "check the permissions of the path",
+    errno.EROFS: "the file system is mounted read-only: write elsewhere",
+}
+
+
+def _storage_error(operation: str, path: str, err: OSError) -> StorageError:
+    """A :class:`StorageError` that is also an instance of ``err``'s own class (a disk full stays an
+    ``OSError`` with ``errno.ENOSPC``, a permission error a ``PermissionError``)."""
+    base = type(err)
+    kind = _STORAGE_KINDS.get(base)
+    if kind is None:
+        kind = StorageError if base is OSError else type("StorageError", (StorageError, base), {})
+        kind.__module__ = StorageError.__module__
+        _STORAGE_KINDS[base] = kind
+    advice = _ADVICE.get(err.errno or 0, "check the storage at that path")
+    where = f" ({err.filename})" if err.filename else ""
+    return kind(err.errno, f"{operation} of {path!r}: {err.strerror or err}{where}: {advice}")
 
 
 F = TypeVar("F", bound=Callable[..., Any])
