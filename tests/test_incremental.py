@@ -15,12 +15,12 @@ import pytest
 import torch
 
 import shardsafe
+from shardsafe.catalog.delete import delete_checkpoint
+from shardsafe.catalog.names import TOMBSTONE
 from shardsafe.cli.ls import ls_main
 from shardsafe.engine.incremental import BaseRefusedError
 from shardsafe.format.manifest import seal_manifest
-from shardsafe.storage.delete import delete_checkpoint
 from shardsafe.storage.local import LocalStorage
-from shardsafe.storage.names import TOMBSTONE
 
 
 def frozen_state(frozen: int = 9, trained: int = 1, rows: int = 128) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """The data files an overwrite keeps for incremental checkpoints (format v2) go with their last
-referrer (storage/delete.py, docs/incremental.md "Moving, deleting and overwriting"): an overwrite of
+referrer (catalog/delete.py, docs/incremental.md "Moving, deleting and overwriting"): an overwrite of
 a base keeps its old files while a sibling refers to them; deleting the last such sibling removes
 them, and nothing else: hostile referrers, saves in flight, other referrers and crashes at every
 step of the delete leave every committed checkpoint loadable."""
@@ -20,13 +20,13 @@ import pytest
 import torch
 
 import shardsafe
+from shardsafe.catalog.delete import delete_checkpoint, finish_deletion
+from shardsafe.catalog.names import TOMBSTONE
 from shardsafe.format.manifest import seal_manifest
 from shardsafe.manager.cleanup import remove_leftovers
 from shardsafe.manager.listing import scan
 from shardsafe.storage.base import Storage
-from shardsafe.storage.delete import delete_checkpoint, finish_deletion
 from shardsafe.storage.local import LocalStorage
-from shardsafe.storage.names import TOMBSTONE
 
 ROWS = 16
 
@@ -331,7 +331,7 @@ def test_a_crash_at_any_step_of_the_delete_loses_nothing_and_is_finished_later(t
 
 KILL = """
 import os, signal, sys
-from shardsafe.storage.delete import delete_checkpoint
+from shardsafe.catalog.delete import delete_checkpoint
 from shardsafe.storage.local import LocalStorage
 
 class Dies(LocalStorage):

@@ -328,7 +328,7 @@ def test_leftover_cleanup_never_deletes_through_a_symlinked_folder(tmp_path: Pat
 
 
 def test_deleting_a_checkpoint_through_a_symlink_is_refused_by_the_delete_gate(tmp_path: Path) -> None:
-    from shardsafe.storage.delete import delete_checkpoint, finish_deletion
+    from shardsafe.catalog.delete import delete_checkpoint, finish_deletion
     from shardsafe.storage.local import LocalStorage
 
     elsewhere, before = _outside(tmp_path)
@@ -345,7 +345,7 @@ def test_releasing_the_old_files_of_an_overwritten_base_never_goes_through_a_sym
     """root/b links to a checkpoint elsewhere; c refers to b's files; b is overwritten (through the
     link), then c deleted: its release of b's old files would remove them from the folder elsewhere.
     Fails before: they were removed."""
-    from shardsafe.storage.delete import delete_checkpoint
+    from shardsafe.catalog.delete import delete_checkpoint
     from shardsafe.storage.local import LocalStorage
 
     state = frozen_state(frozen=2, trained=1, rows=8)

@@ -1,5 +1,6 @@
 """The import layering of src/shardsafe, checked on the source (ast): a module may import only from
 its own unit or from a lower layer, never from a higher one, nor from another unit of its own layer.
+Every unit is a whole folder (a package) or a top-level module: the folders form a stack.
 
 Layers, lowest first (the real graph; docs/architecture.md explains each):
 
@@ -8,10 +9,9 @@ Layers, lowest first (the real graph; docs/architecture.md explains each):
 1.5 deadline                       (time budgets, absolute deadlines)
 1.75 workers                       (blocking calls on daemon threads, under a deadline)
   2  coord                          (the only code that talks to the rendezvous store)
-  3  storage                        (backends: local POSIX, fsspec; all but storage.delete)
-  4  format                         (manifest, typed values, data files: written through storage)
-  5  storage.refs                   (which sibling data files a checkpoint's manifest refers to)
-  6  storage.delete                 (the one delete path: removes names from a validated manifest)
+  3  storage                        (the storage protocols and backends: local POSIX, fsspec)
+  4  format                         (manifest, typed values, data files, the save id and data file names)
+  5  catalog                        (what a checkpoint is on storage: names, references, the delete rule)
   7  state                          (user state <-> flat tensors and values, both directions)
   8  engine                         (save, load, commit, read, verify, inspect)
   9  manager, interop, runtime, fabric
@@ -38,8 +38,7 @@ LAYERS: dict[str, float] = {
     "shardsafe.coord": 2,
     "shardsafe.storage": 3,
     "shardsafe.format": 4,
-    "shardsafe.storage.refs": 5,
-    "shardsafe.storage.delete": 6,
+    "shardsafe.catalog": 5,
     "shardsafe.state": 7,
     "shardsafe.progress": 7.5,
     "shardsafe.engine": 8,
@@ -124,3 +123,42 @@ def test_the_check_catches_an_upward_import(tmp_path: Path) -> None:
     got = [(LAYERS[_unit(m)], m) for _, m in _imports(probe)]
     assert got == [(8, "shardsafe.engine.read"), (1, "shardsafe.knobs")]
     assert LAYERS[_unit("shardsafe.state.restore")] < LAYERS[_unit("shardsafe.engine.read")]  # the old violation
+
+
+def _is_package(unit: str) -> bool:
+    return (SRC / Path(*unit.split("."))).is_dir()
+
+
+def test_every_unit_below_the_api_is_a_whole_folder_or_a_top_level_module() -> None:
+    """No folder is split into layers of its own (as ``storage.refs`` once was)."""
+    for unit in LAYERS:
+        if unit == "shardsafe":
+            continue
+        parts = unit.split(".")
+        assert len(parts) == 2, f"{unit}: a layer is a folder or a top-level module, not a piece of one"
+
+
+def test_no_import_cycle_between_folders() -> None:
+    """The graph of package-to-package imports (lazy imports included) has no cycle."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PKG.rglob("*.py")):
+        mine = _unit(_module_name(path))
+        for _, imported in _imports(path):
+            theirs = _unit(imported)
+            if theirs != mine:
+                graph.setdefault(mine, set()).add(theirs)
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle: " + " -> ".join([*trail, node, nxt]))
+            if nxt not in state:
+                visit(nxt, [*trail, node])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    assert any(_is_package(u) for u in graph)

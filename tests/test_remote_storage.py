@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
+from shardsafe.catalog.delete import delete_checkpoint, delete_files, discard_save, stale_files
+from shardsafe.catalog.names import TOMBSTONE, commit_of
 from shardsafe.errors import RemoteIOError
 from shardsafe.format.manifest import FileEntry, Manifest, seal_manifest
-from shardsafe.storage import MANIFEST_NAME, Commit, get_storage
-from shardsafe.storage.delete import delete_checkpoint, delete_files, discard_save, stale_files
-from shardsafe.storage.names import TOMBSTONE
+from shardsafe.storage import MANIFEST_NAME, get_storage
 from shardsafe.storage.remote import FsspecStorage
 from shardsafe.storage.retry import RetryPolicy, call, is_transient
 from shardsafe.storage.uploads import list_uploads
@@ -41,7 +41,7 @@ def _manifest(save_id: str, files: list[str]) -> bytes:
 
 def _publish(st: FsspecStorage, target: str, save_id: str, files: list[str], *, overwrite: bool) -> bytes | None:
     raw = _manifest(save_id, files)
-    commit = Commit(target, target, save_id, raw)
+    commit = commit_of(target, target, save_id, raw, files)
     st.stage_manifest(commit)
     return st.publish(commit, overwrite=overwrite, at_commit=lambda: None)
 

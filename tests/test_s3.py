@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 import shardsafe
+from shardsafe.catalog.delete import delete_files
 from shardsafe.storage import MANIFEST_NAME
-from shardsafe.storage.delete import delete_files
 from shardsafe.storage.remote import FsspecStorage
 from shardsafe.storage.retry import RetryPolicy
 from shardsafe.storage.uploads import list_uploads
@@ -224,8 +224,8 @@ def test_cli_on_s3_urls(s3_server: S3Server, s3_bucket: str, monkeypatch: Any, c
 def test_incremental_save_refers_deletes_and_exports_on_s3(s3_server: S3Server, s3_bucket: str) -> None:
     """save(base=) on S3: unchanged chunks refer to the base's objects; a deleted base is retired with
     its referenced objects kept; a self-contained export loads after the base is gone entirely."""
+    from shardsafe.catalog.delete import delete_checkpoint
     from shardsafe.interop.consolidate import consolidate
-    from shardsafe.storage.delete import delete_checkpoint
 
     opts = s3_server.storage_options
     root = f"s3://{s3_bucket}/run"
@@ -248,7 +248,7 @@ def test_incremental_save_refers_deletes_and_exports_on_s3(s3_server: S3Server, 
 
 def test_overwritten_base_objects_go_with_their_last_referrer_on_s3(s3_server: S3Server, s3_bucket: str) -> None:
     """An overwrite of s1 keeps the objects s2 refers to; deleting s2 removes them (nothing else)."""
-    from shardsafe.storage.delete import delete_checkpoint
+    from shardsafe.catalog.delete import delete_checkpoint
 
     opts = s3_server.storage_options
     root = f"s3://{s3_bucket}/run"

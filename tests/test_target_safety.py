@@ -27,10 +27,10 @@ import pytest
 import torch
 
 import shardsafe
+from shardsafe.catalog.delete import delete_checkpoint, finish_deletion
 from shardsafe.format.manifest import seal_manifest
 from shardsafe.manager.cleanup import remove_leftovers
 from shardsafe.manager.listing import scan
-from shardsafe.storage.delete import delete_checkpoint, finish_deletion
 from shardsafe.storage.local import LocalStorage
 
 STATE = {"x": torch.arange(6.0), "step": 1}

@@ -9,8 +9,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
+from shardsafe.catalog.not_found import describe
 from shardsafe.display import binary_size, table
-from shardsafe.engine.not_found import describe
 from shardsafe.manager.listing import CheckpointRecord, scan, verify_record
 from shardsafe.progress.record import ProgressCallback
 from shardsafe.storage import get_storage

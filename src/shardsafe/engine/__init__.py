@@ -3,12 +3,11 @@
 Lives here: the public functions (``api``: save, async_save, load) and the one definition of a
 save's keyword options (``options``: ``SaveOptions``), the saves in flight and the exit hook
 (``inflight``), the write plan and its ``PendingChunk`` (``plan``), one save's job (``save``) and
-its commit decision, publish and acknowledgement (``commit``), staging through pinned host memory
+its commit decision, publish and acknowledgement (``commit``), the host buffers a save copies into
 (``staging``, ``hostmem``), the load (``load``), read planning and the reader threads (``read``),
-what a folder without a manifest is, for the error that says so (``not_found``), verify and inspect
-(``inspect``), the error mapping of the read side (``guard``), the memory check of a load
-(``memory``), the DEBUG phase log (``phases``), progress records, their tracking and the bar
-(``progress``, ``tracker``, ``progressbar``).
+verify and inspect (``inspect``), the one error wrapper of every entry point (``guard``), the memory
+check of a load (``memory``) and the DEBUG phase log (``phases``).
 
-Layer: may import state, format, storage, coord, knobs, errors; imported by manager, interop,
-runtime, fabric and the public package. docs/architecture.md walks one save and one load through it."""
+Layer: may import progress, state, catalog, format, storage, coord, workers, deadline, knobs, errors;
+imported by manager, interop, runtime, fabric and the public package. docs/architecture.md walks one
+save and one load through it."""

@@ -33,6 +33,9 @@ from typing import Any
 
 import torch
 
+from shardsafe.catalog.delete import delete_files, discard_save, release_references, stale_files
+from shardsafe.catalog.names import commit_of
+from shardsafe.catalog.refs import check_ref_files
 from shardsafe.coord import Deadline, Operation, fault_point
 from shardsafe.coord.agreement import Round
 from shardsafe.coord.failures import Failure, wrap
@@ -44,8 +47,6 @@ from shardsafe.progress.tracker import Tracker
 from shardsafe.state import per_rank
 from shardsafe.state.flatten import FlatState
 from shardsafe.storage import MANIFEST_NAME, Commit, Storage, is_remote
-from shardsafe.storage.delete import delete_files, discard_save, release_references, stale_files
-from shardsafe.storage.refs import check_ref_files
 from shardsafe.workers import Lane, run_bounded
 
 logger = logging.getLogger(__name__)
@@ -217,7 +218,7 @@ class Committer:
             if manifest.refs:  # an incremental save: the files it refers to are still there
                 check_ref_files(i.storage, i.path, manifest)
             i.storage.set_deadline(deadline.at)
-            commit = Commit(i.staging, i.path, i.save_id, raw)
+            commit = commit_of(i.staging, i.path, i.save_id, raw, manifest.files)
             i.storage.stage_manifest(commit)
         except BaseException as err:
             decided = isinstance(err, CheckpointError)

@@ -37,6 +37,8 @@ import torch
 import xxhash
 
 from shardsafe import knobs
+from shardsafe.catalog.names import DATA_FILE
+from shardsafe.catalog.refs import sibling, split
 from shardsafe.deadline import Deadline
 from shardsafe.engine.plan import PendingChunk
 from shardsafe.engine.read import read_manifest
@@ -44,8 +46,6 @@ from shardsafe.errors import CheckpointError, CheckpointNotFoundError, CorruptCh
 from shardsafe.format.datafile import read_blocks, tensor_bytes, verify_header
 from shardsafe.format.manifest import Chunk, FileEntry, Manifest, RefEntry, check_file_name
 from shardsafe.storage import Storage
-from shardsafe.storage.names import DATA_FILE
-from shardsafe.storage.refs import sibling, split
 from shardsafe.workers import run_bounded
 
 logger = logging.getLogger(__name__)

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from shardsafe.catalog.refs import check_ref_files, missing_base, sibling
 from shardsafe.engine.guard import entry_point, mapped_errors
 from shardsafe.engine.memory import available_memory
 from shardsafe.engine.read import read_manifest
@@ -21,7 +22,6 @@ from shardsafe.format.values import decode, dtype_name
 from shardsafe.progress.record import ProgressCallback, check_callback
 from shardsafe.progress.tracker import Tracker, tracked
 from shardsafe.storage import Storage, get_storage
-from shardsafe.storage.refs import check_ref_files, missing_base, sibling
 
 
 @dataclass(frozen=True)

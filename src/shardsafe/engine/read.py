@@ -21,15 +21,15 @@ from typing import Any
 import torch
 
 from shardsafe import knobs
+from shardsafe.catalog.not_found import not_found
+from shardsafe.catalog.refs import check_refs, chunk_path, missing_base
 from shardsafe.deadline import Deadline
 from shardsafe.engine import hostmem
 from shardsafe.engine.memory import available_memory
-from shardsafe.engine.not_found import not_found
 from shardsafe.errors import CheckpointError, CheckpointNotFoundError, CheckpointTimeoutError, CorruptCheckpointError
 from shardsafe.format.datafile import digest, read_blocks, tensor_bytes
 from shardsafe.format.manifest import Chunk, Manifest, TensorEntry, parse_manifest
 from shardsafe.storage import MANIFEST_NAME, Storage
-from shardsafe.storage.refs import check_refs, chunk_path, missing_base
 from shardsafe.workers import Pool
 
 logger = logging.getLogger(__name__)

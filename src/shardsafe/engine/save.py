@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from shardsafe import knobs
+from shardsafe.catalog.names import refusal
 from shardsafe.coord import Clock, Operation, fault_point
 from shardsafe.coord.messages import PerRankNodes, PerRankPaths, SaveArrival, SaveStart, WriteReport
 from shardsafe.engine import commit, incremental, staging
@@ -41,12 +42,12 @@ from shardsafe.engine.plan import PendingChunk, file_bytes, own_chunks, plan_wri
 from shardsafe.errors import CheckpointExistsError, OperationTimeoutError, UnsafeValueError
 from shardsafe.format.datafile import write_file
 from shardsafe.format.manifest import Chunk, Manifest
+from shardsafe.format.names import data_file
 from shardsafe.format.values import encode
 from shardsafe.progress.tracker import Tracker
 from shardsafe.state import per_rank
 from shardsafe.state.flatten import FlatState, exchange_payload, flatten
 from shardsafe.storage import Storage, Writer, get_storage
-from shardsafe.storage.names import refusal
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +264,7 @@ class SaveJob:
             files: dict[str, list[Any]] = {}
             chunks: list[list[Any]] = []
             if self.chunks:
-                name = f"data-{op.rank:05d}-{self.save_id}.safetensors"
+                name = data_file(op.rank, self.save_id)
                 writer = self.storage.open_writer(self.storage.join(self.staging, name))
                 assert self.staged is not None
                 entry, records = write_file(

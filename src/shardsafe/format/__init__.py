@@ -1,8 +1,8 @@
 """Format v2, reading v1 (docs/format.md is the spec): the manifest model (``model``) and its validation
 (``manifest``), typed JSON values (``values``), walking typed trees (``walk``), strict JSON text
 (``jsontext``), chunk tiling checks (``tiling``) and safetensors data files with their block
-checksums (``datafile``).
+checksums (``datafile``), the save id grammar and data file names (``names``).
 
 Layer: may import storage (data files are written and read through the Storage interface), knobs and
-errors. Imported by storage.refs, storage.delete, state, engine and everything above. Nothing here knows about ranks
+errors. Imported by catalog, state, engine and everything above. Nothing here knows about ranks
 or modules."""

@@ -35,6 +35,7 @@ from shardsafe.format.model import (
     seal_manifest,
     self_checksum,
 )
+from shardsafe.format.names import SAVE_ID, is_data_file_of
 from shardsafe.format.tiling import check_tiling
 from shardsafe.format.values import dtype_name, validate
 from shardsafe.format.walk import per_rank_counts, tensor_refs
@@ -76,7 +77,6 @@ CREATED_LIMIT = 2**34
 """``created`` is a Unix time between 0 and this (the year 2514)."""
 
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
-_SAVE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _DIGEST = re.compile(r"[0-9a-f]{16}")
 _DIGEST128 = re.compile(r"[0-9a-f]{32}")
 _FIELDS_V1 = frozenset(
@@ -234,7 +234,7 @@ def build_manifest(doc: dict[str, Any], where: str) -> Manifest:
     if tensor_refs(metadata):
         raise CorruptCheckpointError(f"{where}: metadata refers to tensors {tensor_refs(metadata)[:3]}; it holds none")
     return Manifest(
-        save_id=_text(doc["save_id"], "save_id", where, _SAVE_ID),
+        save_id=_text(doc["save_id"], "save_id", where, SAVE_ID),
         created=float(created),
         world_size=_int(doc["world_size"], "world_size", where, 1, 2**31 - 1),
         strategy=_text(doc["strategy"], "strategy", where, limit=64),
@@ -259,11 +259,11 @@ def _refs(value: Any, where: str) -> dict[str, RefEntry]:
         check_file_name(name, f"{where}: refs")
         what = f"refs[{name}]"
         r = _obj(r, what, where, _REF_FIELDS)
-        sid = _text(r["save_id"], f"{what}.save_id", where, _SAVE_ID)
+        sid = _text(r["save_id"], f"{what}.save_id", where, SAVE_ID)
         files = {}
         for fname, f in _obj(r["files"], f"{what}.files", where).items():
             check_file_name(fname, f"{where}: {what}")
-            if not re.fullmatch(rf"data-\d{{5}}-{re.escape(sid)}\.safetensors", fname):
+            if not is_data_file_of(fname, sid):
                 raise CorruptCheckpointError(f"{where}: {what} lists {_short(fname)}, not a data file of save {sid}")
             files[fname] = _file(fname, f, where)
         if not files:

@@ -18,6 +18,9 @@ from typing import Any
 
 import torch
 
+from shardsafe.catalog.names import commit_of, data_file, refusal
+from shardsafe.catalog.refs import chunk_path, missing_base
+from shardsafe.catalog.unlink import delete_files
 from shardsafe.engine.guard import entry_point, mapped_errors
 from shardsafe.engine.plan import PendingChunk, file_bytes
 from shardsafe.engine.read import read_manifest
@@ -28,10 +31,7 @@ from shardsafe.interop.outdir import check_parents, make_parents, remove_created
 from shardsafe.progress.record import ProgressCallback, check_callback
 from shardsafe.progress.tracker import Tracker, tracked
 from shardsafe.storage import MANIFEST_NAME, get_storage, is_remote
-from shardsafe.storage.base import Commit, Storage
-from shardsafe.storage.names import data_file, refusal
-from shardsafe.storage.refs import chunk_path, missing_base
-from shardsafe.storage.unlink import delete_files
+from shardsafe.storage.base import Storage
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def _copy(
     copy = replace(manifest, save_id=save_id, created=time.time(), tensors=tensors, files=files, refs={})
     raw = copy.to_bytes()
     parse_manifest(raw, dest.join(out, "MANIFEST.json"))  # never commit what a loader would refuse
-    commit = Commit(staging, out, save_id, raw)
+    commit = commit_of(staging, out, save_id, raw, files)
     tracker.phase = "publish"
     dest.stage_manifest(commit)
     dest.publish(commit, overwrite=False, at_commit=lambda: None)

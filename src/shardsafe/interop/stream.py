@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from shardsafe import knobs
+from shardsafe.catalog.refs import chunk_path
 from shardsafe.deadline import Deadline
 from shardsafe.engine.guard import mapped_errors
 from shardsafe.engine.read import plan_reads, run_tasks
@@ -28,7 +29,6 @@ from shardsafe.errors import CheckpointError, CorruptCheckpointError
 from shardsafe.format.datafile import read_verified
 from shardsafe.format.manifest import Chunk, Manifest, TensorEntry
 from shardsafe.storage import Storage
-from shardsafe.storage.refs import chunk_path
 from shardsafe.workers import Pool
 
 

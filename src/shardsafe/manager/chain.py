@@ -34,6 +34,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Sequence
 
+from shardsafe.catalog.names import TOMBSTONE
+from shardsafe.catalog.refs import check_own_files, check_ref_files, sibling, split
 from shardsafe.engine.guard import mapped_errors
 from shardsafe.engine.read import read_manifest
 from shardsafe.errors import CheckpointError, CorruptCheckpointError
@@ -42,8 +44,6 @@ from shardsafe.format.values import decode
 from shardsafe.manager.listing import CheckpointRecord
 from shardsafe.storage import Storage
 from shardsafe.storage.base import MANIFEST_NAME
-from shardsafe.storage.names import TOMBSTONE
-from shardsafe.storage.refs import check_own_files, check_ref_files, sibling, split
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Deleting checkpoints that retention lets go, and the leftovers of crashed saves.
 
 Called by rank 0 only, after a new checkpoint has committed. Every removal goes through
-:mod:`shardsafe.storage.delete`: only names shardsafe writes, taken from a validated manifest (a
+:mod:`shardsafe.catalog.delete`: only names shardsafe writes, taken from a validated manifest (a
 checkpoint, a tombstone) or from a staging directory's own save id; folders only once empty, never
 recursively. A checkpoint is uncommitted first (its manifest renamed to a tombstone), so a
 half-deleted one is never taken for committed. One failed delete is logged and the rest go on: a
@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from shardsafe.catalog.delete import delete_checkpoint as _delete_checkpoint
+from shardsafe.catalog.delete import delete_files, finish_deletion, link_target, remove_staging
+from shardsafe.catalog.names import DATA_FILE, STAGING_DIR, TOMBSTONE
 from shardsafe.errors import CorruptCheckpointError
 from shardsafe.manager.listing import CheckpointRecord
 from shardsafe.manager.retention import RetentionPolicy
 from shardsafe.storage.base import Storage
-from shardsafe.storage.delete import delete_checkpoint as _delete_checkpoint
-from shardsafe.storage.delete import delete_files, finish_deletion, link_target, remove_staging
-from shardsafe.storage.names import DATA_FILE, STAGING_DIR, TOMBSTONE
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def remove_leftovers(
     - a retired checkpoint (deleted, data kept for incremental checkpoints that refer to it): its
       data files once none refers to them.
 
-    Data files another checkpoint refers to are never removed (:mod:`shardsafe.storage.delete`).
+    Data files another checkpoint refers to are never removed (:mod:`shardsafe.catalog.delete`).
 
     Litter directories of older versions (``.<name>.litter-*``) are never touched: what they hold was
     not checked; nor is an entry that is a symbolic link (a WARNING when it looks like a leftover).

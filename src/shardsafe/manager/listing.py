@@ -14,14 +14,14 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
+from shardsafe.catalog.names import TOMBSTONE
+from shardsafe.catalog.refs import referenced_files
 from shardsafe.engine import api
 from shardsafe.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardsafe.manager.config import NameTemplate
 from shardsafe.progress.record import ProgressCallback
 from shardsafe.storage import Storage
 from shardsafe.storage.base import MANIFEST_NAME
-from shardsafe.storage.names import TOMBSTONE
-from shardsafe.storage.refs import referenced_files
 
 Status = Literal["committed", "incomplete", "corrupt", "retired"]
 

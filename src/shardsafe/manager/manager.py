@@ -115,7 +115,7 @@ class CheckpointManager:
             full_save_every=full_save_every,
         )
         self._fs = get_storage(self.config.root)
-        self._storage = get_storage(self.config.root)  # deletes go through shardsafe.storage.delete
+        self._storage = get_storage(self.config.root)  # deletes go through shardsafe.catalog.delete
         store, self.rank, self.world_size, _, namespace, identity = resolve_group(None)
         self._deadlines = Deadlines.resolve(self.config.timeout)
         self._policy = RetentionPolicy(

@@ -1,13 +1,13 @@
 """Storage backends behind one interface, :class:`~shardsafe.storage.base.Storage`, the same shape
 for the local POSIX backend (``local``) and the fsspec one (``remote``, ``uploads``, ``retry``,
 ``fsspec_util``); it covers what the engine needs (staging, writers, publish, ranged reads) and what
-the manager needs (listing, sizes, ages). Every delete passes one gate (``unlink.delete_files``);
-``delete`` takes the names from a validated manifest, less the files sibling checkpoints refer to
-(``refs``). Also: bounded local I/O (``bounded``), regular-file
-checks (``regular``) and shardsafe's file names (``names``).
+the manager needs (listing, sizes, ages), and the primitives the delete rule of
+:mod:`shardsafe.catalog.delete` calls. It knows no file name but ``MANIFEST.json``: a
+:class:`~shardsafe.storage.base.Commit` names the files a publish moves. Also: bounded local I/O
+(``bounded``) and regular-file checks (``regular``).
 
-Layer: may import coord (fault points), knobs and errors; ``refs`` and ``delete`` alone also import
-format (they validate manifests). Imported by format and everything above."""
+Layer: may import coord (fault points), workers, deadline, knobs and errors. Imported by format and
+everything above."""
 
 from __future__ import annotations
 

@@ -21,17 +21,24 @@ MANIFEST_NAME = "MANIFEST.json"
 class Commit:
     """One save's manifest on its way to ``<target>/MANIFEST.json``: where its data files are staged
     (``staging``: :meth:`Storage.staging_dir`), the checkpoint's path, the save id its data file names
-    carry, and the manifest's bytes."""
+    carry, the manifest's bytes, the names of the data files it writes (``data_files``; a backend moves
+    those and nothing else) and the name of its temporary manifest where one is renamed into place
+    (``temp_manifest``). The names come from :mod:`shardsafe.catalog.names`
+    (:func:`~shardsafe.catalog.names.commit_of`): a backend never derives one."""
 
     staging: str
     target: str
     save_id: str
     manifest: bytes
+    data_files: frozenset[str]
+    temp_manifest: str
 
 
 class Writer(Protocol):
     """A data file being written. ``write`` appends; ``close`` makes it durable (fsync / upload done);
-    ``abort`` discards it. Exactly one of ``close``/``abort`` is called."""
+    ``abort`` discards it: it removes the file this writer created and nothing else (its name came from
+    :mod:`shardsafe.catalog.names`; every other delete goes through :mod:`shardsafe.catalog.delete`).
+    Exactly one of ``close``/``abort`` is called."""
 
     def write(self, data: memoryview) -> None: ...
 
@@ -43,7 +50,7 @@ class Writer(Protocol):
 class Storage(Protocol):
     """What the engine and the manager need from a filesystem or object store, the same for every
     backend (:func:`shardsafe.storage.get_storage` picks one). Deletions go through
-    :mod:`shardsafe.storage.delete` only, which calls the primitives at the end of this class."""
+    :mod:`shardsafe.catalog.delete` only, which calls the primitives at the end of this class."""
 
     def join(self, base: str, name: str) -> str:
         """``base`` + ``/`` + a plain ``name``."""
@@ -117,7 +124,7 @@ class Storage(Protocol):
         """Names (not paths) directly inside ``path``; empty when it does not exist."""
         ...
 
-    # Primitives of :mod:`shardsafe.storage.delete`; nothing else calls them.
+    # Primitives of :mod:`shardsafe.catalog.delete`; nothing else calls them.
 
     def unlink_names(self, directory: str, names: list[str]) -> None:
         """Remove the files ``names`` (plain names) in ``directory``; missing ones are fine."""

@@ -9,7 +9,7 @@
 
 Either way ``<target>/MANIFEST.json`` exists iff the checkpoint is committed. Folders this backend
 creates are fsynced into their parents; the blocking writes, fsyncs and renames of a save run under
-its deadline (:mod:`shardsafe.storage.bounded`). Deletions go through :mod:`shardsafe.storage.delete`.
+its deadline (:mod:`shardsafe.storage.bounded`). Deletions go through :mod:`shardsafe.catalog.delete`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from shardsafe.coord.faults import fault_point
 from shardsafe.storage import regular
 from shardsafe.storage.base import MANIFEST_NAME, Commit
 from shardsafe.storage.bounded import IOThread, run_bounded
-from shardsafe.storage.names import DATA_FILE
 
 
 def fsync_dir(path: str) -> None:
@@ -112,16 +111,12 @@ class LocalWriter:
                 self.io.stop()
 
     def abort(self) -> None:
-        """Close and remove the file (through :func:`shardsafe.storage.unlink.delete_files`, like
-        every delete: only a name shardsafe writes goes)."""
-        from shardsafe.storage.unlink import delete_files
-
+        """Close and remove the file: the one this writer created (``O_EXCL``), nothing else."""
         fd, path = self.fd, self.path
         try:
             if not self.io.hung:
                 self.io.call("close", lambda: os.close(fd))
-                folder, name = os.path.split(path)
-                self.io.call("remove", lambda: delete_files(LocalStorage(), folder, [name]))
+                self.io.call("remove", lambda: _unlink(path))
         finally:
             self.io.stop()
 
@@ -190,8 +185,7 @@ class LocalStorage:
         if old is not None and not overwrite:
             raise FileExistsError(errno.EEXIST, "a checkpoint was committed there meanwhile", committed)
         for name in os.listdir(staging):
-            m = DATA_FILE.match(name)
-            if m is not None and m["sid"] == commit.save_id:
+            if name in commit.data_files:
                 os.rename(os.path.join(staging, name), os.path.join(target, name))
         fsync_dir(target)
         at_commit()
@@ -264,7 +258,7 @@ class LocalStorage:
         except (FileNotFoundError, NotADirectoryError):
             return []
 
-    # -- primitives of shardsafe.storage.delete ---------------------------------------------------
+    # -- primitives of shardsafe.catalog.delete ---------------------------------------------------
 
     def unlink_names(self, directory: str, names: list[str]) -> None:
         for name in names:

@@ -8,7 +8,7 @@ here only, and only when such a path is used. The commit rule holds without a di
 - ``MANIFEST.json`` is uploaded last, whole, in one PUT: a prefix without it is not a checkpoint, and
   an overwrite replaces it atomically while the old data objects stay until they are unreferenced;
 - a failed save's objects are known by its save id and deleted (through
-  :mod:`shardsafe.storage.delete`, like every delete), its unfinished multipart uploads aborted;
+  :mod:`shardsafe.catalog.delete`, like every delete), its unfinished multipart uploads aborted;
   objects a committed manifest references are never touched.
 
 Every request goes through :mod:`shardsafe.storage.retry` (backoff and a deadline for throttling,
@@ -31,7 +31,6 @@ from shardsafe.storage.base import MANIFEST_NAME, Commit, Writer
 from shardsafe.storage.bounded import run_bounded
 from shardsafe.storage.fsspec_util import check_name, import_fsspec, local_dir, mtime_of
 from shardsafe.storage.local import fsync_dir, make_dirs
-from shardsafe.storage.names import temp_manifest
 from shardsafe.storage.uploads import PartWriter, StreamWriter, abort_upload, is_s3, list_uploads, part_bytes, s3_call
 
 logger = logging.getLogger(__name__)
@@ -141,7 +140,7 @@ class FsspecStorage:
         ``MANIFEST.json`` when published."""
         if self.object_store:
             return
-        tmp = self._p(self.join(commit.target, temp_manifest(commit.save_id)))
+        tmp = self._p(self.join(commit.target, commit.temp_manifest))
         writer = StreamWriter(self.fs, tmp, self.deadline if local_dir(self.fs, tmp) else None)
         try:
             writer.write(memoryview(commit.manifest))
@@ -167,13 +166,13 @@ class FsspecStorage:
         if self.object_store:
             self._retry("upload manifest", url, lambda: self.fs.pipe_file(p, commit.manifest))
         else:
-            tmp = self._p(self.join(target, temp_manifest(commit.save_id)))
+            tmp = self._p(self.join(target, commit.temp_manifest))
             self._retry("rename manifest", url, lambda: self.fs.mv(tmp, p))
             if local:
                 fsync_dir(local)
         return old
 
-    # -- primitives of shardsafe.storage.delete ----------------------------------------------------
+    # -- primitives of shardsafe.catalog.delete ----------------------------------------------------
 
     def unlink_names(self, directory: str, names: list[str]) -> None:
         """Delete ``names`` under ``directory``; missing ones are fine, any other failure raises."""

@@ -309,7 +309,6 @@ class StreamWriter:
         from fsspec.spec import AbstractBufferedFile
 
         from shardsafe.storage.remote import FsspecStorage
-        from shardsafe.storage.unlink import delete_files
 
         if isinstance(self.f, AbstractBufferedFile):
             self.f.discard()  # cancels an upload in progress where the filesystem supports it
@@ -317,7 +316,7 @@ class StreamWriter:
         else:
             self.f.close()
         folder, _, name = self.path.rpartition("/")
-        delete_files(FsspecStorage(self.fs), folder, [name])  # like every delete: only shardsafe's names
+        FsspecStorage(self.fs).unlink_names(folder, [name])  # the object this writer wrote, nothing else
 
 
 def _cleanup(undo: Callable[[], None], url: str) -> None:

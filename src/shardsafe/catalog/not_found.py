@@ -23,10 +23,10 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from shardsafe.catalog.names import DATA_FILE, TEMP_MANIFEST, TOMBSTONE
+from shardsafe.catalog.refs import referrers, split
 from shardsafe.errors import CheckpointNotFoundError
 from shardsafe.storage.base import MANIFEST_NAME, Storage
-from shardsafe.storage.names import DATA_FILE, TEMP_MANIFEST, TOMBSTONE
-from shardsafe.storage.refs import referrers, split
 
 Kind = Literal["missing", "empty", "retired", "deleting", "dcp", "hf", "uncommitted", "run-root", "other"]
 

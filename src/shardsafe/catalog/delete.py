@@ -1,5 +1,5 @@
 """Every delete shardsafe makes, on every backend, goes through :func:`delete_files`: it removes only
-names shardsafe writes (:func:`shardsafe.storage.names.is_own`: data files, its temporary and
+names shardsafe writes (:func:`shardsafe.catalog.names.is_own`: data files, its temporary and
 tombstone manifests, and the staged manifest inside a staging directory), each a plain name inside
 the directory it is given, and fsyncs that directory after. Directories are removed only when empty;
 nothing is ever removed recursively.
@@ -21,7 +21,7 @@ which :func:`finish_deletion` completes later from the same validated names.
 
 Incremental checkpoints (format v2) refer to data files of sibling checkpoints: a data file that a
 sibling's manifest (committed, or staged by a save in flight) refers to is never removed
-(:func:`shardsafe.storage.refs.referenced_files`). A deleted checkpoint whose files are still
+(:func:`shardsafe.catalog.refs.referenced_files`). A deleted checkpoint whose files are still
 referenced keeps them and its tombstone (it is no longer committed, listed or loadable); once the
 last checkpoint referring to them is deleted, they go too.
 
@@ -68,11 +68,8 @@ import logging
 import os
 from collections.abc import Iterable
 
-from shardsafe.errors import CorruptCheckpointError
-from shardsafe.format.manifest import parse_manifest
-from shardsafe.storage import is_remote, refs, unlink
-from shardsafe.storage.base import MANIFEST_NAME, Storage
-from shardsafe.storage.names import (
+from shardsafe.catalog import refs, unlink
+from shardsafe.catalog.names import (
     DATA_FILE,
     STAGED_MANIFEST,
     STAGING_DIR,
@@ -82,12 +79,16 @@ from shardsafe.storage.names import (
     staging_name,
     temp_manifest,
 )
+from shardsafe.errors import CorruptCheckpointError
+from shardsafe.format.manifest import parse_manifest
+from shardsafe.storage import is_remote
+from shardsafe.storage.base import MANIFEST_NAME, Storage
 
 logger = logging.getLogger(__name__)
 
 
 def delete_files(storage: Storage, directory: str, names: Iterable[str]) -> list[str]:
-    """Remove ``names`` from ``directory`` through the gate (:func:`shardsafe.storage.unlink.delete_files`),
+    """Remove ``names`` from ``directory`` through the gate (:func:`shardsafe.catalog.unlink.delete_files`),
     less the data files another checkpoint beside ``directory`` refers to (kept, logged); returns the
     names removed. Raises ``ValueError`` without removing anything if one of them is not a name
     shardsafe writes there, ``OSError`` if a removal fails."""
@@ -216,9 +217,7 @@ def _release_replaced(storage: Storage, path: str, raw: bytes, where: str) -> No
     ``raw`` at ``where`` is still there) Remove the files of sibling saves that were overwritten while
     ``path`` referred to them, and that nothing else refers to any more (module docstring)."""
     own = refs.split(path)[1]
-    for ref, entry in sorted(parse_manifest(raw, where).refs.items()):
-        if ref == own:
-            continue  # a reference to itself is refused by every reader; it releases nothing
+    for ref, entry in refs.bases(path, parse_manifest(raw, where)):
         base = refs.sibling(storage, path, ref)
         if link_target(base) is not None:
             logger.warning("shardsafe: not removing replaced files of %s: it is a symbolic link", base)

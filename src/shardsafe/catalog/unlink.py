@@ -1,6 +1,6 @@
 """The gate every delete of shardsafe passes, on every backend (:func:`delete_files`): only names
 shardsafe writes, each a plain name inside the directory given, then an fsync of that directory.
-Where the names come from (a validated manifest, a save id) is :mod:`shardsafe.storage.delete`'s
+Where the names come from (a validated manifest, a save id) is :mod:`shardsafe.catalog.delete`'s
 business; this module sits below the format so that the backends' writers can discard their own file
 through the same gate."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from shardsafe.catalog.names import STAGING_DIR, basename, is_own
 from shardsafe.storage.base import Storage
-from shardsafe.storage.names import STAGING_DIR, basename, is_own
 
 
 def delete_files(storage: Storage, directory: str, names: Iterable[str]) -> list[str]:

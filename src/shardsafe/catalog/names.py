@@ -1,10 +1,11 @@
 """The names shardsafe writes, and the rule for where a save may go.
 
-shardsafe deletes only what it wrote (:mod:`shardsafe.storage.delete`), and it knows what it wrote
+shardsafe deletes only what it wrote (:mod:`shardsafe.catalog.delete`), and it knows what it wrote
 by name: data files ``data-<rank:05d>-<saveid>.safetensors``, hidden staging directories
 ``.<name>.staging-<saveid>`` beside a target, the staged manifest inside one, the temporary manifest
 ``.MANIFEST.json.tmp-<saveid>`` of filesystems without an atomic PUT, and the tombstone
-``.MANIFEST.json.deleting`` of a checkpoint being deleted. A save id is 1 to 64 letters and digits.
+``.MANIFEST.json.deleting`` of a checkpoint being deleted. The save id grammar and the data file name
+are the format's (:mod:`shardsafe.format.names`), used here as they are.
 
 A save target must be absent, an empty folder, or hold nothing but such names (a committed
 checkpoint, or what a crashed save or delete of one left); anything else is refused untouched.
@@ -13,21 +14,32 @@ checkpoint, or what a crashed save or delete of one left); anything else is refu
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
-from shardsafe.storage.base import MANIFEST_NAME, Storage
+from shardsafe.format.names import DATA_FILE, SAVE_ID_CHARS, data_file
+from shardsafe.storage.base import MANIFEST_NAME, Commit, Storage
 
-SAVE_ID = re.compile(r"^[0-9A-Za-z]{1,64}$")
-DATA_FILE = re.compile(r"^data-(?P<rank>\d{5})-(?P<sid>[0-9A-Za-z]{1,64})\.safetensors$")
-STAGING_DIR = re.compile(r"^\.(?P<target>.+)\.staging-(?P<sid>[0-9A-Za-z]{1,64})$")
-TEMP_MANIFEST = re.compile(r"^\.MANIFEST\.json\.tmp-(?P<sid>[0-9A-Za-z]{1,64})$")
+__all__ = [
+    "DATA_FILE",
+    "STAGED_MANIFEST",
+    "STAGING_DIR",
+    "TEMP_MANIFEST",
+    "TOMBSTONE",
+    "basename",
+    "commit_of",
+    "data_file",
+    "is_own",
+    "refusal",
+    "save_id_of",
+    "staging_name",
+    "temp_manifest",
+]
+
+STAGING_DIR = re.compile(rf"^\.(?P<target>.+)\.staging-(?P<sid>{SAVE_ID_CHARS})\Z")
+TEMP_MANIFEST = re.compile(rf"^\.MANIFEST\.json\.tmp-(?P<sid>{SAVE_ID_CHARS})\Z")
 TOMBSTONE = ".MANIFEST.json.deleting"
 STAGED_MANIFEST = (MANIFEST_NAME, f"{MANIFEST_NAME}.tmp")
 """The manifest and its temporary file inside a staging directory (uncommitted there)."""
-
-
-def data_file(rank: int, save_id: str) -> str:
-    """The data file that ``rank`` writes in save ``save_id``."""
-    return f"data-{rank:05d}-{save_id}.safetensors"
 
 
 def staging_name(target: str, save_id: str) -> str:
@@ -39,6 +51,12 @@ def staging_name(target: str, save_id: str) -> str:
 def temp_manifest(save_id: str) -> str:
     """The temporary manifest of save ``save_id`` where the manifest is written then renamed."""
     return f".{MANIFEST_NAME}.tmp-{save_id}"
+
+
+def commit_of(staging: str, target: str, save_id: str, manifest: bytes, files: Iterable[str]) -> Commit:
+    """The :class:`~shardsafe.storage.base.Commit` of save ``save_id`` whose data files are ``files``
+    (the manifest's own files), with the names the backend needs spelled here."""
+    return Commit(staging, target, save_id, manifest, frozenset(files), temp_manifest(save_id))
 
 
 def save_id_of(name: str) -> str | None:

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator, Mapping
 
+from shardsafe.catalog.names import DATA_FILE, STAGED_MANIFEST, STAGING_DIR, TOMBSTONE
 from shardsafe.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardsafe.format.manifest import Chunk, Manifest, parse_manifest
+from shardsafe.format.model import FileEntry, RefEntry
 from shardsafe.storage import is_remote
 from shardsafe.storage.base import MANIFEST_NAME, Storage
-from shardsafe.storage.names import DATA_FILE, STAGED_MANIFEST, STAGING_DIR, TOMBSTONE
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +38,18 @@ def sibling(storage: Storage, path: str, name: str) -> str:
     return storage.join(split(path)[0], name)
 
 
+def bases(path: str, manifest: Manifest) -> list[tuple[str, RefEntry]]:
+    """The sibling checkpoints the checkpoint at ``path`` refers to, sorted: the one place the rule
+    "a checkpoint may not refer to itself" lives (readers refuse such a manifest, :func:`check_refs`;
+    the delete rule never follows such a reference)."""
+    own = split(path)[1]
+    return [(ref, entry) for ref, entry in sorted(manifest.refs.items()) if ref != own]
+
+
 def check_refs(path: str, manifest: Manifest) -> None:
     """(every reader, after parsing) A checkpoint may not refer to itself."""
     own = split(path)[1]
-    if own in manifest.refs:
+    if len(bases(path, manifest)) != len(manifest.refs):
         raise CorruptCheckpointError(
             f"{path}: MANIFEST.json refers to its own checkpoint {own!r} as a base; a reference must name a "
             "sibling checkpoint. Load an older checkpoint."
@@ -68,16 +78,13 @@ def check_ref_files(storage: Storage, path: str, manifest: Manifest) -> None:
     Raises :class:`CheckpointNotFoundError` naming the missing base, or :class:`CorruptCheckpointError`."""
     for ref, entry in sorted(manifest.refs.items()):
         base = sibling(storage, path, ref)
-        for name, f in sorted(entry.files.items()):
-            where = storage.join(base, name)
-            try:
-                size = storage.size(where)
-            except FileNotFoundError:
-                raise missing_base(path, manifest, ref, name, where) from None
-            if size != f.size:
+        for name, where, size in _sizes(storage, base, entry.files):
+            if size is None:
+                raise missing_base(path, manifest, ref, name, where)
+            if size != entry.files[name].size:
                 raise CorruptCheckpointError(
-                    f"{where}: {size} bytes, but {path} refers to it as {f.size} bytes: its base {ref!r} was "
-                    "replaced or altered. Load an older checkpoint."
+                    f"{where}: {size} bytes, but {path} refers to it as {entry.files[name].size} bytes: its base "
+                    f"{ref!r} was replaced or altered. Load an older checkpoint."
                 )
 
 
@@ -85,14 +92,24 @@ def check_own_files(storage: Storage, path: str, manifest: Manifest) -> None:
     """Every data file the checkpoint at ``path`` lists exists with the size its manifest records
     (cheap: one stat per file; the bytes are not read). Raises :class:`CorruptCheckpointError` naming
     the file (a missing one included: the checkpoint itself is there, damaged)."""
-    for name, f in sorted(manifest.files.items()):
-        where = storage.join(path, name)
+    for name, where, size in _sizes(storage, path, manifest.files):
+        if size is None:
+            raise CorruptCheckpointError(f"{where}: data file missing")
+        if size != manifest.files[name].size:
+            raise CorruptCheckpointError(
+                f"{where}: {size} bytes, the manifest says {manifest.files[name].size} (truncated or altered)"
+            )
+
+
+def _sizes(storage: Storage, directory: str, files: Mapping[str, FileEntry]) -> Iterator[tuple[str, str, int | None]]:
+    """(name, path, size on storage or ``None`` if missing) of each of ``files`` in ``directory``,
+    sorted by name: the one size check of both :func:`check_ref_files` and :func:`check_own_files`."""
+    for name in sorted(files):
+        where = storage.join(directory, name)
         try:
-            size = storage.size(where)
+            yield name, where, storage.size(where)
         except FileNotFoundError:
-            raise CorruptCheckpointError(f"{where}: data file missing") from None
-        if size != f.size:
-            raise CorruptCheckpointError(f"{where}: {size} bytes, the manifest says {f.size} (truncated or altered)")
+            yield name, where, None
 
 
 def _manifests_beside(

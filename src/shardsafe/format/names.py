@@ -1,0 +1,25 @@
+"""The names the format itself specifies (docs/format.md): the save id grammar and the name of the
+data file a rank writes in a save. This is their one home: the manifest parser validates with them,
+the writer names its files with them, and the catalog (:mod:`shardsafe.catalog.names`) recognises
+shardsafe's own files with them, so a name one accepts the others accept too."""
+
+from __future__ import annotations
+
+import re
+
+SAVE_ID_CHARS = r"[A-Za-z0-9._-]{1,128}"
+"""A save id: 1 to 128 of ``A-Z a-z 0-9 . _ -``."""
+SAVE_ID = re.compile(rf"^{SAVE_ID_CHARS}\Z")
+DATA_FILE = re.compile(rf"^data-(?P<rank>\d{{5}})-(?P<sid>{SAVE_ID_CHARS})\.safetensors\Z")
+"""``data-<rank:05d>-<saveid>.safetensors``; ``rank`` and ``sid`` are its groups."""
+
+
+def data_file(rank: int, save_id: str) -> str:
+    """The data file that ``rank`` writes in save ``save_id``."""
+    return f"data-{rank:05d}-{save_id}.safetensors"
+
+
+def is_data_file_of(name: str, save_id: str) -> bool:
+    """Whether ``name`` is a data file of save ``save_id`` (of any rank)."""
+    m = DATA_FILE.match(name)
+    return m is not None and m["sid"] == save_id
