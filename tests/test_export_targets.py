@@ -237,3 +237,31 @@ def test_without_a_config_a_shared_wrapper_prefix_is_warned_about(
         result = shardsafe.export_hf(wrapped["ckpt"], tmp_path / "hf")
     assert result.stripped == ""
     assert "'model.'" in caplog.text and "--config" in caplog.text and "--strip-prefix" in caplog.text
+
+
+def test_a_disk_full_midway_through_a_shardsafe_export_leaves_nothing_and_says_so(
+    ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shardsafe-format export (consolidate) discards what it wrote as a failed save is discarded:
+    no pending directory, no data file, no folder it created, and the caller gets a ``CheckpointError``
+    that is still the ``OSError`` (``errno.ENOSPC``) the disk raised."""
+    import errno
+
+    from shardsafe.storage.local import LocalWriter
+
+    real = LocalWriter.write
+    calls: list[int] = []
+
+    def full(self: LocalWriter, data: memoryview) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, data)
+
+    monkeypatch.setattr(LocalWriter, "write", full)
+    before = _tree(tmp_path)
+    with pytest.raises(OSError) as info:
+        _export("shardsafe", ckpt, tmp_path / "new" / "deeper" / "out")
+    assert isinstance(info.value, CheckpointError) and info.value.errno == errno.ENOSPC
+    assert "free space" in str(info.value) and len(calls) >= 2
+    assert _tree(tmp_path) == before

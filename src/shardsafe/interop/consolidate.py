@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
+from shardsafe.catalog.delete import discard_save
 from shardsafe.catalog.names import commit_of, data_file, refusal
 from shardsafe.catalog.refs import chunk_path, missing_base
-from shardsafe.catalog.unlink import delete_files
 from shardsafe.engine.guard import entry_point, mapped_errors
 from shardsafe.engine.plan import PendingChunk, file_bytes
 from shardsafe.engine.read import read_manifest
@@ -30,7 +30,7 @@ from shardsafe.format.manifest import Chunk, FileEntry, Manifest, TensorEntry, p
 from shardsafe.interop.outdir import check_parents, make_parents, remove_created
 from shardsafe.progress.record import ProgressCallback, check_callback
 from shardsafe.progress.tracker import Tracker, tracked
-from shardsafe.storage import MANIFEST_NAME, get_storage, is_remote
+from shardsafe.storage import get_storage, is_remote
 from shardsafe.storage.base import Storage
 
 logger = logging.getLogger(__name__)
@@ -86,16 +86,16 @@ def _consolidate(src: str, out: str, storage_options: dict[str, Any] | None, tra
         dest.prepare_staging(staging)
         return _copy(src, out, storage, dest, manifest, save_id, staging, written, tracker)
     except BaseException:
-        _discard(dest, staging, written)
+        _discard(dest, staging, out, save_id, len(written))
         remove_created(created)
         raise
 
 
-def _discard(dest: Storage, staging: str, written: list[str]) -> None:
-    """Remove the data files this copy wrote and its staging folder (never anything else)."""
+def _discard(dest: Storage, staging: str, out: str, save_id: str, files: int) -> None:
+    """Remove what this copy wrote, as a failed save is discarded (:func:`discard_save`: its data files,
+    its staged or temporary manifest, its pending directory; never anything else)."""
     try:
-        delete_files(dest, staging, [*written, MANIFEST_NAME])
-        dest.remove_dir_if_empty(staging)
+        discard_save(dest, staging, out, save_id, files)
     except (OSError, ValueError) as err:
         logger.warning("shardsafe export: could not remove the staging folder %s: %s", staging, err)
 

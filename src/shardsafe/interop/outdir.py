@@ -14,6 +14,7 @@ inside the directory, and to the empty folders it created above the target, when
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -24,7 +25,7 @@ from typing import Any
 
 from shardsafe.errors import CheckpointExistsError, InvalidArgumentError
 from shardsafe.storage import is_remote
-from shardsafe.storage.local import fsync_dir
+from shardsafe.storage.local import LocalStorage, fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -236,15 +237,8 @@ class ExportDir:
 
     def abort(self) -> None:
         """Remove what this export wrote (its staging directory, the folders it created), nothing else."""
-        for name in [*self.written, MARKER]:
-            try:
-                os.unlink(os.path.join(self.staging, name))
-            except FileNotFoundError:
-                pass
         try:
-            os.rmdir(self.staging)
-        except FileNotFoundError:
-            pass
+            _remove_listed(self.staging, self.written)
         except OSError as err:
             logger.warning("shardsafe export: could not remove staging directory %s: %s", self.staging, err)
             return
@@ -255,15 +249,21 @@ def _some(names: list[str]) -> str:
     return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
 
 
+def _remove_listed(path: str, files: list[str]) -> None:
+    """Remove ``files`` (plain names this module wrote or a marker listed) and the marker from the
+    directory ``path``, then the directory if it is empty, through the local backend's delete
+    primitives (the ones the catalog's delete rule calls); raises ``OSError`` if it is not empty."""
+    names = [*(n for n in files if plain_name(n)), MARKER]
+    local = LocalStorage()
+    local.unlink_names(path, names)
+    if not local.remove_dir_if_empty(path):
+        raise OSError(errno.ENOTEMPTY, "it holds files this export did not write", path)
+
+
 def _remove_export(path: str, files: list[str]) -> None:
     """Delete a replaced export: the files its marker listed, the marker, the directory if then empty."""
     try:
-        for name in [*files, MARKER]:
-            try:
-                os.unlink(os.path.join(path, name))
-            except FileNotFoundError:
-                pass
-        os.rmdir(path)
+        _remove_listed(path, files)
     except OSError as err:  # the new export is in place; what is left is hidden litter, said loudly
         logger.warning("shardsafe export: the replaced export at %s could not be removed fully: %s", path, err)
 
