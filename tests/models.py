@@ -4,8 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
+
+from shardsafe.runtime.compat import fsdp_on_cpu_problem
+
+FSDP2_ON_CPU_PROBLEM = fsdp_on_cpu_problem()
+needs_fsdp2_on_cpu = pytest.mark.skipif(
+    FSDP2_ON_CPU_PROBLEM is not None,
+    reason=f"{FSDP2_ON_CPU_PROBLEM}; tests/test_runtime_fsdp_cpu.py checks that shardsafe's runtime refuses it so",
+)
+"""For tests that run FSDP2 (``fully_shard``) on CPU ranks: skipped on a torch that cannot (2.6)."""
 
 
 class Block(nn.Module):

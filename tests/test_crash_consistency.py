@@ -43,7 +43,7 @@ from models import build
 _FORKSERVER = harness._CTX  # ranks fork from the harness's preloaded server
 
 T = 3.0  # every deadline of the saves under test; a survivor must raise within T + 10 s
-BUDGET = float(os.environ.get("SHARDSAFE_TEST_CRASH_SECONDS", 60.0))  # seconds of kill rounds per lane
+BUDGET = float(os.environ.get("SHARDSAFE_TEST_CRASH_SECONDS", 30.0))  # seconds of kill rounds per lane
 LANES = 3  # independent roots killed concurrently (the survivors' waits overlap)
 MIN_ROUNDS = -(-int(os.environ.get("SHARDSAFE_TEST_CRASH_ROUNDS", 3 * LANES)) // LANES)  # per lane
 TARGETS = ("a", "b")

@@ -168,7 +168,7 @@ def _dcp_folder(ns: dict[str, Any]) -> dict[str, Any]:
     placeholders = _placeholders()
     net, net_opt = placeholders["model"], placeholders["opt"]
     msd, osd = get_state_dict(net, net_opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id="dcp-ckpt", no_dist=True)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id="dcp-ckpt")  # one process: no process group
     return {"net": net, "net_opt": net_opt}
 
 

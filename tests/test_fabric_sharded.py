@@ -23,6 +23,8 @@ import torch
 
 pytest.importorskip("lightning")
 
+from models import needs_fsdp2_on_cpu
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent(
@@ -181,6 +183,6 @@ def test_fabric_sharded_strategy_on_one_gpu(tmp_path: Path, kind: str) -> None:
 
 
 @pytest.mark.skipif(os.environ.get("SHARDSAFE_SKIP_FABRIC_CPU") == "1", reason="SHARDSAFE_SKIP_FABRIC_CPU=1")
-@pytest.mark.parametrize("kind", ["fsdp", "model_parallel"])
+@pytest.mark.parametrize("kind", ["fsdp", pytest.param("model_parallel", marks=needs_fsdp2_on_cpu)])
 def test_fabric_sharded_strategy_on_two_cpu_processes(tmp_path: Path, kind: str) -> None:
     _run(tmp_path, kind, "cpu", 2)

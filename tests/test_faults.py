@@ -31,7 +31,7 @@ import shardsafe
 from shardsafe.coord.faults import POINTS, InjectedFault, fault_point
 
 from harness import Outcome, check_ok, run_ranks
-from models import build, full_state, train
+from models import build, full_state, needs_fsdp2_on_cpu, train
 
 PROMPT = 30.0  # deadline of the raise scenarios: errors must come far sooner (PROMPT_BOUND)
 PROMPT_BOUND = 15.0
@@ -218,7 +218,7 @@ ORIGINAL_MESSAGE = {
 }
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=needs_fsdp2_on_cpu)])
 def test_raise_anywhere_reaches_every_rank_promptly_and_leaves_target_untouched(tmp_path: Any, strategy: str) -> None:
     root = str(tmp_path)
     r0, r1 = check_ok(run_ranks(_raise_everywhere, 2, root, strategy, timeout=240))
@@ -323,6 +323,7 @@ def _save_again(rank: int, world: int, roots: list[str]) -> list[bool]:
     return ok
 
 
+@needs_fsdp2_on_cpu
 def test_dead_rank_at_every_phase_survivors_raise_and_the_last_checkpoint_survives(tmp_path: Any) -> None:
     jobs = {}
     for i, (point, dead, action, strategy, op, detect) in enumerate(DEATHS):

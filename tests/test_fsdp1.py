@@ -17,7 +17,7 @@ from shardsafe.state.fsdp1 import flat_boxes
 from test_no_collectives import _no_collectives
 
 from harness import check_ok, run_ranks
-from models import assert_same, build, full_state, train
+from models import assert_same, build, full_state, needs_fsdp2_on_cpu, train
 
 FSDP1 = ["fsdp1", "fsdp1-flat"]  # use_orig_params=True (Fabric's default) / False
 
@@ -150,6 +150,7 @@ def _fsdp2_save_fsdp1_load(rank: int, world: int, path: str) -> dict[str, Any]:
     return out
 
 
+@needs_fsdp2_on_cpu
 def test_fsdp2_checkpoint_loads_into_fsdp1(tmp_path: Any) -> None:
     """Into FSDP1 with either use_orig_params, and with SHARD_GRAD_OP and NO_SHARD."""
     path = str(tmp_path / "ckpt")

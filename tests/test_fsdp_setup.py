@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness import check_ok, run_ranks
-from models import build, full_state
+from models import build, full_state, needs_fsdp2_on_cpu
 
 
 class _Tied(nn.Module):
@@ -78,6 +78,7 @@ def _setup(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+@needs_fsdp2_on_cpu
 def test_fsdp_setup_never_holds_the_whole_model_on_the_device() -> None:
     r0, r1 = check_ok(run_ranks(_setup, 2, timeout=120))
     total = sum(t.numel() * t.element_size() for n, t in r0["initial"].items() if n != "freq")

@@ -14,7 +14,7 @@ import shardsafe
 from shardsafe import CheckpointError
 
 from harness import check_ok, run_ranks
-from models import build, full_state, train
+from models import build, full_state, needs_fsdp2_on_cpu, train
 
 
 def _linear(seed: int) -> torch.nn.Linear:
@@ -208,7 +208,7 @@ def _state_dict_pattern(rank: int, world: int, path: str, strategy: str) -> dict
     return out
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=needs_fsdp2_on_cpu)])
 def test_state_dict_pattern_ddp_and_fsdp2(tmp_path: Path, strategy: str) -> None:
     outs = check_ok(run_ranks(_state_dict_pattern, 2, str(tmp_path / "c"), strategy, timeout=120))
     for out in outs:
@@ -247,6 +247,7 @@ def _fresh_optimizer_memory(rank: int, world: int, path: str) -> dict[str, Any]:
     return {"same": same, "local": local_bytes, "whole": state_bytes}
 
 
+@needs_fsdp2_on_cpu
 def test_new_sharded_optimizer_state_is_counted_at_its_local_size(tmp_path: Path) -> None:
     outs = check_ok(run_ranks(_fresh_optimizer_memory, 2, str(tmp_path / "c"), timeout=120))
     for out in outs:

@@ -17,6 +17,7 @@ import shardsafe
 from shardsafe.cli import main
 
 from harness import check_ok, run_ranks
+from models import FSDP2_ON_CPU_PROBLEM
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -98,6 +99,8 @@ def _train_and_save(rank: int, world: int, ckpt: str, dcp_dir: str) -> dict[str,
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    if FSDP2_ON_CPU_PROBLEM is not None:
+        pytest.skip(f"{FSDP2_ON_CPU_PROBLEM}: the GPT-2 model is trained with fully_shard on 2 CPU ranks")
     root = tmp_path_factory.mktemp("gpt2")
     ckpt, dcp_dir = str(root / "ckpt"), str(root / "dcp")
     env = {"SHARDSAFE_CHECKSUM_BLOCK_BYTES": str(BLOCK), "HF_HUB_OFFLINE": "1"}

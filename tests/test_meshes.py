@@ -15,7 +15,7 @@ from torch import nn
 import shardsafe
 
 from harness import check_ok, run_ranks
-from models import Block, Net, assert_same, full_state, train
+from models import Block, Net, assert_same, full_state, needs_fsdp2_on_cpu, train
 
 
 class MLP(nn.Module):
@@ -139,6 +139,7 @@ def _no_duplicates(path: str) -> None:
         assert bool((covered == 1).all()), name
 
 
+@needs_fsdp2_on_cpu
 def test_hsdp_and_fsdp_x_tp_round_trip_and_reshard(tmp_path: Any) -> None:
     root = str(tmp_path)
     results = check_ok(run_ranks(_save_all_then_reload, 4, root, timeout=240))

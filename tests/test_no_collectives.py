@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import shardsafe
 
 from harness import check_ok, run_ranks
-from models import build, full_state, train
+from models import build, full_state, needs_fsdp2_on_cpu, train
 
 COLLECTIVES = [
     "all_reduce",
@@ -167,7 +167,7 @@ def _save_and_load_without_collectives(rank: int, world: int, path: str, strateg
     return {"controls": controls, "bitwise": all(torch.equal(a[k], b[k]) for k in a), "step": loaded["step"]}
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=needs_fsdp2_on_cpu)])
 def test_save_and_load_issue_no_collective_on_the_training_group(tmp_path: Any, strategy: str) -> None:
     path = str(tmp_path / "ckpt")
     results = check_ok(run_ranks(_save_and_load_without_collectives, 2, path, strategy, timeout=120))

@@ -19,7 +19,7 @@ from shardsafe.storage.uploads import list_uploads
 
 from conftest_s3 import FAULTS_ENV, PART, FlakyS3FileSystem, s3_bucket, s3_server  # noqa: F401
 from harness import check_ok, run_ranks
-from models import assert_same, build, full_state, train
+from models import assert_same, build, full_state, needs_fsdp2_on_cpu, train
 from s3_server import S3Server
 
 # Small parts, so that data files of a few MiB upload as parallel multipart parts.
@@ -120,6 +120,7 @@ def _no_uploads_left(server: S3Server, bucket: str) -> bool:
     return list_uploads(st.fs, f"{bucket}/", RetryPolicy()) == []
 
 
+@needs_fsdp2_on_cpu
 def test_round_trip_and_resharding_load(s3_server: S3Server, s3_bucket: str) -> None:
     """FSDP2-sharded parameters and optimizer state plus replicated tensors, 2 ranks -> 2 ranks -> 1."""
     url, opts = f"s3://{s3_bucket}/run/step-2", s3_server.storage_options
@@ -162,6 +163,7 @@ def test_rank_killed_mid_upload_keeps_the_previous_checkpoint(s3_server: S3Serve
     assert _no_uploads_left(s3_server, s3_bucket)
 
 
+@needs_fsdp2_on_cpu
 def test_transient_faults_on_every_rank_are_retried(s3_server: S3Server, s3_bucket: str) -> None:
     url, opts = f"flakys3://{s3_bucket}/run/step-2", s3_server.storage_options
     plan = {
