@@ -399,6 +399,14 @@ class Runner:
         self.scratch = Path(spec["scratch"])
         self.memory = int(spec["memory"])
         self.refs = {v: flat(shardsafe.load(self.templates / "refs" / f"v{v}")) for v in range(VARIANTS)}
+        # torch imports some modules on a process's first save, and may write while doing so (torch
+        # 2.6's torch.distributed.nn writes a generated module into TMPDIR): that happens here, once,
+        # not inside the first case, whose check would take it for a write of shardsafe's.
+        warm = self.scratch / "warm-up"
+        net = torch.nn.Linear(2, 2)
+        shardsafe.async_save(warm, {"w": torch.zeros(2), "m": net, "o": torch.optim.SGD(net.parameters())}).wait()
+        shardsafe.load(warm)
+        shutil.rmtree(warm)
         self.warnings = _Warnings()
         logging.getLogger("shardsafe").addHandler(self.warnings)
         logging.getLogger("shardsafe").setLevel(logging.WARNING)

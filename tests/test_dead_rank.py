@@ -8,7 +8,7 @@ from typing import Any
 import shardsafe
 
 from harness import run_ranks
-from models import build, train
+from models import build, needs_fsdp2_on_cpu, train
 
 
 def _save_with_death(rank: int, world: int, path: str) -> tuple[str, str, float]:
@@ -22,6 +22,7 @@ def _save_with_death(rank: int, world: int, path: str) -> tuple[str, str, float]
     return "none", "", time.monotonic() - t
 
 
+@needs_fsdp2_on_cpu
 def test_killed_rank_is_detected_by_heartbeat_not_deadline(tmp_path: Any) -> None:
     path = str(tmp_path / "c")
     out = run_ranks(

@@ -15,6 +15,8 @@ import torch
 
 import shardsafe
 
+from models import FSDP2_ON_CPU_PROBLEM
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train.py"
 SMALL = ["--steps", "12", "--every", "4", "--dim", "32", "--layers", "2", "--heads", "2", "--seq", "16"]
@@ -31,7 +33,10 @@ def _example() -> ModuleType:
 
 def test_crash_resume_and_bitwise_equality(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    cmd = [sys.executable, str(EXAMPLE), "demo", "--dir", str(tmp_path), "--crash-at-step", "7", *SMALL]
+    # The example's FSDP2 on CPU ranks, or DDP on a torch whose FSDP2 cannot run on CPU (2.6).
+    strategy = "fsdp" if FSDP2_ON_CPU_PROBLEM is None else "ddp"
+    cmd = [sys.executable, str(EXAMPLE), "demo", "--dir", str(tmp_path), "--crash-at-step", "7", "--strategy", strategy]
+    cmd += SMALL
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import shardsafe
 
 from harness import check_ok, run_ranks
-from models import build, full_state, train
+from models import build, full_state, needs_fsdp2_on_cpu, train
 
 T = 5.0  # the deadline of the misused calls: the guard must fail within T + 10 s
 
@@ -73,6 +73,7 @@ def _rank0_guard(rank: int, world: int, root: str, strategy: str) -> dict[str, A
     return out
 
 
+@needs_fsdp2_on_cpu
 def test_rank0_guard_raises_naming_missing_rank_then_every_rank_saves_and_loads(tmp_path: Any) -> None:
     strategies = ["ddp", "fsdp"]  # replicated and sharded state, run side by side (the waits overlap)
     for s in strategies:

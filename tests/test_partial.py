@@ -11,7 +11,7 @@ import torch
 import shardsafe
 
 from harness import check_ok, run_ranks
-from models import build, full_state, train
+from models import build, full_state, needs_fsdp2_on_cpu, train
 
 
 def _weights_only(rank: int, world: int, path: str, strategy: str) -> dict[str, Any]:
@@ -35,7 +35,9 @@ def _weights_only(rank: int, world: int, path: str, strategy: str) -> dict[str, 
     return out
 
 
-@pytest.mark.parametrize(("strategy", "world"), [("plain", 1), ("ddp", 2), ("fsdp", 2)])
+@pytest.mark.parametrize(
+    ("strategy", "world"), [("plain", 1), ("ddp", 2), pytest.param("fsdp", 2, marks=needs_fsdp2_on_cpu)]
+)
 def test_weights_only_checkpoint_with_optimizer_in_state(tmp_path: Any, strategy: str, world: int) -> None:
     path = str(tmp_path / "c")
     if world == 1:

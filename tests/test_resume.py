@@ -10,7 +10,7 @@ import torch
 import shardsafe
 
 from harness import check_ok, run_ranks
-from models import assert_same, build, full_state
+from models import assert_same, build, full_state, needs_fsdp2_on_cpu
 
 
 def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, n: int) -> None:
@@ -60,6 +60,7 @@ def test_exact_resume_single_process(tmp_path: Any) -> None:
     assert_same(a, b)
 
 
+@needs_fsdp2_on_cpu
 def test_exact_resume_fsdp_two_ranks(tmp_path: Any) -> None:
     path = str(tmp_path / "c")
     a = check_ok(run_ranks(_uninterrupted, 2, path, "fsdp", timeout=120))

@@ -23,6 +23,8 @@ from shardsafe.runtime import LaunchError, Runtime, WorkerError, WorkerTraceback
 from shardsafe.runtime.env import detect, first_host
 from shardsafe.runtime.strategies import fsdp_blocks, shard_loader
 
+from models import needs_fsdp2_on_cpu
+
 ROOT = Path(__file__).resolve().parents[1]
 NO_HANG = 120.0  # generous bound: these must fail in seconds, never wait for a default deadline
 
@@ -85,7 +87,12 @@ def _reference(steps: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     ("strategy", "devices", "wrapper"),
-    [("single", 1, "Net"), ("fsdp", 1, "FSDPNet"), ("ddp", 2, "DistributedDataParallel"), ("fsdp", 2, "FSDPNet")],
+    [
+        ("single", 1, "Net"),
+        pytest.param("fsdp", 1, "FSDPNet", marks=needs_fsdp2_on_cpu),
+        ("ddp", 2, "DistributedDataParallel"),
+        pytest.param("fsdp", 2, "FSDPNet", marks=needs_fsdp2_on_cpu),
+    ],
 )
 def test_launch_and_setup_train_like_one_process(strategy: str, devices: int, wrapper: str) -> None:
     out = Runtime(accelerator="cpu", devices=devices, strategy=strategy, timeout=60).launch(_train, 3)

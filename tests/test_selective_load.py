@@ -24,7 +24,7 @@ import shardsafe
 from shardsafe.format.manifest import parse_manifest
 
 from harness import check_ok, run_ranks
-from models import build, train
+from models import build, needs_fsdp2_on_cpu, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,6 +119,7 @@ def _fsdp_model_only(rank: int, world: int, path: str) -> dict[str, Any]:
     return {"rest": sorted(rest), "same": same}
 
 
+@needs_fsdp2_on_cpu
 def test_fsdp_ranks_loading_the_model_read_no_optimizer(tmp_path: Path) -> None:
     for out in check_ok(run_ranks(_fsdp_model_only, 2, str(tmp_path / "c"), timeout=120)):
         assert out == {"rest": ["step"], "same": True}

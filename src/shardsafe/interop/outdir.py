@@ -14,7 +14,6 @@ inside the directory, and to the empty folders it created above the target, when
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -238,9 +237,12 @@ class ExportDir:
     def abort(self) -> None:
         """Remove what this export wrote (its staging directory, the folders it created), nothing else."""
         try:
-            _remove_listed(self.staging, self.written)
+            gone = _remove_listed(self.staging, self.written)
         except OSError as err:
             logger.warning("shardsafe export: could not remove staging directory %s: %s", self.staging, err)
+            return
+        if not gone:
+            logger.warning("shardsafe export: staging directory %s holds files it did not write: left", self.staging)
             return
         remove_created(self.created)
 
@@ -249,21 +251,21 @@ def _some(names: list[str]) -> str:
     return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
 
 
-def _remove_listed(path: str, files: list[str]) -> None:
+def _remove_listed(path: str, files: list[str]) -> bool:
     """Remove ``files`` (plain names this module wrote or a marker listed) and the marker from the
     directory ``path``, then the directory if it is empty, through the local backend's delete
-    primitives (the ones the catalog's delete rule calls); raises ``OSError`` if it is not empty."""
+    primitives (the ones the catalog's delete rule calls). Whether the directory is gone."""
     names = [*(n for n in files if plain_name(n)), MARKER]
     local = LocalStorage()
     local.unlink_names(path, names)
-    if not local.remove_dir_if_empty(path):
-        raise OSError(errno.ENOTEMPTY, "it holds files this export did not write", path)
+    return local.remove_dir_if_empty(path)
 
 
 def _remove_export(path: str, files: list[str]) -> None:
     """Delete a replaced export: the files its marker listed, the marker, the directory if then empty."""
     try:
-        _remove_listed(path, files)
+        if not _remove_listed(path, files):
+            logger.warning("shardsafe export: the replaced export at %s holds files it did not list: left", path)
     except OSError as err:  # the new export is in place; what is left is hidden litter, said loudly
         logger.warning("shardsafe export: the replaced export at %s could not be removed fully: %s", path, err)
 
