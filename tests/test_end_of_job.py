@@ -58,7 +58,10 @@ def test_rank0_leaving_right_after_the_call_strands_no_other_rank(tmp_path: Path
         for o in outcomes[1:]:
             if not o.ok or o.result != "ok":
                 failed.setdefault(path, []).append(f"rank {o.rank}: {o.error_type}: {o.error}")
-        shardsafe.verify(path)  # committed and whole, whatever the trial
+        try:
+            shardsafe.verify(path)  # committed and whole, whatever the trial
+        except shardsafe.CheckpointError as err:  # reported with what each rank said, not alone
+            failed.setdefault(path, []).append(f"not committed and whole: {err}; rank 0: {outcomes[0]}")
     detail = "\n".join(f"{p}: {m}" for p, ms in list(failed.items())[:3] for m in ms)
     assert not failed, f"{op}: {len(failed)} of {TRIALS} trials failed on other ranks, e.g.:\n{detail}"
 
