@@ -43,6 +43,9 @@ from models import build
 _FORKSERVER = harness._CTX  # ranks fork from the harness's preloaded server
 
 T = 3.0  # every deadline of the saves under test; a survivor must raise within T + 10 s
+FIRST_T = 30.0
+"""The deadline of each round's first save, before any kill: the two ranks start (and build their FSDP
+model) seconds apart on a loaded machine; the kill comes only once that save has committed."""
 BUDGET = float(os.environ.get("SHARDSAFE_TEST_CRASH_SECONDS", 30.0))  # seconds of kill rounds per lane
 LANES = 3  # independent roots killed concurrently (the survivors' waits overlap)
 MIN_ROUNDS = -(-int(os.environ.get("SHARDSAFE_TEST_CRASH_ROUNDS", 3 * LANES)) // LANES)  # per lane
@@ -68,7 +71,9 @@ def _save_forever(rank: int, world: int, root: str, first: int, strategy: str) -
         target = TARGETS[step % 2]
         _fill(model, float(step))
         blob.fill_(float(step))
-        shardsafe.save(f"{root}/{target}", {"model": model, "blob": blob, "step": step}, overwrite=True, timeout=T)
+        deadline = FIRST_T if step == first else T
+        state = {"model": model, "blob": blob, "step": step}
+        shardsafe.save(f"{root}/{target}", state, overwrite=True, timeout=deadline)
         if rank == 0:
             progress.write(f"{target} {step}\n")
             progress.flush()
