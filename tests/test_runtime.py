@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -210,8 +211,19 @@ def _script(tmp_path: Path, body: str) -> Path:
 
 
 def _run(cmd: list[str], timeout: float = NO_HANG) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in a session of its own; past ``timeout``, every process of that session is killed
+    (a launcher's workers too, which would outlive it otherwise) and the test fails with their output."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{cmd} did not end within {timeout:.0f}s (its session was killed):\n{out}\n{err}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def test_launch_without_main_guard_fails_fast_in_the_parent(tmp_path: Path) -> None:
@@ -310,7 +322,7 @@ class _Stream(torch.utils.data.IterableDataset[int]):
 # --------------------------------------------------------------------------------------------- torchrun
 
 _TORCHRUN_SCRIPT = """
-import json, os, sys
+import faulthandler, json, os, sys
 import torch
 from torch import nn
 from shardsafe.runtime import LaunchError, Runtime
@@ -330,6 +342,7 @@ def main(rt, path):
             "sum": float(total), "env_rank": int(os.environ["RANK"]), "strategy": rt.strategy}
 
 if __name__ == "__main__":
+    faulthandler.dump_traceback_later(200, exit=True)  # a hang shows where, before the test's 240 s
     try:
         Runtime(accelerator="cpu", devices=3)
     except LaunchError as err:
