@@ -1,0 +1,234 @@
+"""Background staging (``async_save(..., staging="background")``): the call returns before copying any
+tensor, and the checkpoint still holds the values at the call, or the save fails; it is never torn.
+
+At the call (:class:`BackgroundStaging`, the caller's thread), after the plan:
+
+- **module buffers are cloned** on their own device (BatchNorm running statistics and the like). They
+  are small (a few KiB per layer, well under 1% of a model), a forward changes them, and the kernels
+  that change them (``native_batch_norm``) do not move their version counter, so they could neither be
+  waited for cheaply (a forward pre-hook would hold up every forward of the model for its whole
+  staging) nor checked: copying them at once is the one choice both cheap and exact;
+- **every other chunk's version counter** (``tensor._version``, shared by views and ``detach()``) is
+  recorded;
+- **optimizers found in the state get a step pre-hook** (``register_step_pre_hook``) that waits until
+  the chunks of their parameters and state are copied: a parameter is immutable until
+  ``optimizer.step()``, so the step that follows the call never runs ahead of the copy. The wait is
+  bounded by the save's work deadline; past it the step goes on, and the version check below fails
+  the save rather than tear it. The hooks are removed when staging ends, however it ends.
+
+On the save's background thread (:meth:`BackgroundStaging.run`), before the write: the chunks are
+copied into the slab, those the next optimizer step touches first (parameters and state of the
+optimizers, in their order), then the rest in file order; CPU sources by single-threaded ``memmove``
+pieces, accelerator sources on the device's side stream (created at CUDA's lowest priority, the
+default), each ordered after the work queued on the current stream at the call. After each chunk's copy
+has landed, its version counter is compared with the one at the call: a change means the tensor was
+written in place in between, and the save fails on every rank with :class:`TornSnapshotError` naming
+the tensor (through the commit round, as any failure of a rank), nothing is committed and the previous
+checkpoint at the path stays loadable.
+
+What it cannot see (docs/async.md): writes that bypass the version counter (``tensor.data.add_()``,
+kernels that mutate an argument without declaring it, as BatchNorm's running statistics in a plain
+``model.state_dict()`` dict rather than the module), and a CPU in-place operation on another thread that
+is still running when the tensor's copy ends (the counter moves when the operation ends). Use
+``staging="blocking"`` for state changed that way.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardsafe.deadline import Deadline
+from shardsafe.engine import staging
+from shardsafe.engine.plan import PendingChunk
+from shardsafe.errors import TornSnapshotError
+from shardsafe.format.values import PerRank
+from shardsafe.state.flatten import Filtered, modules_of
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch built without distributed
+    DTensor = None  # type: ignore[assignment,misc]
+
+logger = logging.getLogger(__name__)
+
+StorageKey = tuple[str, int | None, int]
+
+
+@dataclass
+class _Guard:
+    """One optimizer of the state: the chunks its next step writes, and the hook that waits for them."""
+
+    name: str
+    optimizer: torch.optim.Optimizer
+    pending: set[int]
+    ready: threading.Event = field(default_factory=threading.Event)
+    hook: Any = None
+
+
+def _storage_key(t: torch.Tensor) -> StorageKey | None:
+    """Which memory ``t`` lives in (a DTensor: its local shard's), to match chunks with the tensors an
+    optimizer or a module owns; ``None`` for tensors without memory."""
+    if DTensor is not None and isinstance(t, DTensor):
+        t = t._local_tensor
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return (t.device.type, t.device.index, ptr) if ptr else None
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter; ``None`` where it has none (inference tensors)."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return None
+
+
+def _optimizers(state: Mapping[str, Any]) -> list[tuple[str, torch.optim.Optimizer]]:
+    out = []
+    for key, entry in state.items():
+        obj = entry.obj if isinstance(entry, Filtered) else entry
+        obj = obj.value if isinstance(obj, PerRank) else obj
+        if isinstance(obj, torch.optim.Optimizer):
+            out.append((key, obj))
+    return out
+
+
+def _optimizer_keys(opt: torch.optim.Optimizer) -> set[StorageKey]:
+    keys: set[StorageKey | None] = set()
+    for group in opt.param_groups:
+        keys.update(_storage_key(p) for p in group["params"])
+    for st in opt.state.values():
+        if isinstance(st, Mapping):
+            keys.update(_storage_key(v) for v in st.values() if isinstance(v, torch.Tensor))
+    return {k for k in keys if k is not None}
+
+
+class BackgroundStaging:
+    """The background staging of one rank's chunks of one save; see the module docstring.
+
+    ``chunks``: this rank's planned chunks (the caller's tensors); :attr:`chunks` are those to stage
+    (module buffers replaced by their clones). Call :meth:`attach` with the deferred :class:`Staged`
+    before returning to the caller, :meth:`run` on the save's thread, :meth:`close` in every case
+    (idempotent; :meth:`run` calls it). :attr:`done` is set once staging has ended, copied or failed."""
+
+    def __init__(self, chunks: Sequence[PendingChunk], state: Mapping[str, Any], *, path: str, rank: int) -> None:
+        self.path = path
+        self.rank = rank
+        self.done = threading.Event()
+        self.cloned = 0  # bytes copied at the call (module buffers)
+        self.waited = 0.0  # seconds optimizer steps spent waiting for this staging (all hooks)
+        buffers: set[StorageKey | None] = set()
+        for _, module in modules_of(state):
+            buffers.update(_storage_key(b) for b in module.buffers())
+        buffers.discard(None)
+        self.chunks: list[PendingChunk] = []
+        self.versions: list[int | None] = []
+        self.sources: list[torch.Tensor | None] = []  # what each version belongs to, until checked
+        for c in chunks:
+            version = _version(c.data)
+            if version is None or (buffers and _storage_key(c.data) in buffers):
+                c = PendingChunk(c.name, c.offsets, c.sizes, c.data.detach().clone())  # on its own device and stream
+                self.cloned += c.nbytes
+                version = None  # nobody else holds the clone
+            self.chunks.append(c)
+            self.versions.append(version)
+            self.sources.append(c.data if version is not None else None)
+        keys = [
+            _storage_key(c.data) if v is not None else None for c, v in zip(self.chunks, self.versions, strict=True)
+        ]
+        self.guards: list[_Guard] = []
+        for name, opt in _optimizers(state):
+            owned = _optimizer_keys(opt)
+            mine = {i for i, k in enumerate(keys) if k is not None and k in owned}
+            self.guards.append(_Guard(name, opt, mine))
+        first: list[int] = []
+        for g in self.guards:
+            first += sorted(i for i in g.pending if i not in first)
+        taken = set(first)
+        self.order = first + [i for i in range(len(self.chunks)) if i not in taken]
+        self._lock = threading.Lock()
+        self._closed = False
+        self.deadline: Deadline | None = None
+
+    def attach(self, deadline: Deadline) -> None:
+        """(the caller's thread, before ``async_save`` returns) Hook the optimizers whose chunks this rank
+        copies: their next step waits for those chunks, until ``deadline`` at most."""
+        self.deadline = deadline
+        for g in self.guards:
+            if g.pending:
+                g.hook = g.optimizer.register_step_pre_hook(self._waiter(g))
+            else:
+                g.ready.set()
+
+    def _waiter(self, g: _Guard) -> Callable[..., None]:
+        def wait_for_staging(_opt: Any, _args: Any, _kwargs: Any) -> None:
+            if g.ready.is_set():
+                return
+            assert self.deadline is not None
+            start = time.monotonic()
+            ok = g.ready.wait(self.deadline.remaining())
+            with self._lock:
+                self.waited += time.monotonic() - start
+            if not ok:
+                logger.warning(
+                    "shardsafe: rank %d: optimizer %r stepped before the background staging of %s copied its "
+                    "tensors (waited until the save's deadline); the save fails with TornSnapshotError if the "
+                    "step changed one of them",
+                    self.rank,
+                    g.name,
+                    self.path,
+                )
+
+        return wait_for_staging
+
+    def run(self, staged: staging.Staged, fault: Callable[[], None]) -> None:
+        """(the save's background thread) Copy every chunk into ``staged``'s slab in :attr:`order`,
+        checking each one's version after its copy; raise :class:`TornSnapshotError` for the first that
+        changed. Releases the hooks however it ends."""
+        try:
+            fault()
+            staging.fill(staged, self.order, self._landed)
+        finally:
+            self.close()
+
+    def _landed(self, i: int) -> None:
+        src, before = self.sources[i], self.versions[i]
+        self.sources[i] = None
+        if src is not None and before is not None and int(src._version) != before:
+            name = self.chunks[i].name
+            raise TornSnapshotError(
+                f"async_save of {self.path!r} (staging='background'): tensor {name!r} was changed in place on "
+                f"rank {self.rank} after the call and before it was copied (version {before} -> {int(src._version)}); "
+                "nothing was committed and the previous checkpoint at the path is untouched. Put the optimizer that "
+                "changes it in the state (its step then waits for the copy), change it only after "
+                "handle.wait_staged(), or save with staging='blocking'"
+            )
+        for g in self.guards:
+            if i in g.pending:
+                g.pending.discard(i)
+                if not g.pending:
+                    g.ready.set()
+
+    def close(self) -> None:
+        """(any thread, idempotent) Staging is over: remove the hooks, release waiting steps."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for g in self.guards:
+            if g.hook is not None:
+                g.hook.remove()
+                g.hook = None
+            g.ready.set()
+        self.sources = [None] * len(self.sources)
+        self.chunks = []  # the save keeps the staged copies; no reference to the caller's tensors
+        self.done.set()
