@@ -338,7 +338,8 @@ class SaveJob:
         def set_phase(name: str) -> None:
             self.phase = name
 
-        commit.Committer(op, inputs, self.tracker, set_phase).run(report, error)
+        failed_in = "stage" if self.phase == "stage" else "write"  # where this rank's part failed
+        commit.Committer(op, inputs, self.tracker, set_phase).run(report, error, failed_in)
 
     def _end(self, error: BaseException | None) -> None:
         """(every rank, once) The operation is over on this rank."""
