@@ -121,8 +121,8 @@ def blocking(size_mib: int, reps: int, scratch: Path) -> dict[str, Any]:
                 first[mode] = seconds
             else:
                 steady[mode].append(seconds)
-            if mode == "blocking" or rep == reps:
-                staging.free_idle()  # one slab at a time: the next contender does not share the memory
+            if mode == "blocking" or rep == reps:  # blocking reuses background's slab (as a run's next save would);
+                staging.free_idle()  # DCP runs without it, and the next background call allocates its own
     for mode in MODES:
         _fresh(scratch / mode)
     med = {m: statistics.median(v) for m, v in steady.items()}

@@ -72,6 +72,22 @@ def test_forward_through_batchnorm_right_after_the_call_keeps_the_buffers(tmp_pa
         assert torch.equal(loaded[k], v), k
 
 
+def test_the_gate_is_installed_once_and_never_removed_under_a_running_step(tmp_path: Any, monkeypatch: Any) -> None:
+    """Removing a step pre-hook from the staging thread while ``step()`` iterates the hooks would raise
+    "OrderedDict mutated during iteration" in the training thread: one gate per optimizer, kept."""
+    model, opt = build("plain")
+    train(model, opt, 1)
+    seen: list[int] = []
+    monkeypatch.setattr(staging, "before_background_copy", lambda _name: time.sleep(0.01))
+    for i in range(3):
+        handle = shardsafe.async_save(str(tmp_path / f"c{i}"), {"model": model, "optimizer": opt}, staging="background")
+        if i == 0:
+            opt.register_step_pre_hook(lambda *_: seen.append(1))  # a hook of the user's, after the gate
+        train(model, opt, 2, start=2 * i)
+        handle.wait()
+    assert len(opt._optimizer_step_pre_hooks) == 2 and len(seen) == 6
+
+
 # ------------------------------------------------------------------ a change the library cannot see
 
 

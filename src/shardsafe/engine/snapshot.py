@@ -10,11 +10,15 @@ At the call (:class:`BackgroundStaging`, the caller's thread), after the plan:
   staging) nor checked: copying them at once is the one choice both cheap and exact;
 - **every other chunk's version counter** (``tensor._version``, shared by views and ``detach()``) is
   recorded;
-- **optimizers found in the state get a step pre-hook** (``register_step_pre_hook``) that waits until
-  the chunks of their parameters and state are copied: a parameter is immutable until
-  ``optimizer.step()``, so the step that follows the call never runs ahead of the copy. The wait is
-  bounded by the save's work deadline; past it the step goes on, and the version check below fails
-  the save rather than tear it. The hooks are removed when staging ends, however it ends.
+- **optimizers found in the state are gated**: their next ``optimizer.step()`` waits until the chunks
+  of their parameters and state are copied; a parameter is immutable until the step, so the step that
+  follows the call never runs ahead of the copy. The wait is bounded by the save's work deadline; past
+  it the step goes on, and the version check below fails the save rather than tear it. The gate is
+  disarmed when staging ends, however it ends. It is one step pre-hook per optimizer
+  (``register_step_pre_hook``), installed by the first background save of that optimizer and left
+  registered, disarmed, afterwards (it then returns at once): removing a hook from the staging thread
+  while the training thread's ``step()`` iterates the optimizer's hooks raises "OrderedDict mutated
+  during iteration" in the training step, so no hook is ever removed from another thread.
 
 On the save's background thread (:meth:`BackgroundStaging.run`), before the write: the chunks are
 copied into the slab, those the next optimizer step touches first (parameters and state of the
@@ -38,6 +42,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,13 +68,51 @@ StorageKey = tuple[str, int | None, int]
 
 @dataclass
 class _Guard:
-    """One optimizer of the state: the chunks its next step writes, and the hook that waits for them."""
+    """One optimizer of the state in one save: the chunks its next step writes, and whether they are
+    copied."""
 
     name: str
     optimizer: torch.optim.Optimizer
     pending: set[int]
     ready: threading.Event = field(default_factory=threading.Event)
-    hook: Any = None
+    wait: Callable[[], None] | None = None  # armed on the optimizer's gate until ready
+
+
+class _Gate:
+    """The step pre-hook shardsafe installs once per optimizer: runs the waits armed on it (one per
+    save still staging that optimizer's tensors), and returns at once when none is."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.armed: list[Callable[[], None]] = []
+
+    def __call__(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
+        with self.lock:
+            armed = list(self.armed)
+        for wait in armed:
+            wait()
+
+    def arm(self, wait: Callable[[], None]) -> None:
+        with self.lock:
+            self.armed.append(wait)
+
+    def disarm(self, wait: Callable[[], None]) -> None:
+        with self.lock:
+            self.armed = [w for w in self.armed if w is not wait]
+
+
+_gates: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Gate] = weakref.WeakKeyDictionary()
+_gates_lock = threading.Lock()
+
+
+def gate_of(opt: torch.optim.Optimizer) -> _Gate:
+    """(the caller's thread) The optimizer's gate, installed on first use."""
+    with _gates_lock:
+        gate = _gates.get(opt)
+        if gate is None:
+            gate = _gates[opt] = _Gate()
+            opt.register_step_pre_hook(gate)
+        return gate
 
 
 def _storage_key(t: torch.Tensor) -> StorageKey | None:
@@ -125,7 +168,7 @@ class BackgroundStaging:
         self.rank = rank
         self.done = threading.Event()
         self.cloned = 0  # bytes copied at the call (module buffers)
-        self.waited = 0.0  # seconds optimizer steps spent waiting for this staging (all hooks)
+        self.waited = 0.0  # seconds optimizer steps spent waiting for this staging (all gates)
         buffers: set[StorageKey | None] = set()
         for _, module in modules_of(state):
             buffers.update(_storage_key(b) for b in module.buffers())
@@ -151,26 +194,28 @@ class BackgroundStaging:
             mine = {i for i, k in enumerate(keys) if k is not None and k in owned}
             self.guards.append(_Guard(name, opt, mine))
         first: list[int] = []
+        taken: set[int] = set()
         for g in self.guards:
-            first += sorted(i for i in g.pending if i not in first)
-        taken = set(first)
+            first += sorted(g.pending - taken)
+            taken |= g.pending
         self.order = first + [i for i in range(len(self.chunks)) if i not in taken]
         self._lock = threading.Lock()
         self._closed = False
         self.deadline: Deadline | None = None
 
     def attach(self, deadline: Deadline) -> None:
-        """(the caller's thread, before ``async_save`` returns) Hook the optimizers whose chunks this rank
-        copies: their next step waits for those chunks, until ``deadline`` at most."""
+        """(the caller's thread, before ``async_save`` returns) Arm the gates of the optimizers whose
+        chunks this rank copies: their next step waits for those chunks, until ``deadline`` at most."""
         self.deadline = deadline
         for g in self.guards:
             if g.pending:
-                g.hook = g.optimizer.register_step_pre_hook(self._waiter(g))
+                g.wait = self._waiter(g)
+                gate_of(g.optimizer).arm(g.wait)
             else:
                 g.ready.set()
 
-    def _waiter(self, g: _Guard) -> Callable[..., None]:
-        def wait_for_staging(_opt: Any, _args: Any, _kwargs: Any) -> None:
+    def _waiter(self, g: _Guard) -> Callable[[], None]:
+        def wait_for_staging() -> None:
             if g.ready.is_set():
                 return
             assert self.deadline is not None
@@ -190,10 +235,16 @@ class BackgroundStaging:
 
         return wait_for_staging
 
+    def _release(self, g: _Guard) -> None:
+        g.ready.set()
+        if g.wait is not None:
+            gate_of(g.optimizer).disarm(g.wait)
+            g.wait = None
+
     def run(self, staged: staging.Staged, fault: Callable[[], None]) -> None:
         """(the save's background thread) Copy every chunk into ``staged``'s slab in :attr:`order`,
         checking each one's version after its copy; raise :class:`TornSnapshotError` for the first that
-        changed. Releases the hooks however it ends."""
+        changed. Disarms the gates however it ends."""
         try:
             fault()
             staging.fill(staged, self.order, self._landed)
@@ -216,19 +267,16 @@ class BackgroundStaging:
             if i in g.pending:
                 g.pending.discard(i)
                 if not g.pending:
-                    g.ready.set()
+                    self._release(g)
 
     def close(self) -> None:
-        """(any thread, idempotent) Staging is over: remove the hooks, release waiting steps."""
+        """(any thread, idempotent) Staging is over: disarm the gates, release waiting steps."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         for g in self.guards:
-            if g.hook is not None:
-                g.hook.remove()
-                g.hook = None
-            g.ready.set()
+            self._release(g)
         self.sources = [None] * len(self.sources)
         self.chunks = []  # the save keeps the staged copies; no reference to the caller's tensors
         self.done.set()
