@@ -159,9 +159,10 @@ class BackgroundStaging:
     """The background staging of one rank's chunks of one save; see the module docstring.
 
     ``chunks``: this rank's planned chunks (the caller's tensors); :attr:`chunks` are those to stage
-    (module buffers replaced by their clones). Call :meth:`attach` with the deferred :class:`Staged`
-    before returning to the caller, :meth:`run` on the save's thread, :meth:`close` in every case
-    (idempotent; :meth:`run` calls it). :attr:`done` is set once staging has ended, copied or failed."""
+    (module buffers replaced by their clones), to hand to :func:`staging.stage` with ``defer``. Call
+    :meth:`attach` before returning to the caller, :meth:`run` with that :class:`Staged` on the save's
+    thread, :meth:`close` in every case (idempotent; :meth:`run` calls it). :attr:`done` is set once
+    staging has ended, copied or failed."""
 
     def __init__(self, chunks: Sequence[PendingChunk], state: Mapping[str, Any], *, path: str, rank: int) -> None:
         self.path = path
