@@ -142,7 +142,19 @@ def blocking(size_mib: int, reps: int, scratch: Path) -> dict[str, Any]:
     }
 
 
-def training(size_mib: int, steps: int, scratch: Path) -> dict[str, Any]:
+def training(size_mib: int, steps: int, scratch: Path, threads: int) -> dict[str, Any]:
+    """Step times without and with a save in flight. The training gets ``threads`` intra-op threads
+    (default: all cores but one): OpenMP teams that share their cores with the save's threads wait at
+    every barrier for the thread that was descheduled, which measures the scheduler, not the save."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _training(size_mib, steps, scratch, threads)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _training(size_mib: int, steps: int, scratch: Path, threads: int) -> dict[str, Any]:
     model, opt = _model(size_mib)
     for _ in range(2):
         _step(model, opt)
@@ -151,7 +163,7 @@ def training(size_mib: int, steps: int, scratch: Path) -> dict[str, Any]:
         t0 = time.perf_counter()
         _step(model, opt)
         quiet.append(time.perf_counter() - t0)
-    out: dict[str, Any] = {"size_mib": size_mib, "quiet_step_s": statistics.median(quiet)}
+    out: dict[str, Any] = {"size_mib": size_mib, "threads": threads, "quiet_step_s": statistics.median(quiet)}
     for mode in ("background", "blocking"):
         rows: list[dict[str, Any]] = []
         for _ in range(3):
@@ -202,6 +214,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"`PYTHONPATH=src python bench/async_staging.py --sizes-mib {' '.join(map(str, cfg['sizes_mib']))} "
         f"--reps {cfg['reps']}`.",
         "",
+        "Timed on a 2-core machine shared with other jobs: single figures vary by 2-5x between runs; the ratios "
+        "of the same run are what to read.",
+        "",
         "## Caller blocked by `async_save`",
         "",
         "| state | copy floor | background | blocking | DCP async_save | background / copy | background / "
@@ -220,8 +235,8 @@ def markdown(report: dict[str, Any]) -> str:
     t = report["training"]
     lines += [
         "",
-        f"## Training steps with a save in flight ({t['size_mib']} MiB state, quiet step "
-        f"{t['quiet_step_s'] * 1e3:.0f} ms)",
+        f"## Training steps with a save in flight ({t['size_mib']} MiB state, {t['threads']} intra-op thread(s) "
+        f"for the training, quiet step {t['quiet_step_s'] * 1e3:.0f} ms)",
         "",
         "| staging | call | first step after it | call + first step | extra stall | steps in flight: median | "
         "/ quiet step |",
@@ -238,10 +253,10 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Extra stall of the interrupted step, background / blocking: "
         f"**{t['extra_stall_background_over_blocking']:.2f}**. In background mode the first step waits in the "
-        "optimizer's step pre-hook until its parameters and moments are copied (one core, `memmove` pieces), "
-        "so the call plus that step costs about one copy of the optimizer's tensors; in blocking mode the call "
-        "itself makes the copy (all cores). Steps after it run beside the write (and on this shared 2-core "
-        "machine, compete with it for the cores).",
+        "optimizer's step pre-hook until its parameters and moments are copied, so the call plus that step "
+        "costs about one copy of the optimizer's tensors (made by every core once a step waits); in blocking "
+        "mode the call itself makes the copy. Steps after it run beside the write, which competes with them "
+        "for the cores on this machine.",
         "",
     ]
     return "\n".join(lines)
@@ -253,13 +268,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3, help="calls per contender after the first (default 3)")
     p.add_argument("--steps", type=int, default=8, help="quiet training steps timed (default 8)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="output directory")
+    p.add_argument(
+        "--train-threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) - 1),
+        help="intra-op threads of the training loop (default: all cores but one, left to the save)",
+    )
     args = p.parse_args(argv)
     out = Path(args.out)
     scratch = out / f"async-staging-{os.getpid()}.tmp"
     scratch.mkdir(parents=True)
     try:
         rows = [blocking(size, args.reps, scratch) for size in args.sizes_mib]
-        train = training(min(args.sizes_mib), args.steps, scratch)
+        train = training(min(args.sizes_mib), args.steps, scratch, args.train_threads)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     report = {

@@ -23,12 +23,13 @@ At the call (:class:`BackgroundStaging`, the caller's thread), after the plan:
 On the save's background thread (:meth:`BackgroundStaging.run`), before the write: the chunks are
 copied into the slab, those the next optimizer step touches first (parameters and state of the
 optimizers, in their order), then the rest in file order; CPU sources by single-threaded ``memmove``
-pieces, accelerator sources on the device's side stream (created at CUDA's lowest priority, the
-default), each ordered after the work queued on the current stream at the call. After each chunk's copy
-has landed, its version counter is compared with the one at the call: a change means the tensor was
-written in place in between, and the save fails on every rank with :class:`TornSnapshotError` naming
-the tensor (through the commit round, as any failure of a rank), nothing is committed and the previous
-checkpoint at the path stays loadable.
+pieces (with every intra-op thread while an optimizer step waits for them), accelerator sources on
+the device's side stream (created at CUDA's lowest priority, the default), each ordered after the
+work queued on the current stream at the call. After each chunk's copy has landed, its version
+counter is compared with the one at the call: a change means the tensor was written in place in
+between, and the save fails on every rank with :class:`TornSnapshotError` naming the tensor (through
+the commit round, as any failure of a rank), nothing is committed and the previous checkpoint at the
+path stays loadable.
 
 What it cannot see (docs/async.md): writes that bypass the version counter (``tensor.data.add_()``,
 kernels that mutate an argument without declaring it, as BatchNorm's running statistics in a plain
@@ -170,6 +171,7 @@ class BackgroundStaging:
         self.done = threading.Event()
         self.cloned = 0  # bytes copied at the call (module buffers)
         self.waited = 0.0  # seconds optimizer steps spent waiting for this staging (all gates)
+        self._waiting = 0  # optimizer steps waiting now: the CPU copies then take every core
         buffers: set[StorageKey | None] = set()
         for _, module in modules_of(state):
             buffers.update(_storage_key(b) for b in module.buffers())
@@ -221,9 +223,14 @@ class BackgroundStaging:
                 return
             assert self.deadline is not None
             start = time.monotonic()
-            ok = g.ready.wait(self.deadline.remaining())
             with self._lock:
-                self.waited += time.monotonic() - start
+                self._waiting += 1
+            try:
+                ok = g.ready.wait(self.deadline.remaining())
+            finally:
+                with self._lock:
+                    self._waiting -= 1
+                    self.waited += time.monotonic() - start
             if not ok:
                 logger.warning(
                     "shardsafe: rank %d: optimizer %r stepped before the background staging of %s copied its "
@@ -248,7 +255,7 @@ class BackgroundStaging:
         changed. Disarms the gates however it ends."""
         try:
             fault()
-            staging.fill(staged, self.order, self._landed)
+            staging.fill(staged, self.order, self._landed, lambda: self._waiting == 0)
         finally:
             self.close()
 

@@ -127,16 +127,18 @@ def fill(
     staged: Staged,
     order: Sequence[int] | None = None,
     landed: Callable[[int], None] | None = None,
+    gentle: Callable[[], bool] | None = None,
 ) -> None:
     """Copy every chunk of a snapshot ``staged`` into its slab (laid out in file order). Without
     ``order``: in file order, at full speed (the caller waits). With ``order`` (background staging, the
-    caller's training goes on): chunks in that order, CPU sources by single-threaded ``memmove`` pieces
-    of ``SHARDSAFE_WRITE_PIECE_BYTES`` (one core, the intra-op threads left to the training), and
-    ``landed(i)`` called once chunk ``i``'s bytes are in host memory, before the next is copied. What
-    ``landed`` raises stops the staging. On return the chunks hold only metadata, not the caller's
-    tensors; on a failure the staging is released."""
+    caller's training goes on): chunks in that order, and ``landed(i)`` called once chunk ``i``'s bytes
+    are in host memory, before the next is copied; what ``landed`` raises stops the staging. A CPU chunk
+    is copied by one thread in ``memmove`` pieces of ``SHARDSAFE_WRITE_PIECE_BYTES`` (the intra-op
+    threads left to the training) while ``gentle()`` says so, else with every intra-op thread (the
+    training waits for it). On return the chunks hold only metadata, not the caller's tensors; on a
+    failure the staging is released."""
     try:
-        _fill_slab(staged, order, landed)
+        _fill_slab(staged, order, landed, gentle)
     except BaseException:
         staged.close()
         raise
@@ -199,25 +201,29 @@ def _cut(data: memoryview, piece: int) -> Iterator[memoryview]:
         yield data[start : start + piece]
 
 
-def _fill_slab(staged: Staged, order: Sequence[int] | None, landed: Callable[[int], None] | None) -> None:
+def _fill_slab(
+    staged: Staged,
+    order: Sequence[int] | None,
+    landed: Callable[[int], None] | None,
+    gentle: Callable[[], bool] | None,
+) -> None:
     staged.slab = slab = _take_slab(staged.nbytes, staged.pinned())
     keep: list[torch.Tensor] = []
     starts, pos = [], 0
     for c in staged.chunks:
         starts.append(pos)
         pos += c.nbytes
-    gentle = order is not None
     piece = max(1, knobs.write_piece_bytes())
     try:
         for i in order if order is not None else range(len(staged.chunks)):
             c, pos = staged.chunks[i], starts[i]
             n = c.nbytes
             stream = staged.streams.get(c.data.device)
-            if gentle and before_background_copy is not None:
+            if order is not None and before_background_copy is not None:
                 before_background_copy(c.name)
             if n:
                 src = _source(staged, c, keep)
-                if gentle and stream is None and src.device.type == "cpu":
+                if gentle is not None and stream is None and src.device.type == "cpu" and gentle():
                     dst, at = slab.view(pos, pos + n).data_ptr(), src.data_ptr()
                     for off in range(0, n, piece):  # ctypes releases the GIL: the training thread runs on
                         ctypes.memmove(dst + off, at + off, min(piece, n - off))
