@@ -28,8 +28,8 @@ def _slow(seconds: float) -> None:
 # ------------------------------------------------------------------ the optimizer step right after
 
 
-def _step_right_after(rank: int, world: int, path: str) -> float:
-    model, opt = build("ddp")
+def _step_right_after(rank: int, world: int, path: str, strategy: str) -> float:
+    model, opt = build(strategy)
     train(model, opt, 2)
     before = full_state(model, opt)
     _slow(0.02)  # every copy waits: the steps below come while staging runs
@@ -41,14 +41,17 @@ def _step_right_after(rank: int, world: int, path: str) -> float:
     assert handle.job.background is not None
     waited = handle.job.background.waited
     staging.before_background_copy = None
-    fresh, fopt = build("ddp", seed=5)
+    fresh, fopt = build(strategy, seed=5)
     shardsafe.load(path, {"model": fresh, "optimizer": fopt}, timeout=60)
     assert_same(before, full_state(fresh, fopt))  # bit for bit the values at the call
     return waited
 
 
-def test_optimizer_step_right_after_the_call_waits_and_the_checkpoint_holds_the_call(tmp_path: Any) -> None:
-    waited = check_ok(run_ranks(_step_right_after, 2, str(tmp_path / "c"), timeout=90))
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_optimizer_step_right_after_the_call_waits_and_the_checkpoint_holds_the_call(
+    tmp_path: Any, strategy: str
+) -> None:
+    waited = check_ok(run_ranks(_step_right_after, 2, str(tmp_path / "c"), strategy, timeout=90))
     assert sum(waited) > 0  # the steps did wait for their tensors (not a lucky ordering)
 
 
