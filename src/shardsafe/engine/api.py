@@ -100,6 +100,8 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], **options: Unpa
     written so far, gathered through the store) at least every ``SHARDSAFE_PROGRESS_INTERVAL`` seconds
     (default 2) and once at the end, from a thread of its own; ignored on other ranks. A callback that
     raises is logged and not called again; the save goes on. See docs/progress.md.
+    ``staging``: when :func:`async_save` copies the tensors (``"blocking"`` or ``"background"``); a
+    synchronous save copies nothing ahead, and only checks the value.
     """
     _start(path, state, "save", options)
 
