@@ -31,6 +31,7 @@ def test_the_top_level_is_the_api_its_types_errors_and_the_manager() -> None:
     for name in shardsafe.__all__:
         assert getattr(shardsafe, name) is not None, name
     assert not {"Runtime", "LaunchError", "WorkerError", "PerRank"} & set(shardsafe.__all__)
+    assert issubclass(shardsafe.TornSnapshotError, shardsafe.CheckpointError)  # async_save(staging="background")
 
 
 def test_using_the_checkpoint_api_loads_neither_the_runtime_nor_fabric(tmp_path: object) -> None:

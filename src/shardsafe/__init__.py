@@ -38,6 +38,7 @@ from shardsafe.errors import (
     RemoteRankError,
     StateMismatchError,
     StorageError,
+    TornSnapshotError,
     UnsafeValueError,
 )
 from shardsafe.version import __version__
@@ -117,6 +118,7 @@ __all__ = [
     "SaveOptions",
     "StateMismatchError",
     "StorageError",
+    "TornSnapshotError",
     "UnsafeValueError",
     "VerifySummary",
     "__version__",

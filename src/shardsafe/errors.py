@@ -68,6 +68,13 @@ class StateMismatchError(CheckpointError, ValueError):
     structure of an entry (a module's parameters, an optimizer's groups). Raised before anything changes."""
 
 
+class TornSnapshotError(CheckpointError):
+    """An asynchronous save with ``staging="background"`` found a tensor changed in place after the call
+    and before its copy (its version counter moved): the save fails on every rank rather than write a
+    checkpoint that mixes values from before and after the change. Names the tensor, the rank and the
+    fix; nothing is committed and the previous checkpoint at the path stays loadable."""
+
+
 class InternalError(CheckpointError, RuntimeError):
     """An invariant of shardsafe itself was broken: a bug. Please report it with the message."""
 
@@ -145,5 +152,6 @@ __all__ = [
     "RemoteRankError",
     "StateMismatchError",
     "StorageError",
+    "TornSnapshotError",
     "UnsafeValueError",
 ]

@@ -54,7 +54,7 @@ def _start(path: str | os.PathLike[str], state: Mapping[str, Any], call: str, gi
     inflight.drain(knobs.max_inflight_saves() - 1)
     background = call == "async_save"
     job = SaveJob(os.fspath(path), state, options, deadlines.start())
-    job.begin(copy=background)
+    job.begin(copy=background, defer=background and options["staging"] == "background")
     if not background:
         job.finish()
         return SaveHandle(job, None)
@@ -100,6 +100,8 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], **options: Unpa
     written so far, gathered through the store) at least every ``SHARDSAFE_PROGRESS_INTERVAL`` seconds
     (default 2) and once at the end, from a thread of its own; ignored on other ranks. A callback that
     raises is logged and not called again; the save goes on. See docs/progress.md.
+    ``staging``: when :func:`async_save` copies the tensors (``"blocking"`` or ``"background"``); a
+    synchronous save copies nothing ahead, and only checks the value.
     """
     _start(path, state, "save", options)
 
@@ -109,7 +111,14 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], **options: Unpa
 def async_save(path: str | os.PathLike[str], state: Mapping[str, Any], **options: Unpack[SaveOptions]) -> SaveHandle:
     """Like :func:`save`, but returns once this rank's share is copied into staging memory; writing
     and commit run in the background. Change the model freely after it returns: the checkpoint holds
-    the values at the call. At most ``SHARDSAFE_MAX_INFLIGHT_SAVES`` (default 1) saves are in flight:
+    the values at the call.
+
+    ``staging="background"`` returns before copying: the copies run on the save's thread while training
+    goes on, an optimizer of ``state`` waits in its next ``step()`` until its tensors are copied,
+    module buffers are copied at the call, and a tensor changed in place before its copy fails the save
+    on every rank with :class:`TornSnapshotError` (never a torn checkpoint). ``handle.staged()`` /
+    ``handle.wait_staged()`` tell when the copies are over. Default ``"blocking"``; ``save()`` ignores it.
+    At most ``SHARDSAFE_MAX_INFLIGHT_SAVES`` (default 1) saves are in flight:
     a new save first waits for the oldest. Errors raise from ``handle.wait()`` (and from the next save
     or load if never waited for) on every rank. ``base`` and ``progress`` as for :func:`save`; progress
     calls go on after this returns, from a background thread, until the final one. See docs/async.md."""

@@ -149,12 +149,13 @@ class Committer:
 
     # ------------------------------------------------------------------------------ the round
 
-    def run(self, report: WriteReport | None, error: BaseException | None) -> CommitResult:
-        """(every rank, its data durable or its part failed) See the module docstring. Returns once
-        the checkpoint is committed; raises the save's failure (the same on every rank) otherwise."""
+    def run(self, report: WriteReport | None, error: BaseException | None, phase: str = "write") -> CommitResult:
+        """(every rank, its data durable or its part failed in ``phase``) See the module docstring.
+        Returns once the checkpoint is committed; raises the save's failure (the same on every rank)
+        otherwise."""
         op = self.op
         deadline = op.clock.end
-        failure = op.failure_of(error, "write") if error is not None else None
+        failure = op.failure_of(error, phase) if error is not None else None
         if op.single:
             if error is not None:
                 self._raise(Outcome(failure=failure), error)

@@ -26,24 +26,33 @@ def add(handle: SaveHandle) -> None:
 
 def drain(allowed: int) -> None:
     """Wait until at most ``allowed`` asynchronous saves are in flight, oldest first; raise the error
-    of a finished one that nobody has seen yet (its wait() was never called)."""
+    of a finished one that nobody has seen yet (its wait() was never called). Each failure surfaces
+    exactly once: at its own ``wait()`` or here, never both and never neither."""
     while True:
         with _inflight_lock:
             finished = [h for h in _inflight if h.done()]
             _inflight[:] = [h for h in _inflight if not h.done()]
             oldest = _inflight[0] if len(_inflight) > allowed else None
-        for handle in finished:
-            _raise_unseen(handle)
+        for i, handle in enumerate(finished):
+            try:
+                _raise_unseen(handle)
+            except BaseException:
+                with _inflight_lock:  # the others' errors are raised by the next call, not lost
+                    _inflight[:0] = finished[i + 1 :]
+                raise
         if oldest is None:
             return
         _raise_unseen(oldest)
 
 
 def _raise_unseen(handle: SaveHandle) -> None:
+    """Wait for ``handle``; raise its error unless its owner already saw it. (``wait()`` marks an error
+    seen as it raises it, so whether it was seen is read before waiting.)"""
+    seen = handle._error_seen
     try:
         handle.wait()  # bounded by that save's own end deadline (plus margins)
     except BaseException:
-        if not handle._error_seen:
+        if not seen:
             raise
         logger.debug("shardsafe: earlier save of %s had failed (already reported)", handle.path)
 

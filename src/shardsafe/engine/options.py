@@ -7,10 +7,10 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, TypedDict, TypeVar
+from typing import Any, Literal, TypedDict, TypeVar
 
 from shardsafe.coord import Deadlines
-from shardsafe.errors import InvalidTypeError
+from shardsafe.errors import InvalidArgumentError, InvalidTypeError
 from shardsafe.progress.record import ProgressCallback
 
 
@@ -26,7 +26,11 @@ class SaveOptions(TypedDict, total=False):
     storage_options: dict[str, Any] | None
     base: str | os.PathLike[str] | Callable[[], str | None] | None
     progress: ProgressCallback | None
+    staging: Literal["blocking", "background"]
 
+
+STAGING = ("blocking", "background")
+"""The values of ``staging=``: when an asynchronous save copies the tensors (docs/async.md)."""
 
 DEFAULTS: SaveOptions = {
     "overwrite": False,
@@ -37,6 +41,7 @@ DEFAULTS: SaveOptions = {
     "storage_options": None,
     "base": None,
     "progress": None,
+    "staging": "blocking",
 }
 
 
@@ -49,6 +54,11 @@ def complete(call: str, options: Mapping[str, Any]) -> SaveOptions:
             f"{call}() got an unexpected keyword argument {unknown[0]!r}; its options are {', '.join(DEFAULTS)}"
         )
     done: SaveOptions = {**DEFAULTS, **options}  # type: ignore[typeddict-item]
+    if done["staging"] not in STAGING:
+        raise InvalidArgumentError(
+            f"{call}(staging={done['staging']!r}): give 'blocking' (copy this rank's share before returning) or "
+            "'background' (return at once, copy while training goes on; docs/async.md)"
+        )
     return done
 
 

@@ -6,9 +6,12 @@ asynchronous one runs :meth:`SaveJob.finish` on a background thread.
     checksum block size and creates staging; then the first agreement, ``arrive``: every rank sends
     its digests (:class:`~shardsafe.coord.messages.SaveArrival`), rank 0 decides the
     :class:`~shardsafe.coord.messages.SaveStart` (save id, staging, per-rank subtrees, base). Then plan
-    locally and stage (async: copy this rank's share into one reusable slab).
-(all ranks) ``finish``: write this rank's data file (checksums while writing, fsync, under the
-    deadline), then the commit protocol of :mod:`shardsafe.engine.commit`: the second agreement,
+    locally and stage (async: copy this rank's share into one reusable slab; with
+    ``staging="background"``, only record what to copy, :mod:`shardsafe.engine.snapshot`).
+(all ranks) ``finish``: with ``staging="background"``, copy this rank's share first (a tensor changed
+    since the call fails the save on every rank); then write this rank's data file (checksums while
+    writing, fsync, under the deadline), then the commit protocol of :mod:`shardsafe.engine.commit`:
+    the second agreement,
     ``written``, with one decision per save, settled by the first ``compare_set`` on the decision key;
     rank 0 publishes only after winning "commit", staging is discarded only where an abort won; every
     rank acknowledges the outcome and rank 0 returns last. On any failure before the decision every rank
@@ -35,7 +38,7 @@ from shardsafe import knobs
 from shardsafe.catalog.names import refusal
 from shardsafe.coord import Clock, Operation, fault_point
 from shardsafe.coord.messages import PerRankNodes, PerRankPaths, SaveArrival, SaveStart, WriteReport
-from shardsafe.engine import commit, incremental, staging
+from shardsafe.engine import commit, incremental, snapshot, staging
 from shardsafe.engine.options import SaveOptions
 from shardsafe.engine.phases import PhaseLog
 from shardsafe.engine.plan import PendingChunk, file_bytes, own_chunks, plan_writes
@@ -75,6 +78,7 @@ class SaveJob:
         self.metadata_json: Any = None
         self.chunks: list[PendingChunk] = []
         self.staged: staging.Staged | None = None
+        self.background: snapshot.BackgroundStaging | None = None  # staging="background": copies still to make
         self.started = time.monotonic()
         self.blocking_seconds = 0.0
         self.tracker = Tracker("save", self.path, options["progress"])  # progress/tracker.py
@@ -93,9 +97,10 @@ class SaveJob:
 
     # ------------------------------------------------------------------------------------ begin
 
-    def begin(self, *, copy: bool) -> None:
+    def begin(self, *, copy: bool, defer: bool = False) -> None:
         """(all ranks, caller's thread) Rendezvous, plan and stage. With ``copy`` the chunks are copied
-        into staging buffers, so the caller may change its tensors as soon as this returns."""
+        into staging buffers, so the caller may change its tensors as soon as this returns; with
+        ``defer`` too, they are only recorded here and copied by :meth:`finish` (``staging="background"``)."""
         self.op = op = Operation.begin("save", self.path, self.clock, group=self.options["group"])
         self.tracker.start(op, lambda: self.phase)
         try:
@@ -129,10 +134,17 @@ class SaveJob:
             self.tracker.set_total(size)
             fault_point("save.plan", op.global_rank)
             self.phase = "stage"
-            self.staged = staging.stage(self.chunks, snapshot=copy, wait=self.clock.work.remaining())
-            self.chunks = self.staged.chunks  # after a snapshot, no reference to the caller's tensors
-            if copy:
-                fault_point("save.stage", op.global_rank)
+            if copy and defer:
+                self.background = snapshot.BackgroundStaging(self.chunks, self.state, path=self.path, rank=op.rank)
+                self.staged = staging.stage(
+                    self.background.chunks, snapshot=True, wait=self.clock.work.remaining(), defer=True
+                )
+                self.background.attach(self.clock.work)
+            else:
+                self.staged = staging.stage(self.chunks, snapshot=copy, wait=self.clock.work.remaining())
+                self.chunks = self.staged.chunks  # after a snapshot, no reference to the caller's tensors
+                if copy:
+                    fault_point("save.stage", op.global_rank)
         except BaseException as err:
             self._release()
             if op.outcome_known:  # the same outcome every rank got: nothing more to tell
@@ -260,6 +272,11 @@ class SaveJob:
         error: BaseException | None = None
         self.storage.set_deadline(self.clock.work.at)
         try:
+            if self.background is not None:
+                self.phase = "stage"
+                assert self.staged is not None
+                self.background.run(self.staged, lambda: fault_point("save.stage", op.global_rank))
+                self.chunks = self.staged.chunks  # copied: no reference to the caller's tensors
             self.phase = "write"
             files: dict[str, list[Any]] = {}
             chunks: list[list[Any]] = []
@@ -322,7 +339,8 @@ class SaveJob:
         def set_phase(name: str) -> None:
             self.phase = name
 
-        commit.Committer(op, inputs, self.tracker, set_phase).run(report, error)
+        failed_in = "stage" if self.phase == "stage" else "write"  # where this rank's part failed
+        commit.Committer(op, inputs, self.tracker, set_phase).run(report, error, failed_in)
 
     def _end(self, error: BaseException | None) -> None:
         """(every rank, once) The operation is over on this rank."""
@@ -333,6 +351,8 @@ class SaveJob:
         self.phase = "done"
 
     def _release(self) -> None:
+        if self.background is not None:
+            self.background.close()
         self.chunks = []
         self.ref_chunks = []
         if self.staged is not None:
@@ -376,11 +396,32 @@ class SaveHandle:
     def done(self) -> bool:
         return self._thread is None or not self._thread.is_alive()
 
+    def staged(self) -> bool:
+        """Whether this rank's copies are over (always, except with ``staging="background"`` while they
+        run): from then on the caller's tensors may change freely. True also when staging failed; the
+        failure is raised by :meth:`wait` (or the next call)."""
+        background = self.job.background
+        return background is None or background.done.is_set()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until :meth:`staged`; ``timeout`` seconds at most (default: the save's work deadline
+        plus a margin), else :class:`OperationTimeoutError`. Raises nothing about the save itself: its
+        outcome, a failed staging included, is :meth:`wait`'s."""
+        background = self.job.background
+        if background is None:
+            return
+        limit = timeout if timeout is not None else self.job.clock.work.remaining() + knobs.wait_margin_seconds()
+        if not background.done.wait(limit):
+            raise OperationTimeoutError(
+                f"background staging of {self.job.path!r} still copying after {limit:.0f}s (phase {self.job.phase!r}); "
+                "call wait_staged() again or raise the timeout"
+            )
+
     def exception(self) -> BaseException | None:
         return self._error if self.done() else None
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the save is committed (or failed); ``timeout`` seconds at most (default: the
+        """Block until the save is staged and committed (or failed); ``timeout`` seconds at most (default: the
         bound of the save's own waits, :func:`~shardsafe.engine.commit.finish_bound`, plus a margin)."""
         if self._thread is not None:
             limit = (

@@ -13,9 +13,11 @@ where the copies land and when the writer runs.
     writes the current one; a chunk larger than a slot is split across slots, small ones share one.
     Extra host memory: at most the pool, whatever the size of the share.
   - Asynchronous save: into one slab holding exactly this rank's share, laid out as the file's data
-    section, filled before ``async_save`` returns. A finished save returns its slab to a list the next
-    save reuses when the share has (nearly) the same size; at most ``SHARDSAFE_MAX_INFLIGHT_SAVES``
-    slabs are kept, so staging memory stays within that many times the share.
+    section, filled before ``async_save`` returns (``staging="blocking"``), or after it returned, on
+    the save's background thread, in the order :mod:`shardsafe.engine.snapshot` chooses
+    (``staging="background"``: :func:`stage` with ``defer``, then :func:`fill`). A finished save
+    returns its slab to a list the next save reuses when the share has (nearly) the same size; at
+    most ``SHARDSAFE_MAX_INFLIGHT_SAVES`` slabs are kept, so staging memory stays within that many times the share.
 
 ``Writer.write`` consumes its argument before returning (every backend copies or writes it), so a
 window's memory is reused as soon as the writer asks for the next one.
@@ -24,8 +26,9 @@ window's memory is reused as soon as the writer asks for the next one.
 from __future__ import annotations
 
 import collections
+import ctypes
 import threading
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +40,9 @@ from shardsafe.errors import CheckpointError
 from shardsafe.format.datafile import tensor_bytes
 
 copy_cpu_sources = False  # tests: send the CPU sources of synchronous saves through the pool too
+before_background_copy: Callable[[str], None] | None = None
+"""Tests: called on the staging thread of a background staging before each chunk is copied, with the
+chunk's tensor name (to slow staging down, or make it fail, deterministically)."""
 
 _lock = threading.Lock()
 _idle: list[hostmem.HostBuffer] = []  # slabs no save holds, reused first
@@ -94,12 +100,13 @@ class Staged:
         self.chunks = []
 
 
-def stage(chunks: Sequence[PendingChunk], *, snapshot: bool, wait: float) -> Staged:
+def stage(chunks: Sequence[PendingChunk], *, snapshot: bool, wait: float, defer: bool = False) -> Staged:
     """(every rank, the caller's thread, before its tensors may change) Prepare the chunks for the
     writer. With ``snapshot`` (asynchronous save) every chunk is copied into one slab before this
-    returns, so the caller may change its tensors at once; otherwise the copies happen while writing.
-    Accelerator copies are ordered after the work queued so far on each source device's current
-    stream."""
+    returns, so the caller may change its tensors at once, unless ``defer``: then :func:`fill` copies
+    them later, from another thread; otherwise the copies happen while writing. Accelerator copies are
+    ordered after the work queued so far on each source device's current stream (at this call, also
+    when deferred)."""
     staged = Staged(chunks, snapshot=snapshot, wait=wait)
     for c, copy in zip(staged.chunks, staged.copy, strict=True):
         dev = c.data.device
@@ -111,18 +118,35 @@ def stage(chunks: Sequence[PendingChunk], *, snapshot: bool, wait: float) -> Sta
         if copy and dev.type == "cuda" and dev not in staged.streams:
             staged.streams[dev] = hostmem.side_stream(dev, "d2h")
             hostmem.after_current(dev, staged.streams[dev])
-    if snapshot:
-        try:
-            _fill_slab(staged)
-        except BaseException:
-            staged.close()
-            raise
-        # the bytes live in the slab now: keep only the chunks' metadata, not the caller's tensors
-        staged.chunks = [
-            PendingChunk(c.name, c.offsets, c.sizes, torch.empty(c.sizes, dtype=c.data.dtype, device="meta"))
-            for c in staged.chunks
-        ]
+    if snapshot and not defer:
+        fill(staged)
     return staged
+
+
+def fill(
+    staged: Staged,
+    order: Sequence[int] | None = None,
+    landed: Callable[[int], None] | None = None,
+    gentle: Callable[[], bool] | None = None,
+) -> None:
+    """Copy every chunk of a snapshot ``staged`` into its slab (laid out in file order). Without
+    ``order``: in file order, at full speed (the caller waits). With ``order`` (background staging, the
+    caller's training goes on): chunks in that order, and ``landed(i)`` called once chunk ``i``'s bytes
+    are in host memory, before the next is copied; what ``landed`` raises stops the staging. A CPU chunk
+    is copied by one thread in ``memmove`` pieces of ``SHARDSAFE_WRITE_PIECE_BYTES`` (the intra-op
+    threads left to the training) while ``gentle()`` says so, else with every intra-op thread (the
+    training waits for it). On return the chunks hold only metadata, not the caller's tensors; on a
+    failure the staging is released."""
+    try:
+        _fill_slab(staged, order, landed, gentle)
+    except BaseException:
+        staged.close()
+        raise
+    # the bytes live in the slab now: keep only the chunks' metadata, not the caller's tensors
+    staged.chunks = [
+        PendingChunk(c.name, c.offsets, c.sizes, torch.empty(c.sizes, dtype=c.data.dtype, device="meta"))
+        for c in staged.chunks
+    ]
 
 
 def copy_piece(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
@@ -177,16 +201,41 @@ def _cut(data: memoryview, piece: int) -> Iterator[memoryview]:
         yield data[start : start + piece]
 
 
-def _fill_slab(staged: Staged) -> None:
+def _fill_slab(
+    staged: Staged,
+    order: Sequence[int] | None,
+    landed: Callable[[int], None] | None,
+    gentle: Callable[[], bool] | None,
+) -> None:
     staged.slab = slab = _take_slab(staged.nbytes, staged.pinned())
     keep: list[torch.Tensor] = []
-    pos = 0
+    starts, pos = [], 0
+    for c in staged.chunks:
+        starts.append(pos)
+        pos += c.nbytes
+    piece = max(1, knobs.write_piece_bytes())
     try:
-        for c in staged.chunks:
+        for i in order if order is not None else range(len(staged.chunks)):
+            c, pos = staged.chunks[i], starts[i]
             n = c.nbytes
+            stream = staged.streams.get(c.data.device)
+            if order is not None and before_background_copy is not None:
+                before_background_copy(c.name)
             if n:
-                copy_piece(slab.view(pos, pos + n), _source(staged, c, keep), staged.streams.get(c.data.device))
-            pos += n
+                src = _source(staged, c, keep)
+                if gentle is not None and stream is None and src.device.type == "cpu" and gentle():
+                    dst, at = slab.view(pos, pos + n).data_ptr(), src.data_ptr()
+                    for off in range(0, n, piece):  # ctypes releases the GIL: the training thread runs on
+                        ctypes.memmove(dst + off, at + off, min(piece, n - off))
+                else:
+                    copy_piece(slab.view(pos, pos + n), src, stream)
+                if stream is None:
+                    keep.clear()  # a CPU copy is complete when it returns
+            if landed is not None:
+                if stream is not None:
+                    wait_done(record_done([stream]))
+                    keep.clear()
+                landed(i)
     finally:  # also after a failure: no copy may still be landing in a slab that goes back to the list
         wait_done(record_done(list(staged.streams.values())))
     del keep

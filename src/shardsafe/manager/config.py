@@ -100,6 +100,9 @@ class ManagerConfig:
     async_save: bool = False
     """Save in the background with :func:`shardsafe.async_save`; training continues once the state
     is staged."""
+    staging: Literal["blocking", "background"] = "blocking"
+    """With ``async_save``: ``"background"`` returns before copying the state (``async_save(...,
+    staging=)``, docs/async.md); ``"blocking"`` copies this rank's share first."""
     save_on_signals: tuple[int, ...] = (signal.SIGTERM,)
     """Signals that ask for a checkpoint and a clean stop (preemption); ``()`` installs no handler.
     Stored as :class:`signal.Signals`."""
@@ -166,6 +169,10 @@ class ManagerConfig:
         object.__setattr__(self, "template", NameTemplate(self.name))
         if not isinstance(self.async_save, bool):
             raise InvalidArgumentError(f"async_save={self.async_save!r} must be True or False")
+        if self.staging not in ("blocking", "background"):
+            raise InvalidArgumentError(
+                f"staging={self.staging!r} must be 'blocking' or 'background' (with async_save=True; docs/async.md)"
+            )
         object.__setattr__(self, "save_on_signals", _signals(self.save_on_signals))
         if self.timeout is not None and not (
             isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool) and self.timeout > 0

@@ -88,6 +88,7 @@ class CheckpointManager:
         keep_every_n_steps: int | None = None,
         name: str = "step-{step:08d}",
         async_save: bool = False,
+        staging: Literal["blocking", "background"] = "blocking",
         save_on_signals: tuple[int, ...] = (signal.SIGTERM,),
         timeout: float | None = None,
         leftover_age: float = 3600.0,
@@ -107,6 +108,7 @@ class CheckpointManager:
             keep_every_n_steps=keep_every_n_steps,
             name=name,
             async_save=async_save,
+            staging=staging,
             save_on_signals=save_on_signals,
             timeout=timeout,
             leftover_age=leftover_age,
@@ -203,6 +205,7 @@ class CheckpointManager:
             "metadata": metadata,
             "base": base,
             "progress": callback,
+            "staging": self.config.staging,
         }
         if self.config.async_save:
             handle = api.async_save(path, state, **options)

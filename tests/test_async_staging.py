@@ -1,0 +1,214 @@
+"""``async_save(..., staging="background")``: the call returns before copying, and the checkpoint holds
+the values at the call or the save fails on every rank (:class:`TornSnapshotError`), never a torn
+snapshot. Staging is slowed down deterministically through ``staging.before_background_copy``. Also:
+a failed background save surfaces exactly once, at ``wait()`` or at the next call."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import shardsafe
+from shardsafe.engine import save as save_module
+from shardsafe.engine import staging
+
+from harness import check_ok, run_ranks
+from models import assert_same, build, full_state, train
+
+
+def _slow(seconds: float) -> None:
+    staging.before_background_copy = lambda _name: time.sleep(seconds)
+
+
+# ------------------------------------------------------------------ the optimizer step right after
+
+
+def _step_right_after(rank: int, world: int, path: str, strategy: str) -> float:
+    model, opt = build(strategy)
+    train(model, opt, 2)
+    before = full_state(model, opt)
+    _slow(0.02)  # every copy waits: the steps below come while staging runs
+    handle = shardsafe.async_save(path, {"model": model, "optimizer": opt}, timeout=60, staging="background")
+    assert not handle.staged()
+    train(model, opt, 2, start=2)  # forward (DDP broadcasts buffers), backward, step: at once
+    handle.wait()
+    assert handle.staged() and handle.exception() is None
+    assert handle.job.background is not None
+    waited = handle.job.background.waited
+    staging.before_background_copy = None
+    fresh, fopt = build(strategy, seed=5)
+    shardsafe.load(path, {"model": fresh, "optimizer": fopt}, timeout=60)
+    assert_same(before, full_state(fresh, fopt))  # bit for bit the values at the call
+    return waited
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_optimizer_step_right_after_the_call_waits_and_the_checkpoint_holds_the_call(
+    tmp_path: Any, strategy: str
+) -> None:
+    waited = check_ok(run_ranks(_step_right_after, 2, str(tmp_path / "c"), strategy, timeout=90))
+    assert sum(waited) > 0  # the steps did wait for their tensors (not a lucky ordering)
+
+
+def test_forward_through_batchnorm_right_after_the_call_keeps_the_buffers(tmp_path: Any, monkeypatch: Any) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(16, 8)
+    model(x).sum().backward()
+    opt.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    monkeypatch.setattr(staging, "before_background_copy", lambda _name: time.sleep(0.05))
+    path = str(tmp_path / "c")
+    handle = shardsafe.async_save(path, {"model": model, "optimizer": opt}, staging="background")
+    for _ in range(3):
+        model(x * 3 + 1)  # train mode: the running statistics change (and their version counter does not)
+    assert not torch.equal(model[1].running_mean, before["1.running_mean"])
+    handle.wait()
+    loaded = shardsafe.load(path)["model"]
+    for k, v in before.items():
+        assert torch.equal(loaded[k], v), k
+
+
+def test_the_gate_is_installed_once_and_never_removed_under_a_running_step(tmp_path: Any, monkeypatch: Any) -> None:
+    """Removing a step pre-hook from the staging thread while ``step()`` iterates the hooks would raise
+    "OrderedDict mutated during iteration" in the training thread: one gate per optimizer, kept."""
+    model, opt = build("plain")
+    train(model, opt, 1)
+    seen: list[int] = []
+    monkeypatch.setattr(staging, "before_background_copy", lambda _name: time.sleep(0.01))
+    for i in range(3):
+        handle = shardsafe.async_save(str(tmp_path / f"c{i}"), {"model": model, "optimizer": opt}, staging="background")
+        if i == 0:
+            opt.register_step_pre_hook(lambda *_: seen.append(1))  # a hook of the user's, after the gate
+        train(model, opt, 2, start=2 * i)
+        handle.wait()
+    assert len(opt._optimizer_step_pre_hooks) == 2 and len(seen) == 6
+
+
+# ------------------------------------------------------------------ a change the library cannot see
+
+
+def _unseen_change(rank: int, world: int, path: str) -> tuple[bool, str, bool]:
+    model, opt = build("ddp")
+    t = torch.arange(16.0)
+    shardsafe.save(path, {"model": model, "t": t}, timeout=60)  # the previous checkpoint
+    changed = threading.Event()
+    staging.before_background_copy = lambda name: changed.wait(20) if name == "t" else None
+    handle = shardsafe.async_save(
+        path, {"model": model, "optimizer": opt, "t": t}, timeout=60, overwrite=True, staging="background"
+    )
+    t.add_(1)  # in place, before its copy, on every rank; no hook can see it
+    changed.set()
+    try:
+        handle.wait()
+    except shardsafe.CheckpointError as err:
+        return isinstance(err, shardsafe.TornSnapshotError), str(err), handle.staged()
+    return False, "committed", handle.staged()
+
+
+def test_unseen_in_place_change_fails_the_save_on_every_rank(tmp_path: Any) -> None:
+    path = str(tmp_path / "c")
+    results = check_ok(run_ranks(_unseen_change, 2, path, timeout=90))
+    for torn, message, staged in results:
+        assert torn and staged, message
+    assert any("tensor 't'" in m and "staging='blocking'" in m for _, m, _ in results), results
+    assert torch.equal(shardsafe.load(path)["t"], torch.arange(16.0))  # the previous checkpoint, intact
+
+
+# ------------------------------------------------------------------ failures of the background staging
+
+
+def _stage_fails(rank: int, world: int, path: str) -> tuple[str, str]:
+    model, opt = build("ddp")
+    shardsafe.save(path, {"model": model}, timeout=60)
+    train(model, opt, 1)
+    handle = shardsafe.async_save(path, {"model": model}, timeout=60, overwrite=True, staging="background")
+    try:
+        handle.wait()
+    except shardsafe.CheckpointError as err:
+        return type(err).__name__, str(err)
+    return "none", ""
+
+
+def test_failed_background_staging_leaves_the_previous_checkpoint(tmp_path: Any) -> None:
+    path = str(tmp_path / "c")
+    out = run_ranks(_stage_fails, 2, path, timeout=90, rank_env={1: {"SHARDSAFE_FAULT": "save.stage:rank=1:raise"}})
+    (k0, m0), (k1, m1) = check_ok(out)
+    assert k0 == "RemoteRankError" and "rank 1" in m0, m0
+    assert k1 == "CheckpointError" and "phase 'stage'" in m1, m1
+    model, _ = build("plain")  # the values of the first save (seed 0, untrained)
+    loaded = shardsafe.load(path)["model"]
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded[k], v), k
+
+
+def test_unwaited_failed_staging_raises_from_the_next_call_once(tmp_path: Any, monkeypatch: Any) -> None:
+    model, _ = build("plain")
+    path = str(tmp_path / "c")
+    shardsafe.save(path, {"model": model})
+    failures = [ValueError("disk on fire")]
+
+    def fail_once(_name: str) -> None:
+        if failures:
+            raise failures.pop()
+
+    monkeypatch.setattr(staging, "before_background_copy", fail_once)
+    handle = shardsafe.async_save(path, {"model": model}, overwrite=True, staging="background")
+    handle.wait_staged(timeout=30)
+    assert handle.staged()
+    with pytest.raises(shardsafe.CheckpointError, match="disk on fire"):
+        shardsafe.save(str(tmp_path / "d"), {"model": model})  # the next call raises it...
+    shardsafe.save(str(tmp_path / "d"), {"model": model})  # ...once
+    shardsafe.verify(path)  # the previous checkpoint, intact
+
+
+def test_unwaited_background_failure_surfaces_exactly_once(tmp_path: Any, monkeypatch: Any) -> None:
+    """(any staging) The next call raises a failure nobody waited for; one already raised by wait() is
+    not raised again. Fails on the drain that marked the error seen inside its own wait()."""
+    real = save_module.write_file
+    failures = [OSError("no space left")]
+
+    def write_once(*args: Any, **kwargs: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(save_module, "write_file", write_once)
+    state = {"w": torch.ones(4)}
+    handle = shardsafe.async_save(str(tmp_path / "a"), state)
+    deadline = time.monotonic() + 30
+    while not handle.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(shardsafe.CheckpointError, match="no space left"):
+        shardsafe.save(str(tmp_path / "b"), state)
+    shardsafe.save(str(tmp_path / "c"), state)
+    failures.append(OSError("no space left"))
+    handle = shardsafe.async_save(str(tmp_path / "d"), state)
+    with pytest.raises(shardsafe.CheckpointError, match="no space left"):
+        handle.wait()
+    shardsafe.save(str(tmp_path / "e"), state)  # seen at wait(): not raised again
+
+
+# ------------------------------------------------------------------ the options
+
+
+def test_staging_option_is_checked_and_the_manager_passes_it(tmp_path: Any) -> None:
+    with pytest.raises(shardsafe.InvalidArgumentError, match="staging="):
+        shardsafe.async_save(str(tmp_path / "x"), {"w": torch.ones(2)}, staging="lazy")  # type: ignore[typeddict-item]
+    with pytest.raises(shardsafe.InvalidArgumentError, match="staging="):
+        shardsafe.CheckpointManager(str(tmp_path / "m"), async_save=True, staging="lazy")  # type: ignore[arg-type]
+    w = torch.ones(2)
+    with shardsafe.CheckpointManager(str(tmp_path / "m"), async_save=True, staging="background") as mgr:
+        mgr.save(1, {"w": w})
+        w.zero_()  # may tear the snapshot (then it fails) or not; never the new value
+        try:
+            mgr.wait()
+        except shardsafe.TornSnapshotError:
+            return
+    assert torch.equal(shardsafe.load(str(tmp_path / "m" / "step-00000001"))["w"], torch.ones(2))
