@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from shardsafe.catalog.delete import discard_save
-from shardsafe.catalog.names import STAGING_DIR, TEMP_MANIFEST, is_own, save_id_of, staging_name, temp_manifest
+from shardsafe.catalog.names import PENDING_DIR, TEMP_MANIFEST, is_own, pending_name, save_id_of, temp_manifest
 from shardsafe.format.names import SAVE_ID, data_file
 from shardsafe.storage.local import LocalStorage
 
@@ -22,7 +22,7 @@ def test_every_spec_valid_save_id_names_files_the_catalog_owns(sid: str) -> None
     assert SAVE_ID.match(sid)
     assert is_own(data_file(3, sid)) and save_id_of(data_file(3, sid)) == sid
     assert is_own(temp_manifest(sid)) and TEMP_MANIFEST.match(temp_manifest(sid))
-    m = STAGING_DIR.match(staging_name("step-100", sid))
+    m = PENDING_DIR.match(pending_name("step-100", sid))
     assert m is not None and m["sid"] == sid and m["target"] == "step-100"
 
 

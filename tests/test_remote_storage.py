@@ -56,8 +56,8 @@ def _put(st: FsspecStorage, url: str, data: bytes, piece: int = 100_000) -> None
 def _save(
     st: FsspecStorage, target: str, save_id: str, files: dict[str, bytes], *, overwrite: bool = False
 ) -> list[str]:
-    staging = st.staging_dir(target, save_id)
-    st.prepare_staging(staging)
+    staging = st.pending_dir(target, save_id)
+    st.prepare_pending(staging)
     for name, data in files.items():
         _put(st, st.join(staging, name), data)
     old = _publish(st, target, save_id, list(files), overwrite=overwrite)
@@ -90,8 +90,8 @@ def test_write_publish_read_list(root: tuple[FsspecStorage, str]) -> None:
     target = st.join(base, "step-1")
     a, b = os.urandom(250_000), os.urandom(1000)
     names = [f"data-00000-{SID_OLD}.safetensors", f"data-00001-{SID_OLD}.safetensors"]
-    assert st.staging_dir(target, SID_OLD) == target  # unique names: no staging prefix needed
-    st.prepare_staging(target)
+    assert st.pending_dir(target, SID_OLD) == target  # unique names: no staging prefix needed
+    st.prepare_pending(target)
     _put(st, st.join(target, names[0]), a)
     _put(st, st.join(target, names[1]), b)
     manifest_url = st.join(target, MANIFEST_NAME)
@@ -137,7 +137,7 @@ def test_overwrite_never_deletes_what_a_hostile_old_manifest_names(
 ) -> None:
     st, base = root
     target = st.join(base, "ckpt")
-    st.prepare_staging(target)
+    st.prepare_pending(target)
     doc = json.loads(_manifest(SID_OLD, []))
     doc["files"] = {f: {"size": 8, "header_bytes": 8, "header_checksum": "0" * 16} for f in listed}
     st.fs.pipe_file(st._p(st.join(target, MANIFEST_NAME)), json.dumps(seal_manifest(doc)).encode())  # re-sealed
@@ -157,8 +157,8 @@ def test_discard_removes_only_the_failed_save(root: tuple[FsspecStorage, str]) -
     _save(st, target, SID_OLD, kept)
     other = st.join(target, "data-00003-1699999999cccc.safetensors")  # another failed save's orphan
     _put(st, other, b"orphan")
-    staging = st.staging_dir(target, SID_NEW)
-    st.prepare_staging(staging)
+    staging = st.pending_dir(target, SID_NEW)
+    st.prepare_pending(staging)
     _put(st, st.join(staging, f"data-00000-{SID_NEW}.safetensors"), b"failed")
     unfinished = st.open_writer(st.join(staging, f"data-00001-{SID_NEW}.safetensors"))
     unfinished.write(memoryview(os.urandom(3 * PART)))  # on S3: a multipart upload in progress
@@ -181,7 +181,7 @@ def test_discard_after_the_commit_happened_keeps_everything(root: tuple[FsspecSt
 
 def test_abort_leaves_nothing(root: tuple[FsspecStorage, str]) -> None:
     st, base = root
-    st.prepare_staging(base)
+    st.prepare_pending(base)
     url = st.join(base, "data-00000-x.safetensors")
     w = st.open_writer(url)
     w.write(memoryview(os.urandom(5 * PART // 2)))
@@ -194,7 +194,7 @@ def test_abort_leaves_nothing(root: tuple[FsspecStorage, str]) -> None:
 
 def test_missing_and_short_reads(root: tuple[FsspecStorage, str]) -> None:
     st, base = root
-    st.prepare_staging(base)
+    st.prepare_pending(base)
     url = st.join(base, "f")
     _put(st, url, b"0123456789")
     with pytest.raises(EOFError, match="truncated"):
@@ -310,7 +310,7 @@ def test_outage_fails_naming_path_and_leaves_nothing_visible(
     st = FsspecStorage(fs, policy=RetryPolicy(deadline=0.5, base_delay=0.01, max_delay=0.05))
     target = f"flakys3://{s3_bucket}/ckpt"
     url = f"{target}/data-00000-{SID_NEW}.safetensors"
-    st.staging_dir(target, SID_NEW)
+    st.pending_dir(target, SID_NEW)
     w = st.open_writer(url)
     t0 = time.monotonic()
     with pytest.raises(RemoteIOError) as info:

@@ -1,6 +1,6 @@
 """Every delete shardsafe makes, on every backend, goes through :func:`delete_files`: it removes only
 names shardsafe writes (:func:`shardsafe.catalog.names.is_own`: data files, its temporary and
-tombstone manifests, and the staged manifest inside a staging directory), each a plain name inside
+tombstone manifests, and the staged manifest inside a pending directory), each a plain name inside
 the directory it is given, and fsyncs that directory after. Directories are removed only when empty;
 nothing is ever removed recursively.
 
@@ -10,7 +10,7 @@ Where the names come from:
   own validation (:func:`~shardsafe.format.manifest.parse_manifest`);
 - an aborted save: the names that save itself writes (``data-<rank>-<saveid>`` for every rank of
   the save, its staged or temporary manifest), which are known from its save id and world size;
-- leftovers of crashed saves: a staging directory's own name gives the save id whose files it may
+- leftovers of crashed saves: a pending directory's own name gives the save id whose files it may
   hold; a crashed delete left its tombstone, a validated manifest.
 
 Deleting a checkpoint first renames ``MANIFEST.json`` to the tombstone ``.MANIFEST.json.deleting``
@@ -35,7 +35,7 @@ hold (:func:`_release_replaced`):
 - B holds a manifest or tombstone, every one of them validates, none carries the save id named
   (that save is B's current or retired one: its own deletion governs it), and none lists the file
   (a folder that is no checkpoint, or a damaged one, loses nothing);
-- no save of that id is in flight into B (its staging directory beside B, or its temporary
+- no save of that id is in flight into B (its pending directory beside B, or its temporary
   manifest in B);
 - the file has the size C recorded (it is the file C referred to);
 - no other sibling refers to it: committed, staged by a save in flight, or retired (a tombstone
@@ -51,8 +51,8 @@ C's own stale files); a crash in between leaves unlisted data files in a committ
 no one refers to), which the manager's cleanup of leftovers removes by name once old enough.
 
 Nothing is deleted or retired through a symbolic link: a checkpoint folder (or a sibling it refers
-to, or a staging directory) that is a link is refused by :func:`delete_checkpoint`,
-:func:`finish_deletion`, :func:`remove_staging` and the release of referenced files
+to, or a pending directory) that is a link is refused by :func:`delete_checkpoint`,
+:func:`finish_deletion`, :func:`remove_pending` and the release of referenced files
 (:func:`link_target`), so that a root entry linking to a checkpoint elsewhere (another run's, a
 kept copy) never costs that checkpoint its files. The link itself stays: shardsafe did not write it.
 
@@ -71,12 +71,12 @@ from collections.abc import Iterable
 from shardsafe.catalog import refs, unlink
 from shardsafe.catalog.names import (
     DATA_FILE,
+    PENDING_DIR,
     STAGED_MANIFEST,
-    STAGING_DIR,
     TOMBSTONE,
     basename,
     data_file,
-    staging_name,
+    pending_name,
     temp_manifest,
 )
 from shardsafe.errors import CorruptCheckpointError
@@ -93,8 +93,8 @@ def delete_files(storage: Storage, directory: str, names: Iterable[str]) -> list
     names removed. Raises ``ValueError`` without removing anything if one of them is not a name
     shardsafe writes there, ``OSError`` if a removal fails."""
     todo = sorted(set(names))
-    in_staging = STAGING_DIR.match(basename(directory)) is not None
-    if not in_staging and any(DATA_FILE.match(n) for n in todo):
+    in_pending = PENDING_DIR.match(basename(directory)) is not None
+    if not in_pending and any(DATA_FILE.match(n) for n in todo):
         kept = refs.referenced_files(storage, directory) & set(todo)
         if kept:
             logger.info("shardsafe: keeping %s in %s: other checkpoints refer to them", sorted(kept), directory)
@@ -253,7 +253,7 @@ def _replaced_files(storage: Storage, base: str, save_id: str, sizes: dict[str, 
         return []  # not a checkpoint of shardsafe, or that save is its current (or retired) one
     listed = {n for _, names in records for n in names}
     parent, name = refs.split(base)
-    if storage.exists(storage.join(parent, staging_name(name, save_id))) or storage.exists(
+    if storage.exists(storage.join(parent, pending_name(name, save_id))) or storage.exists(
         storage.join(base, temp_manifest(save_id))
     ):
         logger.warning("shardsafe: not removing files of save %s from %s: that save is in flight", save_id, base)
@@ -306,15 +306,15 @@ def release_references(storage: Storage, path: str, old: bytes | None, where: st
     _release_bases(storage, path, old, where)
 
 
-def discard_save(storage: Storage, staging: str, target: str, save_id: str, world_size: int) -> None:
+def discard_save(storage: Storage, pending: str, target: str, save_id: str, world_size: int) -> None:
     """(every rank, once "abort" is decided; idempotent) Remove what save ``save_id`` wrote: every
-    rank's data file, its staged or temporary manifest, then its staging directory if empty. Files of
+    rank's data file, its staged or temporary manifest, then its pending directory if empty. Files of
     this save id that an interrupted publish had moved into ``target`` go too, unless a manifest
     committed there lists them."""
     own = [data_file(r, save_id) for r in range(world_size)]
-    if staging != target and storage.is_dir(staging):  # another rank may have removed it already
-        delete_files(storage, staging, [*own, *STAGED_MANIFEST])
-        storage.remove_dir_if_empty(staging)
+    if pending != target and storage.is_dir(pending):  # another rank may have removed it already
+        delete_files(storage, pending, [*own, *STAGED_MANIFEST])
+        storage.remove_dir_if_empty(pending)
     storage.cancel_uploads(target, save_id)
     if not storage.is_dir(target):
         return
@@ -331,24 +331,24 @@ def discard_save(storage: Storage, staging: str, target: str, save_id: str, worl
     delete_files(storage, target, [n for n in [*own, temp_manifest(save_id)] if n not in keep])
 
 
-def remove_staging(storage: Storage, staging: str) -> bool:
-    """(rank 0: leftover cleanup) Remove a crashed save's staging directory: the data files of the save
+def remove_pending(storage: Storage, pending: str) -> bool:
+    """(rank 0: leftover cleanup) Remove a crashed save's pending directory: the data files of the save
     id its name carries and its staged manifest, then the directory if that left it empty. Returns
     whether it is gone; anything else in it stays (logged). ``ValueError``, deleting nothing, for a
-    name that is not a staging directory's or a symbolic link."""
-    m = STAGING_DIR.match(basename(staging))
+    name that is not a pending directory's or a symbolic link."""
+    m = PENDING_DIR.match(basename(pending))
     if m is None:
-        raise ValueError(f"{staging} is not a staging directory name of shardsafe")
-    refuse_link(staging, "clean up the staging directory")
+        raise ValueError(f"{pending} is not a pending directory name of shardsafe")
+    refuse_link(pending, "clean up the pending directory")
     sid = m.group("sid")
-    names = storage.list_dir(staging)
+    names = storage.list_dir(pending)
     mine = [n for n in names if n in STAGED_MANIFEST or ((d := DATA_FILE.match(n)) is not None and d["sid"] == sid)]
-    delete_files(storage, staging, mine)
-    if storage.remove_dir_if_empty(staging):
+    delete_files(storage, pending, mine)
+    if storage.remove_dir_if_empty(pending):
         return True
     logger.warning(
         "shardsafe: %s holds files shardsafe did not write there (%s); left in place",
-        staging,
+        pending,
         [n for n in names if n not in mine][:5],
     )
     return False

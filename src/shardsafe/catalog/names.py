@@ -1,7 +1,7 @@
 """The names shardsafe writes, and the rule for where a save may go.
 
 shardsafe deletes only what it wrote (:mod:`shardsafe.catalog.delete`), and it knows what it wrote
-by name: data files ``data-<rank:05d>-<saveid>.safetensors``, hidden staging directories
+by name: data files ``data-<rank:05d>-<saveid>.safetensors``, hidden pending directories
 ``.<name>.staging-<saveid>`` beside a target, the staged manifest inside one, the temporary manifest
 ``.MANIFEST.json.tmp-<saveid>`` of filesystems without an atomic PUT, and the tombstone
 ``.MANIFEST.json.deleting`` of a checkpoint being deleted. The save id grammar and the data file name
@@ -21,29 +21,29 @@ from shardsafe.storage.base import MANIFEST_NAME, Commit, Storage
 
 __all__ = [
     "DATA_FILE",
+    "PENDING_DIR",
     "STAGED_MANIFEST",
-    "STAGING_DIR",
     "TEMP_MANIFEST",
     "TOMBSTONE",
     "basename",
     "commit_of",
     "data_file",
     "is_own",
+    "pending_name",
     "refusal",
     "save_id_of",
-    "staging_name",
     "temp_manifest",
 ]
 
-STAGING_DIR = re.compile(rf"^\.(?P<target>.+)\.staging-(?P<sid>{SAVE_ID_CHARS})\Z")
+PENDING_DIR = re.compile(rf"^\.(?P<target>.+)\.staging-(?P<sid>{SAVE_ID_CHARS})\Z")
 TEMP_MANIFEST = re.compile(rf"^\.MANIFEST\.json\.tmp-(?P<sid>{SAVE_ID_CHARS})\Z")
 TOMBSTONE = ".MANIFEST.json.deleting"
 STAGED_MANIFEST = (MANIFEST_NAME, f"{MANIFEST_NAME}.tmp")
-"""The manifest and its temporary file inside a staging directory (uncommitted there)."""
+"""The manifest and its temporary file inside a pending directory (uncommitted there)."""
 
 
-def staging_name(target: str, save_id: str) -> str:
-    """The name of the staging directory of save ``save_id`` into the checkpoint named ``target``
+def pending_name(target: str, save_id: str) -> str:
+    """The name of the pending directory of save ``save_id`` into the checkpoint named ``target``
     (beside it, on local disks)."""
     return f".{target}.staging-{save_id}"
 
@@ -53,15 +53,15 @@ def temp_manifest(save_id: str) -> str:
     return f".{MANIFEST_NAME}.tmp-{save_id}"
 
 
-def commit_of(staging: str, target: str, save_id: str, manifest: bytes, files: Iterable[str]) -> Commit:
+def commit_of(pending: str, target: str, save_id: str, manifest: bytes, files: Iterable[str]) -> Commit:
     """The :class:`~shardsafe.storage.base.Commit` of save ``save_id`` whose data files are ``files``
     (the manifest's own files), with the names the backend needs spelled here."""
-    return Commit(staging, target, save_id, manifest, frozenset(files), temp_manifest(save_id))
+    return Commit(pending, target, save_id, manifest, frozenset(files), temp_manifest(save_id))
 
 
 def save_id_of(name: str) -> str | None:
-    """The save id in a data file, temporary manifest or staging directory name; else ``None``."""
-    for pattern in (DATA_FILE, TEMP_MANIFEST, STAGING_DIR):
+    """The save id in a data file, temporary manifest or pending directory name; else ``None``."""
+    for pattern in (DATA_FILE, TEMP_MANIFEST, PENDING_DIR):
         m = pattern.match(name)
         if m:
             return m.group("sid")
@@ -73,13 +73,13 @@ def basename(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 
 
-def is_own(name: str, *, in_staging: bool = False) -> bool:
-    """Whether shardsafe writes files called ``name`` inside a checkpoint (or inside a staging
+def is_own(name: str, *, in_pending: bool = False) -> bool:
+    """Whether shardsafe writes files called ``name`` inside a checkpoint (or inside a pending
     directory, where the staged manifest is shardsafe's too). ``MANIFEST.json`` of a checkpoint is not
     in this set: it is never deleted, only renamed to the tombstone."""
     if DATA_FILE.match(name) or TEMP_MANIFEST.match(name) or name == TOMBSTONE:
         return True
-    return in_staging and name in STAGED_MANIFEST
+    return in_pending and name in STAGED_MANIFEST
 
 
 def refusal(storage: Storage, path: str, *, overwrite: bool) -> str | None:

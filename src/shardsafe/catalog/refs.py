@@ -14,7 +14,7 @@ import logging
 import os
 from collections.abc import Iterator, Mapping
 
-from shardsafe.catalog.names import DATA_FILE, STAGED_MANIFEST, STAGING_DIR, TOMBSTONE
+from shardsafe.catalog.names import DATA_FILE, PENDING_DIR, STAGED_MANIFEST, TOMBSTONE
 from shardsafe.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardsafe.format.manifest import Chunk, Manifest, parse_manifest
 from shardsafe.format.model import FileEntry, RefEntry
@@ -125,7 +125,7 @@ def _manifests_beside(
             continue
         base = storage.join(parent, name)
         wheres = [storage.join(base, MANIFEST_NAME)]
-        if STAGING_DIR.match(name):
+        if PENDING_DIR.match(name):
             wheres = [storage.join(base, n) for n in STAGED_MANIFEST]
         elif tombstones and name != ignore:
             wheres.append(storage.join(base, TOMBSTONE))
@@ -174,9 +174,9 @@ def referrers(storage: Storage, directory: str) -> dict[str, str]:
             continue
         folder, name = split(where)
         sibling_name = split(folder)[1]
-        staging = STAGING_DIR.match(sibling_name)
-        if staging is not None:
-            found.setdefault(staging.group("target"), "in flight")
+        pending = PENDING_DIR.match(sibling_name)
+        if pending is not None:
+            found.setdefault(pending.group("target"), "in flight")
         else:
             kind = "retired" if name == TOMBSTONE else "committed"
             if found.get(sibling_name) != "committed":

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from shardsafe.catalog.names import STAGING_DIR, basename, is_own
+from shardsafe.catalog.names import PENDING_DIR, basename, is_own
 from shardsafe.storage.base import Storage
 
 
@@ -17,8 +17,8 @@ def delete_files(storage: Storage, directory: str, names: Iterable[str]) -> list
     the names asked for. Raises ``ValueError`` without removing anything if one of them is not a name
     shardsafe writes there, ``OSError`` if a removal fails."""
     todo = sorted(set(names))
-    in_staging = STAGING_DIR.match(basename(directory)) is not None
-    foreign = [n for n in todo if not is_own(n, in_staging=in_staging)]
+    in_pending = PENDING_DIR.match(basename(directory)) is not None
+    foreign = [n for n in todo if not is_own(n, in_pending=in_pending)]
     if foreign:
         raise ValueError(
             f"refusing to delete {foreign} in {directory}: shardsafe deletes only the files it writes "

@@ -201,13 +201,13 @@ class SaveArrival(_Simple):
 
 @dataclass(frozen=True)
 class SaveStart(_Simple):
-    """(rank 0 decides) The save's id, its staging location, the checksum block size every writer uses,
+    """(rank 0 decides) The save's id, its pending directory, the checksum block size every writer uses,
     the incremental base (``base``: {"base", "base_name", "base_sid"} or {}), the per-rank subtrees
     (``per_rank``: paths, or ``None`` when a second round must find them among ``differ``) and every
     rank's FSDP1 payload (``fsdp1``, in rank order)."""
 
     save_id: str
-    staging: str
+    pending: str
     block_bytes: int
     base: dict[str, str]
     per_rank: list[list[Any]] | None
@@ -215,7 +215,7 @@ class SaveStart(_Simple):
     fsdp1: list[str]
     TYPES: ClassVar[dict[str, Any]] = {
         "save_id": str,
-        "staging": str,
+        "pending": str,
         "block_bytes": int,
         "base": dict,
         "per_rank": (list, type(None)),

@@ -2,13 +2,13 @@
 
 This is the save's second agreement (``written``), with one key more than an ordinary one: the
 decision. The outcome of a save is settled by the first ``compare_set`` on ``<save>/decision``:
-``"commit"`` (rank 0, once every report is in and the manifest is durable in staging) or an abort
+``"commit"`` (rank 0, once every report is in and the manifest is durable in the pending directory) or an abort
 (any rank that failed, gave up at its deadline, or found a rank dead). Nobody acts on an outcome
 before it is decided and nobody undoes it after: rank 0 publishes only after it won "commit", and
-staging is discarded only where an abort won.
+the pending directory is discarded only where an abort won.
 
 - (rank 0) :meth:`Committer.run`: wait for every report (watching the others' heartbeats), check them,
-  build the manifest, validate its bytes with the loader's own parser, write it durably into staging,
+  build the manifest, validate its bytes with the loader's own parser, write it durably into the pending directory,
   propose "commit"; if it won, publish (under the end deadline; a publish that has not reached its
   commit point at the deadline is called off), post the outcome, remove the replaced checkpoint's
   unreferenced files, and wait for every live rank's acknowledgement.
@@ -61,7 +61,7 @@ class CommitInputs:
     path: str
     storage: Storage
     save_id: str
-    staging: str
+    pending: str
     overwrite: bool
     block_bytes: int
     flat: FlatState
@@ -86,20 +86,20 @@ class _LeaderLost(Exception):
     """(internal) Rank 0 stopped after "commit" won: only the storage can tell whether it published."""
 
 
-def discard(storage: Storage, path: str, staging: str, save_id: str, world_size: int, deadline: Deadline) -> None:
+def discard(storage: Storage, path: str, pending: str, save_id: str, world_size: int, deadline: Deadline) -> None:
     """(every rank, once an abort is the outcome) Remove what this save wrote, within ``deadline`` (a
     hung disk must not hang the error path); failures are logged."""
     try:
         run_bounded(
             "removing the files of the failed save",
-            staging,
+            pending,
             deadline,
-            lambda: discard_save(storage, staging, path, save_id, world_size),
+            lambda: discard_save(storage, pending, path, save_id, world_size),
         )
     except FileNotFoundError as err:  # another rank removed it first: the removal is shared and idempotent
-        logger.debug("shardsafe: staging %s of a failed save was already removed: %s", staging, err)
+        logger.debug("shardsafe: pending directory %s of a failed save was already removed: %s", pending, err)
     except (OSError, ValueError, CheckpointError) as err:
-        logger.error("shardsafe: could not remove staging %s of a failed save: %s", staging, err)
+        logger.error("shardsafe: could not remove the pending directory %s of a failed save: %s", pending, err)
 
 
 def committed_on_storage(storage: Storage, path: str, save_id: str) -> bool:
@@ -140,10 +140,10 @@ class Committer:
         return r.propose(outcome if settled == outcome.to_text() else Outcome.from_text(settled), bound)
 
     def _raise(self, outcome: Outcome, own: BaseException | None) -> None:
-        """(every rank) Discard staging (an abort won) and raise what ``outcome`` says."""
+        """(every rank) Discard the pending directory (an abort won) and raise what ``outcome`` says."""
         i = self.inputs
-        if i.staging:
-            discard(i.storage, i.path, i.staging, i.save_id, self.op.world_size, self.op.clock.arrive.or_grace())
+        if i.pending:
+            discard(i.storage, i.path, i.pending, i.save_id, self.op.world_size, self.op.clock.arrive.or_grace())
         self.op.acknowledge()
         self.op.settle(outcome, own)
 
@@ -219,7 +219,7 @@ class Committer:
             if manifest.refs:  # an incremental save: the files it refers to are still there
                 check_ref_files(i.storage, i.path, manifest)
             i.storage.set_deadline(deadline.at)
-            commit = commit_of(i.staging, i.path, i.save_id, raw, manifest.files)
+            commit = commit_of(i.pending, i.path, i.save_id, raw, manifest.files)
             i.storage.stage_manifest(commit)
         except BaseException as err:
             decided = isinstance(err, CheckpointError)
@@ -260,7 +260,7 @@ class Committer:
 
     def _publish(self, commit: Commit, raw: bytes) -> bytes | None:
         """(rank 0, "commit" won) Make the manifest visible within the end deadline; on failure, post
-        the failure as the outcome, discard staging when the publish surely did not happen, and raise."""
+        the failure as the outcome, discard the pending directory when the publish surely did not happen, and raise."""
         op, i = self.op, self.inputs
         gate = _Gate()
 
@@ -299,7 +299,7 @@ class Committer:
                 except RankDeadError as lost:
                     logger.error("shardsafe: could not tell the ranks that publishing %s failed: %s", i.path, lost)
             if never:
-                discard(i.storage, i.path, i.staging, i.save_id, op.world_size, op.clock.arrive.or_grace())
+                discard(i.storage, i.path, i.pending, i.save_id, op.world_size, op.clock.arrive.or_grace())
             op.acknowledge()
             raise CheckpointError(message) from err
         finally:

@@ -69,7 +69,7 @@ class SaveJob:
         self.op: Operation | None = None
         self.phases = PhaseLog("save", self.path, "rendezvous")
         self.save_id = ""
-        self.staging = ""
+        self.pending = ""
         self.block_bytes = 0  # rank 0's choice, the same for every writer of this save
         self.base_name = ""
         self.base_manifest: Manifest | None = None
@@ -107,7 +107,7 @@ class SaveJob:
             start = self._rendezvous(op)
             fault_point("save.rendezvous", op.global_rank)
             self.phase = "plan"
-            self.save_id, self.staging, self.block_bytes = start.save_id, start.staging, start.block_bytes
+            self.save_id, self.pending, self.block_bytes = start.save_id, start.pending, start.block_bytes
             if start.base:
                 self.base_name = start.base["base_name"]
                 self.base_manifest = incremental.read_base(self.storage, start.base["base"], start.base["base_sid"])
@@ -206,8 +206,8 @@ class SaveJob:
                 return
             self._base = checked
         self.save_id = f"{int(time.time())}{uuid.uuid4().hex[:10]}"
-        self.staging = self.storage.staging_dir(self.path, self.save_id)
-        self.storage.prepare_staging(self.staging)
+        self.pending = self.storage.pending_dir(self.path, self.save_id)
+        self.storage.prepare_pending(self.pending)
         self._prepared = True
         self.block_bytes = knobs.checksum_block_bytes()
 
@@ -228,7 +228,7 @@ class SaveJob:
             paths, differ = per_rank.decide(
                 self.flat, [b.entries for b in bodies], [b.nodes for b in bodies], self.path
             )
-        return SaveStart(self.save_id, self.staging, self.block_bytes, self._base, paths, differ, fsdp1)
+        return SaveStart(self.save_id, self.pending, self.block_bytes, self._base, paths, differ, fsdp1)
 
     def _per_rank_round(self, op: Operation, differ: list[str]) -> list[list[Any]]:
         """(every rank, only when the first agreement could not decide) The per-rank subtrees, from every
@@ -257,7 +257,7 @@ class SaveJob:
         """(rank 0) The rendezvous failed: remove the staging it created (nothing else was written)."""
         if op.rank == 0 and self._prepared:
             commit.discard(
-                self.storage, self.path, self.staging, self.save_id, op.world_size, self.clock.arrive.or_grace()
+                self.storage, self.path, self.pending, self.save_id, op.world_size, self.clock.arrive.or_grace()
             )
             self._prepared = False
 
@@ -282,7 +282,7 @@ class SaveJob:
             chunks: list[list[Any]] = []
             if self.chunks:
                 name = data_file(op.rank, self.save_id)
-                writer = self.storage.open_writer(self.storage.join(self.staging, name))
+                writer = self.storage.open_writer(self.storage.join(self.pending, name))
                 assert self.staged is not None
                 entry, records = write_file(
                     writer,
@@ -325,7 +325,7 @@ class SaveJob:
             path=self.path,
             storage=self.storage,
             save_id=self.save_id,
-            staging=self.staging,
+            pending=self.pending,
             overwrite=self.options["overwrite"],
             block_bytes=self.block_bytes,
             flat=flat,

@@ -2,9 +2,9 @@
 (those an incremental checkpoint takes from its bases included) is read block by block, verified, and
 written into new data files of OUT, one per source file, with fresh checksums; the manifest is the
 source's with no references. The copy is committed like a save: data files first, the manifest last
-in one atomic step (staging and rename locally, one PUT on object stores). One process; bounded
+in one atomic step (a pending directory renamed into place locally, one PUT on object stores). One process; bounded
 memory (one checksum block at a time). A failure leaves nothing behind: the data files written so far,
-the staging folder and the folders created above OUT are removed (only those)."""
+the pending directory and the folders created above OUT are removed (only those)."""
 
 from __future__ import annotations
 
@@ -79,25 +79,25 @@ def _consolidate(src: str, out: str, storage_options: dict[str, Any] | None, tra
     if why is not None:
         raise CheckpointExistsError(f"export of {src!r}: {why}")
     save_id = f"{int(time.time())}{uuid.uuid4().hex[:10]}"
-    staging = dest.staging_dir(out, save_id)
+    pending = dest.pending_dir(out, save_id)
     created = make_parents(os.path.dirname(os.path.abspath(out))) if local else []
     written: list[str] = []
     try:
-        dest.prepare_staging(staging)
-        return _copy(src, out, storage, dest, manifest, save_id, staging, written, tracker)
+        dest.prepare_pending(pending)
+        return _copy(src, out, storage, dest, manifest, save_id, pending, written, tracker)
     except BaseException:
-        _discard(dest, staging, out, save_id, len(written))
+        _discard(dest, pending, out, save_id, len(written))
         remove_created(created)
         raise
 
 
-def _discard(dest: Storage, staging: str, out: str, save_id: str, files: int) -> None:
+def _discard(dest: Storage, pending: str, out: str, save_id: str, files: int) -> None:
     """Remove what this copy wrote, as a failed save is discarded (:func:`discard_save`: its data files,
     its staged or temporary manifest, its pending directory; never anything else)."""
     try:
-        discard_save(dest, staging, out, save_id, files)
+        discard_save(dest, pending, out, save_id, files)
     except (OSError, ValueError) as err:
-        logger.warning("shardsafe export: could not remove the staging folder %s: %s", staging, err)
+        logger.warning("shardsafe export: could not remove the pending directory %s: %s", pending, err)
 
 
 def _copy(
@@ -107,7 +107,7 @@ def _copy(
     dest: Storage,
     manifest: Manifest,
     save_id: str,
-    staging: str,
+    pending: str,
     written: list[str],
     tracker: Tracker,
 ) -> ConsolidateResult:
@@ -119,17 +119,17 @@ def _copy(
     new_chunks: dict[str, list[Chunk]] = {}
     plans = []
     for _, members in sorted(groups.items()):
-        pending = [PendingChunk(n, c.offsets, c.sizes, _meta(manifest, n, c)) for n, c in members]
-        plans.append((members, pending, file_bytes(pending)))
+        chunks = [PendingChunk(n, c.offsets, c.sizes, _meta(manifest, n, c)) for n, c in members]
+        plans.append((members, chunks, file_bytes(chunks)))
     tracker.set_total(sum(size for _, _, (size, _) in plans))
     tracker.phase = "write"
-    for i, (members, pending, (_, header)) in enumerate(plans):
+    for i, (members, chunks, (_, header)) in enumerate(plans):
         fname = data_file(i, save_id)
         windows = tracker.counted(_bytes(storage, src, manifest, members), header)
         written.append(fname)
-        writer = dest.open_writer(dest.join(staging, fname))
+        writer = dest.open_writer(dest.join(pending, fname))
         try:
-            entry, records = write_file(writer, fname, pending, manifest.block_bytes, lambda: None, windows)
+            entry, records = write_file(writer, fname, chunks, manifest.block_bytes, lambda: None, windows)
         except BaseException:
             writer.abort()
             raise
@@ -144,7 +144,7 @@ def _copy(
     copy = replace(manifest, save_id=save_id, created=time.time(), tensors=tensors, files=files, refs={})
     raw = copy.to_bytes()
     parse_manifest(raw, dest.join(out, "MANIFEST.json"))  # never commit what a loader would refuse
-    commit = commit_of(staging, out, save_id, raw, files)
+    commit = commit_of(pending, out, save_id, raw, files)
     tracker.phase = "publish"
     dest.stage_manifest(commit)
     dest.publish(commit, overwrite=False, at_commit=lambda: None)

@@ -1,8 +1,8 @@
 """Where an export is written: a new directory that appears whole or not at all.
 
-Files are written into a hidden staging directory beside the target (``<parent>/.<name>.export-<hex>``),
-fsynced, and the staging directory is renamed into place. A crash at any instant leaves the target as
-it was (absent, empty, or the previous export) plus at most a hidden staging directory: never a
+Files are written into a hidden pending directory beside the target (``<parent>/.<name>.export-<hex>``),
+fsynced, and the pending directory is renamed into place. A crash at any instant leaves the target as
+it was (absent, empty, or the previous export) plus at most a hidden pending directory: never a
 half-written export under the target's name.
 
 The target must be absent, an empty directory, or a previous export (a directory holding exactly the
@@ -148,10 +148,10 @@ class ExportDir:
             )
         self.replaces: list[str] | None = self._check(overwrite)
         self.overwrite = overwrite
-        self.staging = os.path.join(self.parent, f".{self.name}.export-{uuid.uuid4().hex[:12]}")
+        self.pending = os.path.join(self.parent, f".{self.name}.export-{uuid.uuid4().hex[:12]}")
         self.created = make_parents(self.parent)
         try:
-            os.mkdir(self.staging)
+            os.mkdir(self.pending)
         except BaseException:
             remove_created(self.created)
             raise
@@ -190,10 +190,10 @@ class ExportDir:
         return files
 
     def create(self, name: str) -> int:
-        """A new file ``name`` in staging, open for writing (the caller closes it after :func:`os.fsync`)."""
+        """A new file ``name`` in pending, open for writing (the caller closes it after :func:`os.fsync`)."""
         if not plain_name(name) or name in self.written:
             raise InvalidArgumentError(f"export file name {name!r} is not a new plain name")
-        fd = os.open(os.path.join(self.staging, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(os.path.join(self.pending, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         self.written.append(name)
         return fd
 
@@ -207,18 +207,18 @@ class ExportDir:
             os.close(fd)
 
     def publish(self, about: dict[str, Any]) -> None:
-        """Write the marker, make staging durable and rename it into place (replacing the previous
+        """Write the marker, make the pending folder durable and rename it into place (replacing the previous
         export, if any, whose files are then deleted by the names its marker lists)."""
         marker = {"format": MARKER_FORMAT, "version": 1, "files": sorted(self.written), **about}
-        fd = os.open(os.path.join(self.staging, MARKER), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(os.path.join(self.pending, MARKER), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             write_all(fd, memoryview(json.dumps(marker, indent=1).encode()))
             os.fsync(fd)
         finally:
             os.close(fd)
-        fsync_dir(self.staging)
+        fsync_dir(self.pending)
         if self.replaces is None:
-            os.rename(self.staging, self.target)  # onto an empty directory too; fails if one appeared non-empty
+            os.rename(self.pending, self.target)  # onto an empty directory too; fails if one appeared non-empty
             fsync_dir(self.parent)
             return
         files = previous_export(self.target)
@@ -227,7 +227,7 @@ class ExportDir:
         aside = os.path.join(self.parent, f".{self.name}.replaced-{uuid.uuid4().hex[:12]}")
         os.rename(self.target, aside)
         try:
-            os.rename(self.staging, self.target)
+            os.rename(self.pending, self.target)
         except BaseException:
             os.rename(aside, self.target)
             raise
@@ -235,14 +235,14 @@ class ExportDir:
         _remove_export(aside, files)
 
     def abort(self) -> None:
-        """Remove what this export wrote (its staging directory, the folders it created), nothing else."""
+        """Remove what this export wrote (its pending directory, the folders it created), nothing else."""
         try:
-            gone = _remove_listed(self.staging, self.written)
+            gone = _remove_listed(self.pending, self.written)
         except OSError as err:
-            logger.warning("shardsafe export: could not remove staging directory %s: %s", self.staging, err)
+            logger.warning("shardsafe export: could not remove pending directory %s: %s", self.pending, err)
             return
         if not gone:
-            logger.warning("shardsafe export: staging directory %s holds files it did not write: left", self.staging)
+            logger.warning("shardsafe export: pending directory %s holds files it did not write: left", self.pending)
             return
         remove_created(self.created)
 

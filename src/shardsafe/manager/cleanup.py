@@ -2,7 +2,7 @@
 
 Called by rank 0 only, after a new checkpoint has committed. Every removal goes through
 :mod:`shardsafe.catalog.delete`: only names shardsafe writes, taken from a validated manifest (a
-checkpoint, a tombstone) or from a staging directory's own save id; folders only once empty, never
+checkpoint, a tombstone) or from a pending directory's own save id; folders only once empty, never
 recursively. A checkpoint is uncommitted first (its manifest renamed to a tombstone), so a
 half-deleted one is never taken for committed. One failed delete is logged and the rest go on: a
 full or flaky disk must not turn a successful save into a crash.
@@ -22,8 +22,8 @@ from functools import partial
 from typing import Any
 
 from shardsafe.catalog.delete import delete_checkpoint as _delete_checkpoint
-from shardsafe.catalog.delete import delete_files, finish_deletion, link_target, remove_staging
-from shardsafe.catalog.names import DATA_FILE, STAGING_DIR, TOMBSTONE
+from shardsafe.catalog.delete import delete_files, finish_deletion, link_target, remove_pending
+from shardsafe.catalog.names import DATA_FILE, PENDING_DIR, TOMBSTONE
 from shardsafe.errors import CorruptCheckpointError
 from shardsafe.manager.listing import CheckpointRecord
 from shardsafe.manager.retention import RetentionPolicy
@@ -105,7 +105,7 @@ def remove_leftovers(
 ) -> list[str]:
     """(rank 0) Remove what crashed saves and deletes left, where shardsafe can tell it wrote it:
 
-    - a staging directory: the data files of the save id in its name and its staged manifest, then
+    - a pending directory: the data files of the save id in its name and its staged manifest, then
       the directory if that empties it;
     - a checkpoint folder without a manifest: the data files its tombstone lists (an interrupted
       delete), and data files by name (a crashed save on an object store), then the folder if empty;
@@ -123,7 +123,7 @@ def remove_leftovers(
     now = time.time() if now is None else now
     removed: list[str] = []
     for record in records:
-        if record.target in busy or (record.leftover and not STAGING_DIR.match(record.name)):
+        if record.target in busy or (record.leftover and not PENDING_DIR.match(record.name)):
             continue
         target = link_target(record.path)
         if target is not None:
@@ -140,7 +140,7 @@ def remove_leftovers(
             if record.created is None or now - record.created < min_age:
                 continue
             if record.leftover:
-                gone = _remove(partial(remove_staging, storage, record.path), record.path)
+                gone = _remove(partial(remove_pending, storage, record.path), record.path)
             else:
                 names = [n for n in fs.list_dir(record.path) if DATA_FILE.match(n)]
                 gone = _remove(partial(_clear, storage, record.path, names), record.path)

@@ -109,7 +109,7 @@ class ManagerConfig:
     timeout: float | None = None
     """Deadline in seconds for each save, load and agreement; ``None`` uses the library defaults."""
     leftover_age: float = 3600.0
-    """Leftovers of crashed saves (staging directories, orphaned data files) are removed once nothing
+    """Leftovers of crashed saves (pending directories, orphaned data files) are removed once nothing
     in them has changed for this many seconds, so a save still running elsewhere is never touched."""
     verify_on_resume: bool = False
     """``resume`` first checks every byte of a checkpoint (the ranks share the files) and loads it only

@@ -1,5 +1,5 @@
 """What is under a checkpoint root: committed checkpoints (from their manifests, through
-:func:`shardsafe.inspect`), incomplete ones (staging directories and directories without a manifest)
+:func:`shardsafe.inspect`), incomplete ones (pending directories and directories without a manifest)
 and corrupt ones (a manifest that does not parse, or bytes that fail :func:`shardsafe.verify`).
 Also the ``shardsafe ls ROOT`` command (:func:`ls_main`).
 
@@ -56,11 +56,11 @@ class CheckpointRecord:
     files: tuple[str, ...] = ()
     """Data files its manifest lists (committed only)."""
     target: str = ""
-    """For a staging or litter directory: the checkpoint name it was meant for; else ``name``."""
+    """For a pending or litter directory: the checkpoint name it was meant for; else ``name``."""
 
     @property
     def leftover(self) -> bool:
-        """A hidden staging/litter directory rather than a checkpoint directory."""
+        """A hidden pending/litter directory rather than a checkpoint directory."""
         return self.name != self.target
 
     def to_json(self) -> dict[str, Any]:
@@ -108,7 +108,7 @@ def scan(
     deletes); without, or with ``others``, also every other directory holding a manifest or data files
     (``shardsafe ls``; what a manager may resume from). The step of an entry of the template's naming
     is the one in its name; of any other, its manifest's ``metadata["step"]`` (an int), else what
-    :func:`step_from_name` reads in its name, else ``None``. Staging and litter directories of
+    :func:`step_from_name` reads in its name, else ``None``. Pending and litter directories of
     unfinished saves come back as ``incomplete``."""
     records: list[CheckpointRecord] = []
     for name in fs.list_dir(root):
@@ -140,7 +140,7 @@ def _leftover(
     except FileNotFoundError:  # finished (renamed into place) or removed while we looked
         return None
     reason = (
-        f"staging directory of a save of {target!r} that has not committed (still running, or crashed)"
+        f"pending directory of a save of {target!r} that has not committed (still running, or crashed)"
         if m.group("kind") == "staging"
         else f"remains of an earlier crashed save of {target!r}, set aside by a later save"
     )

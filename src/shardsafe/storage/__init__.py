@@ -1,6 +1,6 @@
 """Storage backends behind one interface, :class:`~shardsafe.storage.base.Storage`, the same shape
 for the local POSIX backend (``local``) and the fsspec one (``remote``, ``uploads``, ``retry``,
-``fsspec_util``); it covers what the engine needs (staging, writers, publish, ranged reads) and what
+``fsspec_util``); it covers what the engine needs (pending, writers, publish, ranged reads) and what
 the manager needs (listing, sizes, ages), and the primitives the delete rule of
 :mod:`shardsafe.catalog.delete` calls. It knows no file name but ``MANIFEST.json``: a
 :class:`~shardsafe.storage.base.Commit` names the files a publish moves. Also: bounded local I/O

@@ -1,5 +1,5 @@
 """The narrow storage interface the engine talks to. Paths are ``str``; the engine never imports
-``os.path`` or fsspec. Two backends: :mod:`shardsafe.storage.local` (POSIX fast path: staging
+``os.path`` or fsspec. Two backends: :mod:`shardsafe.storage.local` (POSIX fast path: a pending
 directory, fsync, rename) and a remote one over fsspec (object stores: unique data names, manifest
 last in one PUT).
 
@@ -20,13 +20,13 @@ MANIFEST_NAME = "MANIFEST.json"
 @dataclass(frozen=True)
 class Commit:
     """One save's manifest on its way to ``<target>/MANIFEST.json``: where its data files are staged
-    (``staging``: :meth:`Storage.staging_dir`), the checkpoint's path, the save id its data file names
+    (``pending``: :meth:`Storage.pending_dir`), the checkpoint's path, the save id its data file names
     carry, the manifest's bytes, the names of the data files it writes (``data_files``; a backend moves
     those and nothing else) and the name of its temporary manifest where one is renamed into place
     (``temp_manifest``). The names come from :mod:`shardsafe.catalog.names`
     (:func:`~shardsafe.catalog.names.commit_of`): a backend never derives one."""
 
-    staging: str
+    pending: str
     target: str
     save_id: str
     manifest: bytes
@@ -62,13 +62,13 @@ class Storage(Protocol):
         raise ``TimeoutError`` instead of hanging. ``None``: unbounded."""
         ...
 
-    def staging_dir(self, target: str, save_id: str) -> str:
+    def pending_dir(self, target: str, save_id: str) -> str:
         """(rank 0 and writers) Where a save's data files go before commit. Local: a hidden sibling
         directory of ``target``; object stores: ``target`` itself (unique names make that safe)."""
         ...
 
-    def prepare_staging(self, staging: str) -> None:
-        """(rank 0, before writers start) Create the staging location (and durably, its parents)."""
+    def prepare_pending(self, pending: str) -> None:
+        """(rank 0, before writers start) Create the pending directory (and durably, its parents)."""
         ...
 
     def open_writer(self, path: str) -> Writer:
@@ -111,7 +111,7 @@ class Storage(Protocol):
 
     def mtime(self, path: str) -> float:
         """Last change (unix time) of ``path`` or of anything directly inside it: how long ago a save
-        last touched a staging directory (the manager's cleanup). Raises ``FileNotFoundError``."""
+        last touched a pending directory (the manager's cleanup). Raises ``FileNotFoundError``."""
         ...
 
     def exists(self, path: str) -> bool: ...

@@ -1,8 +1,8 @@
-"""Local POSIX storage: the fast path. Data files go into a hidden staging directory beside the target
+"""Local POSIX storage: the fast path. Data files go into a hidden pending directory beside the target
 (``<parent>/.<name>.staging-<saveid>``), are fsynced, and the commit is one atomic rename:
 
-- new target (absent, or an empty folder): ``MANIFEST.json`` is written durably inside staging, then
-  staging is renamed to the target;
+- new target (absent, or an empty folder): ``MANIFEST.json`` is written durably inside pending, then
+  the pending directory is renamed to the target;
 - a target that holds a committed checkpoint (overwrite) or only what a crashed save or delete left:
   the new data files (unique names) are moved into it, then the staged manifest is renamed over the
   old one. The old checkpoint stays whole and loadable until that rename.
@@ -140,24 +140,24 @@ class LocalStorage:
     def set_deadline(self, deadline: float | None) -> None:
         self.deadline = deadline
 
-    def staging_dir(self, target: str, save_id: str) -> str:
+    def pending_dir(self, target: str, save_id: str) -> str:
         parent, name = os.path.split(os.path.abspath(target))
         return os.path.join(parent, f".{name}.staging-{save_id}")
 
-    def prepare_staging(self, staging: str) -> None:
+    def prepare_pending(self, pending: str) -> None:
         def make() -> None:
-            make_dirs(os.path.dirname(staging))
-            os.mkdir(staging)
-            fsync_dir(os.path.dirname(staging))
+            make_dirs(os.path.dirname(pending))
+            os.mkdir(pending)
+            fsync_dir(os.path.dirname(pending))
 
-        run_bounded("creating the staging directory", staging, self.deadline, make)
+        run_bounded("creating the pending directory", pending, self.deadline, make)
 
     def open_writer(self, path: str) -> LocalWriter:
         return LocalWriter(path, self.deadline)
 
     def stage_manifest(self, commit: Commit) -> None:
-        staging = commit.staging
-        staged = os.path.join(staging, MANIFEST_NAME)
+        pending = commit.pending
+        staged = os.path.join(pending, MANIFEST_NAME)
         tmp = staged + ".tmp"
 
         def write() -> None:
@@ -166,17 +166,17 @@ class LocalStorage:
                 f.flush()
                 os.fsync(f.fileno())
             os.rename(tmp, staged)
-            fsync_dir(staging)
+            fsync_dir(pending)
 
         run_bounded("writing the staged manifest", staged, self.deadline, write)
 
     def publish(self, commit: Commit, *, overwrite: bool, at_commit: Callable[[], None]) -> bytes | None:
-        staging, target = commit.staging, commit.target
+        pending, target = commit.pending, commit.target
         parent = os.path.dirname(os.path.abspath(target))
         committed = os.path.join(target, MANIFEST_NAME)
         if not os.path.lexists(target) or (os.path.isdir(target) and not os.listdir(target)):
             at_commit()
-            os.rename(staging, target)  # the commit point (an empty folder is replaced atomically)
+            os.rename(pending, target)  # the commit point (an empty folder is replaced atomically)
             fsync_dir(parent)
             return None
         if not os.path.isdir(target):
@@ -184,15 +184,15 @@ class LocalStorage:
         old = _read_or_none(committed)
         if old is not None and not overwrite:
             raise FileExistsError(errno.EEXIST, "a checkpoint was committed there meanwhile", committed)
-        for name in os.listdir(staging):
+        for name in os.listdir(pending):
             if name in commit.data_files:
-                os.rename(os.path.join(staging, name), os.path.join(target, name))
+                os.rename(os.path.join(pending, name), os.path.join(target, name))
         fsync_dir(target)
         at_commit()
-        os.rename(os.path.join(staging, MANIFEST_NAME), committed)  # the commit point
+        os.rename(os.path.join(pending, MANIFEST_NAME), committed)  # the commit point
         fsync_dir(target)
         try:
-            os.rmdir(staging)  # emptied by the moves
+            os.rmdir(pending)  # emptied by the moves
             fsync_dir(parent)
         except OSError:  # not empty: left for discard/cleanup, which remove only shardsafe's names
             pass

@@ -111,19 +111,19 @@ class FsspecStorage:
         bounded by the retry deadline of each request."""
         self.deadline = deadline
 
-    def staging_dir(self, target: str, save_id: str) -> str:
+    def pending_dir(self, target: str, save_id: str) -> str:
         """(rank 0 and writers) ``target`` itself: data object names carry the save id."""
         return target
 
-    def prepare_staging(self, staging: str) -> None:
+    def prepare_pending(self, pending: str) -> None:
         """(rank 0) Nothing on an object store; directories elsewhere (``file://``: made durable)."""
         if self.object_store:
             return
-        local = local_dir(self.fs, self._p(staging))
+        local = local_dir(self.fs, self._p(pending))
         if local:
-            run_bounded("creating the target directory", staging, self.deadline, lambda: make_dirs(local))
+            run_bounded("creating the target directory", pending, self.deadline, lambda: make_dirs(local))
             return
-        self._retry("create directory", staging, lambda: self.fs.makedirs(self._p(staging), exist_ok=True))
+        self._retry("create directory", pending, lambda: self.fs.makedirs(self._p(pending), exist_ok=True))
 
     def open_writer(self, path: str) -> Writer:
         """(writing ranks) A new data object; ``FileExistsError`` if one is there already."""
