@@ -18,6 +18,7 @@ resets and 5xx). On S3 (``s3fs``) large data files upload as parallel multipart 
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 from collections.abc import Callable, Mapping
@@ -31,7 +32,17 @@ from shardsafe.storage.base import MANIFEST_NAME, Commit, Writer
 from shardsafe.storage.bounded import run_bounded
 from shardsafe.storage.fsspec_util import check_name, import_fsspec, local_dir, mtime_of
 from shardsafe.storage.local import fsync_dir, make_dirs
-from shardsafe.storage.uploads import PartWriter, StreamWriter, abort_upload, is_s3, list_uploads, part_bytes, s3_call
+from shardsafe.storage.uploads import (
+    PartWriter,
+    StreamWriter,
+    abort_upload,
+    get_with_etag,
+    is_s3,
+    list_uploads,
+    part_bytes,
+    precondition_failed,
+    s3_call,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +167,8 @@ class FsspecStorage:
         target = commit.target
         url = self.join(target, MANIFEST_NAME)
         p = self._p(url)
+        if is_s3(self.fs):
+            return self._publish_conditional(commit, url, p, overwrite=overwrite, at_commit=at_commit)
         old = self.read_bytes(url) if self._exists(p, url) else None
         if old is not None and not overwrite:
             raise FileExistsError(f"{url} exists: {target} holds a committed checkpoint; pass overwrite=True")
@@ -171,6 +184,50 @@ class FsspecStorage:
             if local:
                 fsync_dir(local)
         return old
+
+    def _publish_conditional(
+        self, commit: Commit, url: str, p: str, *, overwrite: bool, at_commit: Callable[[], None]
+    ) -> bytes | None:
+        """S3: the manifest PUT is conditional on the manifest this save replaces, read here with its
+        ETag: ``If-Match`` that ETag (an overwrite) or ``If-None-Match: *`` (a new checkpoint). A copy of
+        this request that the network delivers late (after a retry committed, and a later save replaced
+        the manifest and deleted the objects it no longer lists) is refused by the store (412), so it can
+        never put back a manifest whose data is gone, nor an older manifest over a newer one. A 412 seen
+        here means either an earlier attempt of this very request landed and its reply was lost (the
+        manifest in place is this one: committed), or another save replaced the manifest meanwhile
+        (this save did not commit: ``FileExistsError``)."""
+        bucket, key, _ = self.fs.split_path(p)
+        old, etag = self._manifest_and_etag(url, bucket, key)
+        if old is not None and not overwrite:
+            raise FileExistsError(f"{url} exists: {commit.target} holds a committed checkpoint; pass overwrite=True")
+        at_commit()
+        condition = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
+        put = functools.partial(
+            s3_call, self.fs, "put_object", Bucket=bucket, Key=key, Body=commit.manifest, **condition
+        )
+        try:
+            self._retry("upload manifest", url, put)
+        except OSError as err:
+            if not precondition_failed(err):
+                raise
+            now, _ = self._manifest_and_etag(url, bucket, key)  # 412: whose manifest is there?
+            if now != commit.manifest:
+                raise FileExistsError(
+                    errno.EEXIST,
+                    f"{url} was replaced by another save while this one published it (the store refused this "
+                    "save's conditional PUT): this save did not commit, the other one stands. Give each job "
+                    "its own path",
+                    url,
+                ) from None
+        self.fs.invalidate_cache(p)
+        return old
+
+    def _manifest_and_etag(self, url: str, bucket: str, key: str) -> tuple[bytes | None, str | None]:
+        """The manifest at ``url`` and its ETag, read in one GET (``None, None`` where there is none)."""
+        try:
+            return self._retry("read manifest", url, functools.partial(get_with_etag, self.fs, bucket, key))
+        except FileNotFoundError:
+            return None, None
 
     # -- primitives of shardsafe.catalog.delete ----------------------------------------------------
 

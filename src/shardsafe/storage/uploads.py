@@ -54,6 +54,41 @@ def s3_call(fs: Any, method: str, **kwargs: Any) -> Any:
     return sync(fs.loop, fs._call_s3, method, **kwargs)
 
 
+def precondition_failed(err: BaseException) -> bool:
+    """Whether ``err`` is the store's 412 refusal of a conditional request (``If-Match`` /
+    ``If-None-Match``), whatever ``s3fs`` translated it to (``FileExistsError`` or ``OSError(EINVAL)``)."""
+    cur: BaseException | None = err
+    for _ in range(10):
+        if cur is None:
+            return False
+        response = getattr(cur, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code == "PreconditionFailed" or status == 412:
+                return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def get_with_etag(fs: Any, bucket: str, key: str) -> tuple[bytes, str]:
+    """One GET of ``bucket/key`` on ``fs``'s event loop: its bytes and its ETag, of the same version
+    (``FileNotFoundError`` when there is none)."""
+    from fsspec.asyn import sync
+
+    async def get() -> tuple[bytes, str]:
+        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+        body = resp["Body"]
+        try:
+            data = await body.read()
+        finally:
+            body.close()
+        return bytes(data), str(resp["ETag"])
+
+    result: tuple[bytes, str] = sync(fs.loop, get)
+    return result
+
+
 def list_uploads(fs: Any, prefix: str, policy: retry.RetryPolicy) -> list[tuple[str, str]]:
     """``(bucket/key, upload id)`` of the unfinished multipart uploads under ``prefix``."""
     bucket, key_prefix, _ = fs.split_path(prefix)
