@@ -73,11 +73,24 @@ def missing_base(path: str, manifest: Manifest, ref: str, file: str, where: str)
     )
 
 
-def check_ref_files(storage: Storage, path: str, manifest: Manifest) -> None:
+def check_ref_files(storage: Storage, path: str, manifest: Manifest, *, committed: str = "") -> None:
     """Every referenced file exists with the size the manifest records (cheap: one stat per file).
-    Raises :class:`CheckpointNotFoundError` naming the missing base, or :class:`CorruptCheckpointError`."""
+    ``committed`` (a save about to commit): the name of its base, which was committed when the save
+    began and must still be, not being deleted (no tombstone), since a delete that has begun may remove
+    its files at any moment. (Older checkpoints the references reach were retired before and are kept
+    by what refers to them.) Raises :class:`CheckpointNotFoundError` naming the missing or retiring
+    base, or :class:`CorruptCheckpointError`."""
     for ref, entry in sorted(manifest.refs.items()):
         base = sibling(storage, path, ref)
+        if ref == committed and (
+            storage.exists(storage.join(base, TOMBSTONE)) or not storage.exists(storage.join(base, MANIFEST_NAME))
+        ):
+            raise CheckpointNotFoundError(
+                f"{path}: this incremental save refers to data of its base checkpoint {ref!r}, which is being "
+                "deleted (retention or a delete, maybe in another process): the save is not committed and the "
+                "previous checkpoints are as they were. Save again: with a manager, the next save picks a base "
+                "that is not being deleted, or pass base=None for a full save"
+            )
         for name, where, size in _sizes(storage, base, entry.files):
             if size is None:
                 raise missing_base(path, manifest, ref, name, where)

@@ -216,11 +216,14 @@ class Committer:
                 raise UnsafeValueError(
                     f"save of {i.path!r}: the state holds something the format cannot store: {err}"
                 ) from None
-            if manifest.refs:  # an incremental save: the files it refers to are still there
-                check_ref_files(i.storage, i.path, manifest)
             i.storage.set_deadline(deadline.at)
             commit = commit_of(i.pending, i.path, i.save_id, raw, manifest.files)
             i.storage.stage_manifest(commit)
+            if manifest.refs:
+                # An incremental save: its intent (the staged manifest, which a delete of a base reads
+                # after writing its tombstone) is on storage first; then its bases are checked: still
+                # committed, not being deleted, every referred file there. One of the two sees the other.
+                check_ref_files(i.storage, i.path, manifest, committed=i.base_name)
         except BaseException as err:
             decided = isinstance(err, CheckpointError)
             failure = op.failure_of(err, "commit", decided=decided)
