@@ -7,7 +7,7 @@ replicas on node 0, bit for bit); every local copy lost (the durable newest); a 
 intact replica (the replica); a share missing everywhere (the previous complete step).
 
 Then kill -9 of a random rank at a random instant while the ranks save and replicate, for
-``SHARDSAFE_TEST_TIER_CRASH_ROUNDS`` rounds (default 3; run 100+ by hand): every committed local entry
+``SHARDSAFE_TEST_TIER_CRASH_ROUNDS`` rounds (default 2, about 8 s each; run 100+ by hand): every committed local entry
 verifies and holds the values of its own rank and step, and the next round (a fresh job, sometimes after
 deleting the dead rank's whole node folder) resumes a step at least as new as the last one whose local
 save returned, bit for bit."""
@@ -145,7 +145,7 @@ def test_local_tier_config_and_peers() -> None:
 # ------------------------------------------------------------------------------------ crashes
 
 
-ROUNDS = int(os.environ.get("SHARDSAFE_TEST_TIER_CRASH_ROUNDS", "3"))
+ROUNDS = int(os.environ.get("SHARDSAFE_TEST_TIER_CRASH_ROUNDS", "2"))
 
 
 def _save_forever(rank: int, world: int, root: str, local: str, victim: int, delay: float) -> None:
@@ -216,7 +216,7 @@ def test_kill_during_local_save_or_replication_leaves_nothing_inconsistent(tmp_p
         assert outcomes[victim].exitcode == -signal.SIGKILL, f"round {n}: {outcomes[victim]}"
         survivors = [o for o in outcomes if o.rank != victim]
         for o in survivors:
-            assert o.error_type is not None or o.killed, f"round {n}: rank {o.rank} neither failed nor was stopped"
+            assert o.error_type is not None and not o.killed, f"round {n}: rank {o.rank} did not raise: {o}"
         _check_entries(str(tmp_path / "local-*"))
         if rng.random() < 0.3:  # the dead rank's node is lost with it
             shutil.rmtree(tmp_path / f"local-{NODES[victim]['SHARDSAFE_NODE']}", ignore_errors=True)

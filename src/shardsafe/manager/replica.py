@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from shardsafe import knobs
 from shardsafe.deadline import Deadline
 from shardsafe.engine import api
 from shardsafe.errors import CheckpointError
@@ -36,7 +37,6 @@ from shardsafe.manager.tiers import remove_entry, replica_name, share_name, step
 logger = logging.getLogger(__name__)
 
 BLOCK = 1 << 20
-SERVER_SECONDS = float(os.environ.get("SHARDSAFE_TIER_SOCKET_SECONDS", "60"))
 
 
 def files_of(path: str) -> list[list[Any]]:
@@ -157,7 +157,7 @@ class ReplicaServer:
                     logger.error("shardsafe: replica server of rank %d stopped: %s", self.rank, err)
                 return
             with conn:
-                conn.settimeout(SERVER_SECONDS)
+                conn.settimeout(knobs.tier_socket_seconds())
                 try:
                     self._handle(conn)
                 except Exception as err:  # answered to the peer when the connection still works; logged
