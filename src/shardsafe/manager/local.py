@@ -106,7 +106,8 @@ class LocalTierRuntime:
             error: Exception | None = None
             try:
                 path = os.path.join(self.folder, step_name(step), share_name(self.rank))
-                api.save(path, state, group=SOLO, overwrite=True, timeout=self.timeout, metadata={"step": step})
+                meta = {"step": step, "rank": self.rank, "world_size": self.world_size}
+                api.save(path, state, group=SOLO, overwrite=True, timeout=self.timeout, metadata=meta)
                 deadline = Deadline.after(self.deadlines.io, "io")
                 for p in table.peers(self.rank, self.tier.replicas):
                     replica.push(table.addresses[p], path, step, self.rank, deadline)
@@ -163,9 +164,9 @@ class LocalTierRuntime:
             for n in names:
                 share, rep = SHARE_RE.match(n), REPLICA_RE.match(n)
                 if share and int(share.group(1)) == self.rank:
-                    own = _verifies(os.path.join(where, n))
-                elif rep and int(rep.group(1)) in senders and _verifies(os.path.join(where, n)):
-                    held.append(int(rep.group(1)))
+                    own = _verifies(os.path.join(where, n), step, self.rank, self.world_size)
+                elif rep and (sender := int(rep.group(1))) in senders:
+                    held += [sender] if _verifies(os.path.join(where, n), step, sender, self.world_size) else []
             out[str(step)] = {"own": own, "replicas": held}
         return out
 
@@ -240,12 +241,19 @@ class LocalTierRuntime:
         drop_newer(self.folder, self.rank, senders, step)
 
 
-def _verifies(path: str) -> bool:
-    """Whether the local checkpoint at ``path`` is committed and every byte matches its checksums."""
+def _verifies(path: str, step: int, rank: int, world_size: int) -> bool:
+    """Whether the local checkpoint at ``path`` is committed, every byte matches its checksums, and it
+    is the share of ``rank`` of ``step`` in a job of ``world_size`` ranks (a job of another size, or a
+    misplaced folder, never counts)."""
     try:
         api.verify(path)
+        meta = api.inspect(path).metadata
     except (CheckpointError, OSError, EOFError) as err:
         logger.warning("shardsafe: local-tier copy %s is not usable: %s", path, err)
+        return False
+    want = {"step": step, "rank": rank, "world_size": world_size}
+    if meta != want:
+        logger.warning("shardsafe: local-tier copy %s is not usable: its metadata is %r, not %r", path, meta, want)
         return False
     return True
 
