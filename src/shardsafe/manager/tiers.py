@@ -137,7 +137,11 @@ def remove_entry(path: str) -> None:
     refuse_link(path, "delete the local-tier entry")
     storage = LocalStorage()
     if os.path.exists(os.path.join(path, "MANIFEST.json")) and not INCOMING_RE.match(name):
-        delete_checkpoint(storage, path)
+        try:
+            delete_checkpoint(storage, path)
+        except FileNotFoundError:
+            if os.path.lexists(path):
+                raise  # else: the entry is gone and a rank of the node removed the empty step folder meanwhile
     if os.path.isdir(path):
         shutil.rmtree(path)  # an uncommitted share or transfer: only this tier writes here
     try:
