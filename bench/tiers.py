@@ -1,9 +1,9 @@
 """The node-local tier against durable-only managers, in one run: 4 CPU ranks as 2 simulated nodes
 (ranks 0, 1 on node 0; 2, 3 on node 1), the same state on every contender.
 
-- blocking time of a save (median, the first save left out: it warms up): ``save_local`` (each
-  rank's share to its node's folder, replicated to the peer node over sockets) against ``CheckpointManager.save`` to S3 (moto's server on loopback) and to a
-  local-disk folder, median over ``--reps`` saves;
+- blocking time of a save: ``save_local`` (each rank's share to its node's folder, replicated to the
+  peer node over sockets) against ``CheckpointManager.save`` to S3 (moto's server on loopback) and to
+  a local-disk folder, median over ``--reps`` saves, the first left out (it warms up);
 - recovery after losing node 1 (its local folder deleted): a fresh 4-rank job's ``resume``: from the
   local tier (ranks 2 and 3 pull their shares from the replicas on node 0) against resuming from the
   durable store (S3, local disk).
