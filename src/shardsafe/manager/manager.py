@@ -74,7 +74,9 @@ class CheckpointManager:
     ``progress``: the callback (e.g. :class:`shardsafe.ProgressBar`) of every save and resume the
     manager makes, including the ones it triggers itself (scheduled and preemption saves); rank 0 calls
     it with :class:`shardsafe.Progress` records (docs/progress.md). ``progress=`` on a call replaces it
-    for that call. A callback that is not callable raises ``TypeError`` here.
+    for that call. A callback that is not callable raises ``TypeError`` here. ``local``: a
+    :class:`~shardsafe.LocalTier` (docs/tiers.md): frequent saves to each node's own folder, replicated
+    to a peer node, which :meth:`resume` prefers when newer than the durable store's newest.
     """
 
     def __init__(
@@ -166,7 +168,9 @@ class CheckpointManager:
 
     @entry_point("CheckpointManager.save", reads=False)
     def maybe_save(self, step: int, state: State, metrics: Metrics = None, *, progress: Callback = None) -> bool:
-        """(every rank) :meth:`save` when :meth:`should_save`; returns whether it saved."""
+        """(every rank) With a local tier, :meth:`save_local` first when ``step`` is a multiple of its
+        ``every_n_steps``; then :meth:`save` when :meth:`should_save`. Returns whether it saved (to
+        either tier)."""
         self._check_open()
         self._callback(progress)
         self._poll_pending()
