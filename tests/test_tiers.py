@@ -154,9 +154,10 @@ def _save_forever(rank: int, world: int, root: str, local: str, victim: int, del
     whatever instant of a save or replication that is. Rank 0 appends ``<step>`` to the progress file
     once a local save has returned."""
     tier = shardsafe.LocalTier(local, every_n_steps=1, replicas=1, keep=2)
-    mgr = shardsafe.CheckpointManager(root, every_n_steps=10**9, keep_last=3, local=tier, timeout=T)
     state = {"shared": torch.zeros(32), "mine": torch.zeros(64), "extra": {"step": -1}}
-    step = mgr.resume(state) or 0
+    with shardsafe.CheckpointManager(root, every_n_steps=10**9, local=tier, timeout=30) as first:
+        step = first.resume(state) or 0  # a long deadline: a loaded machine must not fail the resume itself
+    mgr = shardsafe.CheckpointManager(root, every_n_steps=10**9, keep_last=3, local=tier, timeout=T)
     want = _values(rank, step)
     exact = step == 0 or (torch.equal(state["mine"], want["mine"]) and torch.equal(state["shared"], want["shared"]))
     with open(f"{root}.resumed.{rank}", "a") as f:
@@ -208,15 +209,18 @@ def test_kill_during_local_save_or_replication_leaves_nothing_inconsistent(tmp_p
         victim = rng.randrange(4)
         delay = rng.uniform(0.05, 1.0)
         outcomes = run_ranks(_save_forever, 4, root, local, victim, delay, rank_env=NODES, timeout=T + 30)
-        resumed = [Path(f"{root}.resumed.{r}").read_text().split("\n")[-2].split() for r in range(4)]
+        lines = [Path(f"{root}.resumed.{r}").read_text().splitlines() for r in range(4)]
+        why = "; ".join(f"rank {o.rank}: {o.error_type}: {(o.error or '')[:2000]}" for o in outcomes)
+        assert all(len(x) == n + 1 for x in lines), f"round {n}: some rank did not resume: {why}"
+        resumed = [x[-1].split() for x in lines]
         steps = {int(s) for s, _ in resumed}
         assert len(steps) == 1, f"round {n}: ranks resumed different steps {resumed}"
         assert all(e == "1" for _, e in resumed), f"round {n}: a rank's values differ from its step: {resumed}"
         assert steps.pop() >= committed_before, f"round {n}: resumed older than step {committed_before}"
-        assert outcomes[victim].exitcode == -signal.SIGKILL, f"round {n}: {outcomes[victim]}"
+        assert outcomes[victim].exitcode == -signal.SIGKILL, f"round {n}: {why}"
         survivors = [o for o in outcomes if o.rank != victim]
         for o in survivors:
-            assert o.error_type is not None and not o.killed, f"round {n}: rank {o.rank} did not raise: {o}"
+            assert o.error_type is not None and not o.killed, f"round {n}: rank {o.rank} did not raise: {why}"
         _check_entries(str(tmp_path / "local-*"))
         if rng.random() < 0.3:  # the dead rank's node is lost with it
             shutil.rmtree(tmp_path / f"local-{NODES[victim]['SHARDSAFE_NODE']}", ignore_errors=True)
