@@ -38,12 +38,21 @@ from bench.ranks import run_session  # noqa: E402
 WORLD = 4
 
 
-def _state(rank: int, mib: int, step: int) -> dict[str, Any]:
+def _tensors(rank: int, mib: int, step: int) -> dict[str, torch.Tensor]:
     n = mib * 2**20 // 4 // 2
     return {
         "shared": torch.arange(n, dtype=torch.float32) + step,
         "mine": torch.arange(n, dtype=torch.float32) * (rank + 1) + step,
     }
+
+
+def _state(rank: int, mib: int, step: int) -> dict[str, Any]:
+    """What each rank saves: ``mine`` differs between ranks (marked: larger than the per-rank digest
+    limit, it would otherwise be taken as equal on every rank)."""
+    import shardsafe
+
+    t = _tensors(rank, mib, step)
+    return {"shared": t["shared"], "mine": shardsafe.per_rank(t["mine"])}
 
 
 def _manager(root: str, local: str | None) -> Any:
@@ -73,11 +82,11 @@ def _saves(rank: int, world: int, root: str, local: str | None, mib: int, reps: 
 def _resume(rank: int, world: int, root: str, local: str | None, mib: int, step: int) -> tuple[float, int | None]:
     os.environ["SHARDSAFE_NODE"] = str(rank // 2)
     with _manager(root, local) as mgr:
-        state = {k: torch.zeros_like(v) for k, v in _state(rank, mib, 0).items()}
+        state = {k: torch.zeros_like(v) for k, v in _tensors(rank, mib, 0).items()}
         start = time.perf_counter()
         got = mgr.resume(state)
         took = time.perf_counter() - start
-        want = _state(rank, mib, step)
+        want = _tensors(rank, mib, step)
         if got != step or any(not torch.equal(state[k], want[k]) for k in want):
             raise SystemExit(f"bench/tiers.py: rank {rank} resumed step {got}, not {step} bit for bit")
     return took, got
