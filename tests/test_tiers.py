@@ -8,10 +8,10 @@ intact replica (the replica); a share missing everywhere (the previous complete 
 
 Then kill -9 of a random rank at a random instant while the ranks save and replicate, for
 ``SHARDSAFE_TEST_TIER_CRASH_ROUNDS`` rounds (default 2, about 6 s each; 110 rounds passed once by hand:
-``SHARDSAFE_TEST_TIER_CRASH_ROUNDS=110 pytest tests/test_tiers.py -k kill --timeout=2400``, 12.6 min): every committed local entry
-verifies and holds the values of its own rank and step, and the next round (a fresh job, sometimes after
-deleting the dead rank's whole node folder) resumes a step at least as new as the last one whose local
-save returned, bit for bit."""
+``SHARDSAFE_TEST_TIER_CRASH_ROUNDS=110 pytest tests/test_tiers.py -k kill --timeout=2400``, 12.6 min):
+every committed local entry verifies and holds the values of its own rank and step, and the next
+round (a fresh job, sometimes after deleting the dead rank's whole node folder) resumes a step at
+least as new as the last one whose local save returned, bit for bit."""
 
 from __future__ import annotations
 
