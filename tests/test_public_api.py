@@ -22,7 +22,7 @@ TYPES = {
     "ImportResult",
     "per_rank",
 }
-MANAGER = {"CheckpointManager", "CheckpointRecord", "ManagerConfig"}
+MANAGER = {"CheckpointManager", "CheckpointRecord", "LocalTier", "ManagerConfig"}
 
 
 def test_the_top_level_is_the_api_its_types_errors_and_the_manager() -> None:

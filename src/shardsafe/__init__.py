@@ -57,7 +57,7 @@ if TYPE_CHECKING:
         verify,
     )
     from shardsafe.interop import ExportResult, ImportResult, export_hf, export_torch, import_checkpoint
-    from shardsafe.manager import CheckpointManager, CheckpointRecord, ManagerConfig
+    from shardsafe.manager import CheckpointManager, CheckpointRecord, LocalTier, ManagerConfig
     from shardsafe.progress.bar import ProgressBar
     from shardsafe.progress.record import Progress
     from shardsafe.state.per_rank import per_rank
@@ -83,6 +83,7 @@ _LAZY: dict[str, str] = {
     "CheckpointManager": "shardsafe.manager",
     "CheckpointRecord": "shardsafe.manager",
     "ManagerConfig": "shardsafe.manager",
+    "LocalTier": "shardsafe.manager",
     "per_rank": "shardsafe.state.per_rank",
 }
 """Each public name imported on first use, and the module it comes from."""
@@ -104,6 +105,7 @@ __all__ = [
     "InternalError",
     "InvalidArgumentError",
     "InvalidTypeError",
+    "LocalTier",
     "ManagerConfig",
     "MissingKeysError",
     "OperationTimeoutError",

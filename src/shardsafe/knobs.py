@@ -270,3 +270,14 @@ progress_final_wait = Real(
     "How long rank 0 waits, at the end of a save or load, for the ``progress=`` callback to take the final record "
     "(a slower callback gets it later, from its own thread; the operation returns).",
 )
+
+
+_TIERS = "Node-local tier (docs/tiers.md)"
+
+tier_socket_seconds = Real(
+    _TIERS,
+    "TIER_SOCKET_SECONDS",
+    60.0,
+    "A replica server's bound on each socket operation of one request (a sender that stalls this long is dropped "
+    "and its transfer discarded); the sender's side is bounded by the manager's ``timeout``.",
+)

@@ -34,10 +34,24 @@ def call_site() -> str:
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
+class _Solo:
+    """The type of :data:`SOLO`."""
+
+    def __repr__(self) -> str:
+        return "shardsafe.coord.resolve.SOLO"
+
+
+SOLO: Any = _Solo()
+"""``group=SOLO``: this process alone, even inside a distributed job (a rank's own share in a node-local
+tier, manager/tiers.py): no store, rank 0 of 1. Only for states whose tensors this process holds whole."""
+
+
 def resolve_group(group: Any) -> tuple[Store | None, int, int, int, str, int]:
     """(store, rank in group, group size, global rank, namespace, identity) of ``group`` or the default
     group. The identity (the default process group object) keys the per-process sequence counter: it
     is stable while the group lives and new when the group is re-created over a fresh store."""
+    if group is SOLO:
+        return None, 0, 1, 0, "shardsafe/solo", 0
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
             raise InvalidArgumentError("group= was given but torch.distributed is not initialized")

@@ -25,10 +25,12 @@ from shardsafe.manager.chain import COUNT, Known, choose_base
 from shardsafe.manager.cleanup import apply_retention, remove_leftovers
 from shardsafe.manager.config import ManagerConfig
 from shardsafe.manager.listing import CheckpointRecord, scan
+from shardsafe.manager.local import LocalTierRuntime
 from shardsafe.manager.preemption import SignalFlag
 from shardsafe.manager.resume import newest_verified, resume_newest
 from shardsafe.manager.retention import RetentionPolicy
 from shardsafe.manager.schedule import PREEMPTION, Schedule
+from shardsafe.manager.tiers import LocalTier
 from shardsafe.progress.record import ProgressCallback, check_callback
 from shardsafe.storage import get_storage
 
@@ -72,7 +74,9 @@ class CheckpointManager:
     ``progress``: the callback (e.g. :class:`shardsafe.ProgressBar`) of every save and resume the
     manager makes, including the ones it triggers itself (scheduled and preemption saves); rank 0 calls
     it with :class:`shardsafe.Progress` records (docs/progress.md). ``progress=`` on a call replaces it
-    for that call. A callback that is not callable raises ``TypeError`` here.
+    for that call. A callback that is not callable raises ``TypeError`` here. ``local``: a
+    :class:`~shardsafe.LocalTier` (docs/tiers.md): frequent saves to each node's own folder, replicated
+    to a peer node, which :meth:`resume` prefers when newer than the durable store's newest.
     """
 
     def __init__(
@@ -96,6 +100,7 @@ class CheckpointManager:
         incremental: bool = False,
         full_save_every: int | None = None,
         progress: ProgressCallback | None = None,
+        local: LocalTier | None = None,
     ) -> None:
         self.config = ManagerConfig(
             root=os.fspath(root),
@@ -141,7 +146,13 @@ class CheckpointManager:
         self._damaged: set[str] = set()
         self._closed = False
         self._progress = check_callback(progress)
+        self._durable: int | None = None
         self._links: Known = {}  # manifests of the incremental chain already read (rank 0; a cache only)
+        if local is not None and not isinstance(local, LocalTier):
+            raise InvalidArgumentError(f"local={local!r} must be a shardsafe.LocalTier")
+        self._local = (
+            None if local is None else LocalTierRuntime(local, self.rank, self.world_size, self.config.timeout)
+        )
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.config.root!r}, rank={self.rank}/{self.world_size})"
@@ -159,14 +170,30 @@ class CheckpointManager:
 
     @entry_point("CheckpointManager.save", reads=False)
     def maybe_save(self, step: int, state: State, metrics: Metrics = None, *, progress: Callback = None) -> bool:
-        """(every rank) :meth:`save` when :meth:`should_save`; returns whether it saved."""
+        """(every rank) With a local tier, :meth:`save_local` first when ``step`` is a multiple of its
+        ``every_n_steps``; then :meth:`save` when :meth:`should_save`. Returns whether it saved (to
+        either tier)."""
         self._check_open()
         self._callback(progress)
         self._poll_pending()
+        local = self._local is not None and _check_step(step) % self._local.tier.every_n_steps == 0
+        if local:
+            self.save_local(step, state)
         if not self.should_save(step):
-            return False
+            return local
         self.save(step, state, metrics, progress=progress)
         return True
+
+    @entry_point("CheckpointManager.save_local", reads=False)
+    def save_local(self, step: int, state: State) -> None:
+        """(every rank) Save ``state`` as ``step`` in the node-local tier (``local=``): each rank's share
+        to its node's folder, replicated to its peers; returns once every rank's share and replicas are
+        in place (else raises on every rank). Then each rank applies the tier's retention."""
+        self._check_open()
+        if self._local is None:
+            raise InvalidArgumentError(f"{self!r} has no local tier; pass local=shardsafe.LocalTier(...)")
+        step = _check_step(step)
+        self._local.save(step, state, self._durable_step)
 
     @entry_point("CheckpointManager.save", reads=False)
     def save(self, step: int, state: State, metrics: Metrics = None, *, progress: Callback = None) -> None:
@@ -253,6 +280,13 @@ class CheckpointManager:
         self._finish_pending()  # a save in flight ends (or raises) before loading into the state
         check = self.config.verify_on_resume if verify is None else verify
         with mapped_errors("resume", self.config.root):
+            durable = self._newest_durable()
+            if self._local is not None:
+                step = self._local.resume(state, durable)
+                if step is not None:
+                    self._resumed_step = step
+                    self._schedule.saved(step)
+                    return step
             result = resume_newest(
                 self._fs,
                 self.config,
@@ -262,6 +296,8 @@ class CheckpointManager:
                 verify=check,
                 progress=callback,
             )
+        if self._local is not None:
+            self._local.forget_newer(None if result is None else result.step)
         if result is None:
             return None
         self._resumed_step = result.step
@@ -294,6 +330,8 @@ class CheckpointManager:
             self._finish_pending()
         finally:
             self._flag.restore()
+            if self._local is not None:
+                self._local.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -331,6 +369,21 @@ class CheckpointManager:
 
         return choose
 
+    @property
+    def _durable_step(self) -> int | None:
+        """The newest step this process saw committed to the durable store (saved or resumed)."""
+        return self._durable
+
+    def _newest_durable(self) -> int | None:
+        """(rank 0: its answer decides for every rank, in the local tier's resume agreement) The newest
+        committed durable step of this manager's names; ``None`` on other ranks and without a local tier."""
+        if self.rank != 0 or self._local is None:
+            return None
+        records = scan(self._fs, self.config.root, self.config.template)
+        steps = [r.step for r in records if r.status == "committed" and r.step is not None]
+        self._durable = max(steps) if steps else None
+        return self._durable
+
     def _poll_pending(self) -> None:
         """(rank 0) Apply retention as soon as an async save has committed, without waiting for it.
         A failed one is left for :meth:`_finish_pending`, which raises it on every rank at the same
@@ -353,6 +406,9 @@ class CheckpointManager:
         """(every rank; rank 0 acts) ``name`` has committed: apply retention and remove leftovers of
         crashed saves. Failures are logged, never raised: the checkpoint itself is safe."""
         self._damaged.discard(name)
+        parsed = self.config.template.parse(name)
+        if parsed is not None:
+            self._durable = parsed if self._durable is None else max(self._durable, parsed)
         if self.rank != 0:
             return
         try:
