@@ -20,8 +20,8 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from shardsafe.catalog.delete import delete_checkpoint, refuse_link
 from shardsafe.errors import InvalidArgumentError
-from shardsafe.storage.delete import delete_checkpoint, refuse_link
 from shardsafe.storage.local import LocalStorage
 
 logger = logging.getLogger(__name__)
