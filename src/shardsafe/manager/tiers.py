@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from shardsafe.catalog.delete import delete_checkpoint, refuse_link
-from shardsafe.errors import InvalidArgumentError
+from shardsafe.errors import InternalError, InvalidArgumentError
 from shardsafe.storage.local import LocalStorage
 
 logger = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ def remove_entry(path: str) -> None:
     module made, with everything in it. Then the step folder, if empty."""
     name = os.path.basename(path)
     if not (SHARE_RE.match(name) or REPLICA_RE.match(name) or INCOMING_RE.match(name)):
-        raise ValueError(f"refusing to delete {path!r}: not a name the local tier writes")
+        raise InternalError(f"refusing to delete {path!r}: not a name the local tier writes (a bug: please report it)")
     refuse_link(path, "delete the local-tier entry")
     storage = LocalStorage()
     if os.path.exists(os.path.join(path, "MANIFEST.json")) and not INCOMING_RE.match(name):
