@@ -99,7 +99,7 @@ class FsspecStorage:
         return f"{type(self.fs).__name__}:{self._p(target)}"
 
     def _retry(self, op: str, path: str, fn: Callable[[], T]) -> T:
-        return retry.call(op, path, fn, self.policy)
+        return retry.call(op, path, fn, self.policy, self.deadline)
 
     def join(self, base: str, name: str) -> str:
         check_name(name, base)
@@ -108,8 +108,9 @@ class FsspecStorage:
     # -- save ------------------------------------------------------------------------------------
 
     def set_deadline(self, deadline: float | None) -> None:
-        """Bounds the local writes and fsyncs of the save path (``file://``); object stores are
-        bounded by the retry deadline of each request."""
+        """The operation's deadline (``time.monotonic()`` seconds, ``None``: none): it bounds the local
+        writes and fsyncs of the save path (``file://``) and every request to an object store (each
+        attempt is cut at the deadline and no retry starts past it)."""
         self.deadline = deadline
 
     def staging_dir(self, target: str, save_id: str) -> str:
