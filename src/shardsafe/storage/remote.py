@@ -133,7 +133,7 @@ class FsspecStorage:
         if self._exists(p, path):
             raise FileExistsError(f"{path} already exists; data objects are never overwritten")
         if self.s3:
-            return PartWriter(self.fs, p, path, self.policy)
+            return PartWriter(self.fs, p, path, self.policy, self.deadline)
         return StreamWriter(self.fs, p, self.deadline if local_dir(self.fs, p) else None)
 
     def stage_manifest(self, commit: Commit) -> None:
