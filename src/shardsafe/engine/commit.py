@@ -89,6 +89,7 @@ class _LeaderLost(Exception):
 def discard(storage: Storage, path: str, pending: str, save_id: str, world_size: int, deadline: Deadline) -> None:
     """(every rank, once an abort is the outcome) Remove what this save wrote, within ``deadline`` (a
     hung disk must not hang the error path); failures are logged."""
+    storage.set_deadline(deadline.at)  # its object-store requests are bounded by the same deadline
     try:
         run_bounded(
             "removing the files of the failed save",
@@ -322,8 +323,10 @@ class Committer:
             delete_files(i.storage, i.path, stale)
             release_references(i.storage, i.path, old, where)
 
+        grace = self.op.clock.end.or_grace()
+        i.storage.set_deadline(grace.at)  # its requests to an object store are bounded by the same
         try:
-            run_bounded("removing the old data files", i.path, self.op.clock.end.or_grace(), remove)
+            run_bounded("removing the old data files", i.path, grace, remove)
         except (OSError, ValueError, CheckpointError) as err:
             logger.warning("shardsafe: committed %s but could not remove old data files %s: %s", i.path, stale, err)
         logger.debug(

@@ -109,7 +109,7 @@ class FsspecStorage:
         return f"{type(self.fs).__name__}:{self._p(target)}"
 
     def _retry(self, op: str, path: str, fn: Callable[[], T]) -> T:
-        return retry.call(op, path, fn, self.policy)
+        return retry.call(op, path, fn, self.policy, self.deadline)
 
     def join(self, base: str, name: str) -> str:
         check_name(name, base)
@@ -118,8 +118,9 @@ class FsspecStorage:
     # -- save ------------------------------------------------------------------------------------
 
     def set_deadline(self, deadline: float | None) -> None:
-        """Bounds the local writes and fsyncs of the save path (``file://``); object stores are
-        bounded by the retry deadline of each request."""
+        """The operation's deadline (``time.monotonic()`` seconds, ``None``: none): it bounds the local
+        writes and fsyncs of the save path (``file://``) and every request to an object store (each
+        attempt is cut at the deadline and no retry starts past it)."""
         self.deadline = deadline
 
     def pending_dir(self, target: str, save_id: str) -> str:
@@ -142,7 +143,7 @@ class FsspecStorage:
         if self._exists(p, path):
             raise FileExistsError(f"{path} already exists; data objects are never overwritten")
         if self.s3:
-            return PartWriter(self.fs, p, path, self.policy)
+            return PartWriter(self.fs, p, path, self.policy, self.deadline)
         return StreamWriter(self.fs, p, self.deadline if local_dir(self.fs, p) else None)
 
     def stage_manifest(self, commit: Commit) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from typing import TypeVar
 
 from shardsafe import knobs
 from shardsafe.errors import InvalidArgumentError, RemoteIOError
+from shardsafe.storage.bounded import run_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -139,27 +141,38 @@ def _transient_one(err: BaseException) -> bool:
     return False
 
 
-def call(op: str, path: str, fn: Callable[[], T], policy: RetryPolicy) -> T:
+def call(op: str, path: str, fn: Callable[[], T], policy: RetryPolicy, deadline: float | None = None) -> T:
     """(any thread) Run ``fn`` until it succeeds, a non-transient error occurs, or ``policy.deadline``
-    passes. ``op`` and ``path`` name the request in logs and in the final error."""
+    passes. ``op`` and ``path`` name the request in logs and in the final error.
+
+    With ``deadline`` (``time.monotonic()`` seconds: the operation's deadline) every attempt runs on a
+    worker thread waited for until then, so a request the client's own timeouts and retries would hold
+    for minutes (a black-holed endpoint) is cut at the deadline, and no retry starts past it."""
+    if deadline is not None and not math.isfinite(deadline):
+        deadline = None  # timeout=inf: the policy alone bounds the retries
     start = time.monotonic()
     attempt = 0
     while True:
         attempt += 1
         try:
-            return fn()
+            if deadline is None:
+                return fn()
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{op} {path}: the operation's deadline passed before the request was sent")
+            return run_bounded(op, path, deadline, fn)
         except Exception as err:
             if not is_transient(err):
                 raise
-            elapsed = time.monotonic() - start
+            now = time.monotonic()
+            elapsed = now - start
             sleep = policy.delay(attempt)
-            if elapsed + sleep > policy.deadline:
+            if elapsed + sleep > policy.deadline or (deadline is not None and now + sleep >= deadline):
                 raise RemoteIOError(
                     err.errno if isinstance(err, OSError) and err.errno else errno.EIO,
                     f"{op} {path}: still failing after {attempt} attempts in {elapsed:.1f}s "
                     f"({type(err).__name__}: {err}); the store is unreachable or throttling. "
                     f"Check the endpoint and network, or allow longer with SHARDSAFE_REMOTE_RETRY_SECONDS "
-                    f"(now {policy.deadline:g})",
+                    f"(now {policy.deadline:g}) or the call's timeout=",
                 ) from err
             logger.debug("%s %s: attempt %d failed (%s: %s); retrying in %.2fs", op, path, attempt,
                          type(err).__name__, err, sleep)  # fmt: skip

@@ -118,10 +118,12 @@ class PartWriter:
     """A new S3 object uploaded in parallel parts (see the module docstring). ``url`` names it in
     errors. ``write`` blocks while ``upload_threads()`` parts are in flight (bounded memory)."""
 
-    def __init__(self, fs: Any, path: str, url: str, policy: retry.RetryPolicy) -> None:
+    def __init__(self, fs: Any, path: str, url: str, policy: retry.RetryPolicy, deadline: float | None = None) -> None:
         self.fs = fs
         self.url = url
         self.policy = policy
+        self.deadline = deadline
+        """The operation's deadline: every request of this upload is cut at it (see retry.call)."""
         self.bucket, self.key, _ = fs.split_path(path)
         self.base_part = part_bytes()
         self.fixed_size = bool(getattr(fs, "fixed_upload_size", False))
@@ -163,7 +165,9 @@ class PartWriter:
                 self.starts += 1
                 return s3_call(self.fs, "create_multipart_upload", Bucket=self.bucket, Key=self.key)
 
-            self.upload_id = retry.call("start multipart upload", self.url, start, self.policy)["UploadId"]
+            self.upload_id = retry.call("start multipart upload", self.url, start, self.policy, self.deadline)[
+                "UploadId"
+            ]
             self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shardsafe-upload")
         self._wait_for_room(self.threads - 1)
         number = len(self.parts) + 1
@@ -188,6 +192,7 @@ class PartWriter:
                 Body=body,
             ),
             self.policy,
+            self.deadline,
         )
         return {"PartNumber": number, "ETag": out["ETag"]}
 
@@ -221,6 +226,7 @@ class PartWriter:
                     self.url,
                     lambda: s3_call(self.fs, "put_object", Bucket=self.bucket, Key=self.key, Body=body),
                     self.policy,
+                    self.deadline,
                 )
             else:
                 if self.fill:
@@ -259,7 +265,7 @@ class PartWriter:
                     return
                 raise
 
-        retry.call(self._op("complete multipart upload"), self.url, complete, self.policy)
+        retry.call(self._op("complete multipart upload"), self.url, complete, self.policy, self.deadline)
 
     def _abort_strays(self) -> None:
         """Abort uploads of this key that a start whose reply was lost created (never ours)."""
