@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from shardsafe import knobs
-from shardsafe.errors import InvalidArgumentError, RemoteIOError
+from shardsafe.errors import CheckpointTimeoutError, InvalidArgumentError, RemoteIOError
 from shardsafe.storage.bounded import run_bounded
 
 logger = logging.getLogger(__name__)
@@ -158,7 +158,9 @@ def call(op: str, path: str, fn: Callable[[], T], policy: RetryPolicy, deadline:
             if deadline is None:
                 return fn()
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"{op} {path}: the operation's deadline passed before the request was sent")
+                raise CheckpointTimeoutError(
+                    f"{op} {path}: the operation's deadline passed before the request was sent"
+                )
             return run_bounded(op, path, deadline, fn)
         except Exception as err:
             if not is_transient(err):
