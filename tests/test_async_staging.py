@@ -18,7 +18,7 @@ from shardsafe.engine import save as save_module
 from shardsafe.engine import staging
 
 from harness import check_ok, run_ranks
-from models import assert_same, build, full_state, train
+from models import assert_same, build, full_state, needs_fsdp2_on_cpu, train
 
 
 def _slow(seconds: float) -> None:
@@ -47,7 +47,7 @@ def _step_right_after(rank: int, world: int, path: str, strategy: str) -> float:
     return waited
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=needs_fsdp2_on_cpu)])
 def test_optimizer_step_right_after_the_call_waits_and_the_checkpoint_holds_the_call(
     tmp_path: Any, strategy: str
 ) -> None:
