@@ -30,7 +30,8 @@ import os
 import socket
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from torch._C._distributed_c10d import Store
 
@@ -45,6 +46,7 @@ from shardsafe.deadline import Clock, Deadline, Deadlines
 from shardsafe.errors import CheckpointError, InvalidArgumentError, RankDeadError, RankTimeoutError
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _seq_lock = threading.Lock()
 _seq: dict[tuple[int, str], int] = {}
@@ -308,6 +310,22 @@ class Operation:
             bound.seconds,
         )
         return others
+
+    def conclude(self, body: Callable[[], T]) -> T:
+        """(every rank) Run ``body`` (the operation's agreements and work), acknowledge the outcome it
+        read (also when it raised, once an outcome was read: every rank got the same one, and rank 0
+        may be waiting for the acknowledgements) and :meth:`close`. Returns what ``body`` returns."""
+        try:
+            try:
+                result = body()
+            except BaseException:
+                if self.outcome_known:
+                    self.acknowledge()
+                raise
+            self.acknowledge()
+            return result
+        finally:
+            self.close()
 
     def close(self) -> None:
         """(every rank that began the operation, once) Stop ticking for it. Idempotent."""

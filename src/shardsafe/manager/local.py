@@ -100,7 +100,8 @@ class LocalTierRuntime:
         every rank's share and replicas are in place, else raises on every rank. Then retention
         (``durable``: the newest durable step, whose older local copies are dropped)."""
         op = Operation.begin("tier.save", self.tier.path_template, self.deadlines.start())
-        try:
+
+        def agree_on_the_step() -> Table:
             decided = op.agree("arrive", Decision(self._me()), _collect if op.rank == 0 else None)
             table = self.table = self._table(json.loads(Decision.from_json(decided).value))
             error: Exception | None = None
@@ -131,13 +132,9 @@ class LocalTierRuntime:
                     phase="tier.save",
                     cause=o.error,
                 )
-            op.acknowledge()
-        except BaseException:
-            if op.outcome_known:
-                op.acknowledge()
-            raise
-        finally:
-            op.close()
+            return table
+
+        table = op.conclude(agree_on_the_step)
         drop_old(
             self.folder,
             self.rank,
@@ -175,16 +172,7 @@ class LocalTierRuntime:
         nodes into ``state`` and return it; ``None`` (state untouched unless a candidate failed to
         load, then the caller's durable resume overwrites it) when there is none."""
         op = Operation.begin("tier.resume", self.tier.path_template, self.deadlines.start())
-        try:
-            result = self._resume(op, state, durable)
-            op.acknowledge()
-        except BaseException:
-            if op.outcome_known:
-                op.acknowledge()
-            raise
-        finally:
-            op.close()
-        return result
+        return op.conclude(lambda: self._resume(op, state, durable))
 
     def _resume(self, op: Operation, state: MutableMapping[str, Any], durable: int | None) -> int | None:
         decided = op.agree("arrive", Decision(self._me()), _collect if op.rank == 0 else None)

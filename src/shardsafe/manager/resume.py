@@ -134,17 +134,7 @@ def resume_newest(
     listing that fails on rank 0 raises the same :class:`CheckpointError` on every rank. ``progress``
     is passed to each :func:`shardsafe.load` (rank 0 calls it)."""
     op = Operation.begin("manager.resume", config.root, deadlines.start())
-    try:
-        result = _resume(op, fs, config, state, deadlines, verify, progress)
-    except BaseException:
-        if op.outcome_known:
-            op.acknowledge()
-        raise
-    else:
-        op.acknowledge()
-        return result
-    finally:
-        op.close()
+    return op.conclude(lambda: _resume(op, fs, config, state, deadlines, verify, progress))
 
 
 def _resume(
