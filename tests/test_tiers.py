@@ -225,3 +225,21 @@ def test_kill_during_local_save_or_replication_leaves_nothing_inconsistent(tmp_p
         _check_entries(str(tmp_path / "local-*"))
         if rng.random() < 0.3:  # the dead rank's node is lost with it
             shutil.rmtree(tmp_path / f"local-{NODES[victim]['SHARDSAFE_NODE']}", ignore_errors=True)
+
+
+def test_an_uncommitted_share_folder_loses_only_what_shardsafe_writes(tmp_path: Path) -> None:
+    """Retention of a share whose save crashed (no manifest): its data files and temporary manifest go,
+    a file shardsafe did not write stays, and so does the folder holding it."""
+    from shardsafe.format.names import data_file
+    from shardsafe.manager.tiers import remove_entry, share_name, step_name
+
+    share = tmp_path / step_name(3) / share_name(1)
+    share.mkdir(parents=True)
+    for name in (data_file(0, "abc"), ".MANIFEST.json.tmp-abc", "notes.txt"):
+        (share / name).write_bytes(b"x")
+    remove_entry(str(share))
+    assert sorted(os.listdir(share)) == ["notes.txt"]
+    (share / "notes.txt").unlink()
+    (share / data_file(0, "abc")).write_bytes(b"x")
+    remove_entry(str(share))
+    assert not share.exists() and not share.parent.exists()

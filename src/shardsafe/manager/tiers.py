@@ -20,7 +20,8 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from shardsafe.catalog.delete import delete_checkpoint, refuse_link
+from shardsafe.catalog.delete import delete_checkpoint, delete_files, finish_deletion, refuse_link
+from shardsafe.catalog.names import is_own
 from shardsafe.errors import InternalError, InvalidArgumentError
 from shardsafe.storage.local import LocalStorage
 
@@ -128,9 +129,10 @@ def owned(folder: str, step: int, rank: int, senders: list[int]) -> list[str]:
 
 
 def remove_entry(path: str) -> None:
-    """Delete one committed share or replica (validated by its manifest; a link is refused), or, when
-    it holds no committed checkpoint (a save or transfer that crashed), the folder whose name this
-    module made, with everything in it. Then the step folder, if empty."""
+    """Delete one committed share or replica (validated by its manifest; a link is refused); a share
+    or replica folder without a committed manifest (a save that crashed) loses only the names shardsafe
+    writes there, and goes if that empties it; an ``.incoming-`` folder (a transfer that crashed, its
+    name unique to that transfer) goes whole. Then the step folder, if empty."""
     name = os.path.basename(path)
     if not (SHARE_RE.match(name) or REPLICA_RE.match(name) or INCOMING_RE.match(name)):
         raise InternalError(f"refusing to delete {path!r}: not a name the local tier writes (a bug: please report it)")
@@ -142,8 +144,14 @@ def remove_entry(path: str) -> None:
         except FileNotFoundError:
             if os.path.lexists(path):
                 raise  # else: the entry is gone and a rank of the node removed the empty step folder meanwhile
-    if os.path.isdir(path):
-        shutil.rmtree(path)  # an uncommitted share or transfer: only this tier writes here
+    if os.path.isdir(path) and INCOMING_RE.match(name):
+        shutil.rmtree(path)  # a transfer's own folder: only a transfer writes there
+    elif os.path.isdir(path):
+        finish_deletion(storage, path)  # an interrupted delete: what its tombstone lists
+        own = [n for n in os.listdir(path) if is_own(n)]
+        delete_files(storage, path, own)
+        if not storage.remove_dir_if_empty(path):
+            logger.warning("shardsafe: local tier: %s holds files shardsafe did not write; left as it is", path)
     try:
         os.rmdir(os.path.dirname(path))
     except OSError:
