@@ -5,6 +5,7 @@ a failed background save surfaces exactly once, at ``wait()`` or at the next cal
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -47,7 +48,7 @@ def _step_right_after(rank: int, world: int, path: str, strategy: str) -> float:
     return waited
 
 
-@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=needs_fsdp2_on_cpu)])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp1", pytest.param("fsdp", marks=needs_fsdp2_on_cpu)])
 def test_optimizer_step_right_after_the_call_waits_and_the_checkpoint_holds_the_call(
     tmp_path: Any, strategy: str
 ) -> None:
@@ -89,6 +90,76 @@ def test_the_gate_is_installed_once_and_never_removed_under_a_running_step(tmp_p
         train(model, opt, 2, start=2 * i)
         handle.wait()
     assert len(opt._optimizer_step_pre_hooks) == 2 and len(seen) == 6
+
+
+# ------------------------------------------------------------------ the call returns before the start
+
+
+def _returns_before_the_others_arrive(rank: int, world: int, path: str, signal: str) -> bool:
+    """Rank 1 calls ``async_save`` only once rank 0's call has returned: a call that waited for every
+    rank (the save's start is agreed among them) would never return, and the save would time out."""
+    model, opt = build("ddp")
+    train(model, opt, 1)
+    before = full_state(model, opt)
+    if rank == 0:
+        handle = shardsafe.async_save(path, {"model": model, "optimizer": opt}, timeout=20, staging="background")
+        with open(signal, "w") as f:
+            f.write("returned")
+    else:
+        deadline = time.monotonic() + 20
+        while not os.path.exists(signal) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        handle = shardsafe.async_save(path, {"model": model, "optimizer": opt}, timeout=20, staging="background")
+    train(model, opt, 1, start=1)  # waits at the gate until the start is agreed and its tensors copied
+    handle.wait()
+    fresh, fopt = build("ddp", seed=5)
+    shardsafe.load(path, {"model": fresh, "optimizer": fopt}, timeout=20)
+    assert_same(before, full_state(fresh, fopt))
+    return True
+
+
+def test_the_call_returns_before_the_other_ranks_arrive(tmp_path: Any) -> None:
+    path, signal = str(tmp_path / "c"), str(tmp_path / "rank0-returned")
+    assert check_ok(run_ranks(_returns_before_the_others_arrive, 2, path, signal, timeout=90)) == [True, True]
+
+
+def test_a_refused_target_fails_at_wait_and_releases_the_optimizer(tmp_path: Any) -> None:
+    """The target is checked when the save starts, on its thread: the refusal is ``wait()``'s, the
+    optimizer's gate opens, and the committed checkpoint stays."""
+    model, opt = build("plain")
+    train(model, opt, 1)
+    path = str(tmp_path / "c")
+    shardsafe.save(path, {"model": model})
+    handle = shardsafe.async_save(path, {"model": model, "optimizer": opt}, timeout=30, staging="background")
+    train(model, opt, 1, start=1)  # the gate opens when the start fails
+    with pytest.raises(shardsafe.CheckpointExistsError):
+        handle.wait()
+    assert handle.staged()
+    shardsafe.verify(path)
+
+
+def test_an_incremental_save_checks_chunks_it_refers_to(tmp_path: Any, monkeypatch: Any) -> None:
+    """A tensor changed after the call to equal the base's bytes would be matched to the base and
+    referred to, never copied: the version check covers it too (else the checkpoint would hold the
+    base's value, not the value at the call)."""
+    base, path = str(tmp_path / "base"), str(tmp_path / "next")
+    w = torch.zeros(64)
+    shardsafe.save(base, {"w": w, "v": torch.ones(4)})
+    w.fill_(7.0)  # the value at the call: not the base's
+    released = threading.Event()
+    real = save_module.incremental.match
+
+    def match_later(*args: Any, **kwargs: Any) -> Any:
+        released.wait(20)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(save_module.incremental, "match", match_later)
+    handle = shardsafe.async_save(path, {"w": w, "v": torch.ones(4)}, base=base, staging="background")
+    w.zero_()  # back to the base's bytes before the save compares them
+    released.set()
+    with pytest.raises(shardsafe.TornSnapshotError, match="'w'"):
+        handle.wait()
+    assert not os.path.exists(os.path.join(path, "MANIFEST.json"))
 
 
 # ------------------------------------------------------------------ a change the library cannot see

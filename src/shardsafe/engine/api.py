@@ -59,7 +59,9 @@ def _start(path: str | os.PathLike[str], state: Mapping[str, Any], call: str, gi
         job.finish()
         return SaveHandle(job, None)
     handle = SaveHandle(job, None)
-    thread = threading.Thread(target=handle._run, name=f"shardsafe-save-{job.save_id}", daemon=True)
+    thread = threading.Thread(
+        target=handle._run, name=f"shardsafe-save-{os.path.basename(job.path.rstrip('/'))}", daemon=True
+    )
     handle._thread = thread
     inflight.add(handle)
     thread.start()

@@ -145,12 +145,24 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def after_current(device: torch.device, stream: Any) -> None:
-    """(the caller's thread) Make ``stream`` wait for the work queued so far on the caller's current
-    stream of ``device`` (the stream that produced, or still uses, the tensors)."""
+def mark_current(device: torch.device) -> Any:
+    """(the caller's thread) An event marking the work queued so far on the caller's current stream of
+    ``device`` (the stream that produced, or still uses, the tensors), for a side stream to wait on
+    later, maybe from another thread (:func:`after_mark`)."""
     event = _cuda.Event()
     event.record(torch.cuda.current_stream(torch.device(device.type, _index(device))))
-    stream.wait_event(event)
+    return event
+
+
+def device_key(device: torch.device) -> tuple[str, int]:
+    """``device`` with its index filled in (``cuda`` is the current device), to match devices by."""
+    return (device.type, _index(device))
+
+
+def after_current(device: torch.device, stream: Any, mark: Any = None) -> None:
+    """Make ``stream`` wait for ``mark`` (from :func:`mark_current`) or, without one, for the work
+    queued so far on the caller's current stream of ``device``."""
+    stream.wait_event(mark if mark is not None else mark_current(device))
 
 
 def record(stream: Any) -> Any:

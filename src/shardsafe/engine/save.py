@@ -85,6 +85,8 @@ class SaveJob:
         self.header_bytes = 0
         self._refused: BaseException | None = None  # rank 0: the target or base refused (decided for all)
         self._prepared = False  # rank 0 created staging
+        self.deferred = False  # staging="background" captured the state at the call; finish() starts the save
+        self._captured_failure: BaseException | None = None  # the capture's failure, sent in the rendezvous
 
     @property
     def phase(self) -> str:
@@ -100,9 +102,37 @@ class SaveJob:
     def begin(self, *, copy: bool, defer: bool = False) -> None:
         """(all ranks, caller's thread) Rendezvous, plan and stage. With ``copy`` the chunks are copied
         into staging buffers, so the caller may change its tensors as soon as this returns; with
-        ``defer`` too, they are only recorded here and copied by :meth:`finish` (``staging="background"``)."""
+        ``defer`` too (``staging="background"``), only the state is captured here (flattened, its plain
+        values encoded, its tensors' versions recorded, the optimizers gated: :mod:`~shardsafe.engine.snapshot`)
+        and :meth:`finish` does the rest on the save's thread: rendezvous, plan, copies."""
         self.op = op = Operation.begin("save", self.path, self.clock, group=self.options["group"])
         self.tracker.start(op, lambda: self.phase)
+        self.deferred = defer and self._capture(op)
+        if not self.deferred:
+            self._start(op, copy=copy, defer=defer)
+        self.blocking_seconds = time.monotonic() - self.started
+
+    def _capture(self, op: Operation) -> bool:
+        """(staging="background", the caller's thread) Flatten the state and capture it for background
+        staging; False where the start must come first (an FSDP1 exchange, which the rendezvous carries)
+        or the capture failed: then the rendezvous, at the call, carries the failure to every rank."""
+        try:
+            self.flat = flatten(self.state, allow_pickle=self.options["allow_pickle"], gather=_exchange_first)
+            self.metadata_json = encode(self.options["metadata"], "metadata", _no_tensors)
+            self.background = snapshot.BackgroundStaging(self.flat, self.state, path=self.path, rank=op.rank)
+            self.background.attach(self.clock.work)
+        except _ExchangeFirst:
+            return False
+        except Exception as err:  # raised on every rank by the rendezvous (_rendezvous sends it)
+            self._captured_failure = err
+            if self.background is not None:
+                self.background.close()
+            return False
+        return True
+
+    def _start(self, op: Operation, *, copy: bool, defer: bool) -> None:
+        """(all ranks; the caller's thread, or the save's after a capture) The rendezvous, the plan and
+        the staging; a failure is settled with every rank (the commit round) and raised."""
         try:
             start = self._rendezvous(op)
             fault_point("save.rendezvous", op.global_rank)
@@ -116,9 +146,13 @@ class SaveJob:
                 self.flat = flatten(
                     self.state, allow_pickle=self.options["allow_pickle"], gather=lambda _phase, _mine: payloads
                 )
+            if copy and defer and self.background is None:  # captured now, the start having come first
+                self.background = snapshot.BackgroundStaging(self.flat, self.state, path=self.path, rank=op.rank)
+                self.background.attach(self.clock.work)
             paths = start.per_rank if start.per_rank is not None else self._per_rank_round(op, start.differ)
             per_rank.apply(self.flat, paths, op.rank)
-            self.metadata_json = encode(self.options["metadata"], "metadata", _no_tensors)
+            if not self.deferred:
+                self.metadata_json = encode(self.options["metadata"], "metadata", _no_tensors)
             self.chunks = plan_writes(self.flat.items, op.rank, op.world_size) + own_chunks(self.flat)
             if self.base_manifest is not None:
                 self.chunks, self.ref_chunks = incremental.match(
@@ -134,12 +168,16 @@ class SaveJob:
             self.tracker.set_total(size)
             fault_point("save.plan", op.global_rank)
             self.phase = "stage"
-            if copy and defer:
-                self.background = snapshot.BackgroundStaging(self.chunks, self.state, path=self.path, rank=op.rank)
+            if self.background is not None:
+                self.background.plan(self.flat, self.chunks)
+                self.background.check_unchanged([name for name, _ in self.ref_chunks])
                 self.staged = staging.stage(
-                    self.background.chunks, snapshot=True, wait=self.clock.work.remaining(), defer=True
+                    self.background.chunks,
+                    snapshot=True,
+                    wait=self.clock.work.remaining(),
+                    defer=True,
+                    marks=self.background.marks,
                 )
-                self.background.attach(self.clock.work)
             else:
                 self.staged = staging.stage(self.chunks, snapshot=copy, wait=self.clock.work.remaining())
                 self.chunks = self.staged.chunks  # after a snapshot, no reference to the caller's tensors
@@ -156,22 +194,23 @@ class SaveJob:
                 self._end(settled)
                 raise
             raise  # not reached: the commit round raises for a failure
-        self.blocking_seconds = time.monotonic() - self.started
 
     def _rendezvous(self, op: Operation) -> SaveStart:
-        """(every rank) Flatten and digest locally (rank 0 also prepares the target), then the first
-        agreement. Raises the rendezvous' failure on every rank."""
+        """(every rank) Flatten (unless captured) and digest locally (rank 0 also prepares the target),
+        then the first agreement. Raises the rendezvous' failure on every rank."""
         body: SaveArrival | None = None
-        failure: BaseException | None = None
+        failure: BaseException | None = self._captured_failure
         try:
-            payload = exchange_payload(self.state)
-            if payload:
+            if failure is not None:
+                pass  # the capture failed: every rank learns it from this agreement
+            elif self.flat is None and (payload := exchange_payload(self.state)):
                 body = SaveArrival({}, {}, payload)
             else:
-                self.flat = flatten(self.state, allow_pickle=self.options["allow_pickle"])
+                if self.flat is None:
+                    self.flat = flatten(self.state, allow_pickle=self.options["allow_pickle"])
                 entries, nodes = per_rank.digests(self.flat) if not op.single else ({}, {})  # alone: none differ
                 body = SaveArrival(entries, nodes, "")
-            if op.rank == 0:
+            if op.rank == 0 and failure is None:
                 self._prepare()
         except Exception as err:  # sent to every rank in the agreement; raised on every rank
             failure = err
@@ -265,8 +304,12 @@ class SaveJob:
 
     def finish(self) -> None:
         """(all ranks; caller's thread or the background thread) Write, then the commit round."""
-        op, flat = self.op, self.flat
-        assert op is not None and flat is not None
+        op = self.op
+        assert op is not None
+        if self.deferred:
+            self._start(op, copy=True, defer=True)
+        flat = self.flat
+        assert flat is not None
         writer: Writer | None = None
         report: WriteReport | None = None
         error: BaseException | None = None
@@ -367,6 +410,15 @@ def _fingerprint(flat: FlatState) -> str:
     for item in flat.items:
         h.update(f"{item.name}|{item.shape}|{item.local.dtype}|{item.replicated};".encode())
     return h.hexdigest()[:16]
+
+
+class _ExchangeFirst(Exception):
+    """The state holds an FSDP1 optimizer over original parameters: its flattening needs every rank's
+    payload, which the rendezvous carries, so a background save cannot capture it before the start."""
+
+
+def _exchange_first(_phase: str, _payload: str) -> list[str]:
+    raise _ExchangeFirst
 
 
 def _no_tensors(path: str, _t: torch.Tensor) -> str:

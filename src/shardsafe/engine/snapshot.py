@@ -1,15 +1,18 @@
 """Background staging (``async_save(..., staging="background")``): the call returns before copying any
 tensor, and the checkpoint still holds the values at the call, or the save fails; it is never torn.
 
-At the call (:class:`BackgroundStaging`, the caller's thread), after the plan:
+At the call (:class:`BackgroundStaging`, the caller's thread), right after the state is flattened
+(its plain values encoded) and before anything else of the save (the rendezvous, the plan and the
+staging memory all come later, on the save's thread):
 
 - **module buffers are cloned** on their own device (BatchNorm running statistics and the like). They
   are small (a few KiB per layer, well under 1% of a model), a forward changes them, and the kernels
   that change them (``native_batch_norm``) do not move their version counter, so they could neither be
   waited for cheaply (a forward pre-hook would hold up every forward of the model for its whole
   staging) nor checked: copying them at once is the one choice both cheap and exact;
-- **every other chunk's version counter** (``tensor._version``, shared by views and ``detach()``) is
-  recorded;
+- **every other tensor's version counter** (``tensor._version``, shared by views and ``detach()``) is
+  recorded, and on an accelerator an event marks the work queued on the current stream (the copies
+  are ordered after it, not after what the training queues later);
 - **optimizers found in the state are gated**: their next ``optimizer.step()`` waits until the chunks
   of their parameters and state are copied; a parameter is immutable until the step, so the step that
   follows the call never runs ahead of the copy. The wait is bounded by the save's work deadline; past
@@ -20,7 +23,8 @@ At the call (:class:`BackgroundStaging`, the caller's thread), after the plan:
   while the training thread's ``step()`` iterates the optimizer's hooks raises "OrderedDict mutated
   during iteration" in the training step, so no hook is ever removed from another thread.
 
-On the save's background thread (:meth:`BackgroundStaging.run`), before the write: the chunks are
+On the save's background thread, once the save's start is agreed and this rank's chunks are planned
+(:meth:`BackgroundStaging.plan`), before the write (:meth:`BackgroundStaging.run`): the chunks are
 copied into the slab, those the next optimizer step touches first (parameters and state of the
 optimizers, in their order), then the rest in file order; CPU sources by single-threaded ``memmove``
 pieces (with every intra-op thread while an optimizer step waits for them), accelerator sources on
@@ -29,7 +33,9 @@ work queued on the current stream at the call. After each chunk's copy has lande
 counter is compared with the one at the call: a change means the tensor was written in place in
 between, and the save fails on every rank with :class:`TornSnapshotError` naming the tensor (through
 the commit round, as any failure of a rank), nothing is committed and the previous checkpoint at the
-path stays loadable.
+path stays loadable. The chunks an incremental save refers to instead of writing (equal to the
+base's, compared on the save's thread) are checked the same way once compared
+(:meth:`BackgroundStaging.check_unchanged`).
 
 What it cannot see (docs/async.md): writes that bypass the version counter (``tensor.data.add_()``,
 kernels that mutate an argument without declaring it, as BatchNorm's running statistics in a plain
@@ -51,11 +57,11 @@ from typing import Any
 import torch
 
 from shardsafe.deadline import Deadline
-from shardsafe.engine import staging
+from shardsafe.engine import hostmem, staging
 from shardsafe.engine.plan import PendingChunk
 from shardsafe.errors import TornSnapshotError
 from shardsafe.format.values import PerRank
-from shardsafe.state.flatten import Filtered, modules_of
+from shardsafe.state.flatten import Filtered, FlatState, TensorItem, modules_of
 
 try:
     from torch.distributed.tensor import DTensor
@@ -74,7 +80,7 @@ class _Guard:
 
     name: str
     optimizer: torch.optim.Optimizer
-    pending: set[int]
+    pending: set[int] = field(default_factory=set)  # this rank's chunks of its parameters and state not yet copied
     ready: threading.Event = field(default_factory=threading.Event)
     wait: Callable[[], None] | None = None  # armed on the optimizer's gate until ready
 
@@ -157,15 +163,17 @@ def _optimizer_keys(opt: torch.optim.Optimizer) -> set[StorageKey]:
 
 
 class BackgroundStaging:
-    """The background staging of one rank's chunks of one save; see the module docstring.
+    """The background staging of one rank's share of one save; see the module docstring.
 
-    ``chunks``: this rank's planned chunks (the caller's tensors); :attr:`chunks` are those to stage
-    (module buffers replaced by their clones), to hand to :func:`staging.stage` with ``defer``. Call
-    :meth:`attach` before returning to the caller, :meth:`run` with that :class:`Staged` on the save's
-    thread, :meth:`close` in every case (idempotent; :meth:`run` calls it). :attr:`done` is set once
-    staging has ended, copied or failed."""
+    Made at the call from the flattened state (:meth:`__init__`: version counters recorded, module
+    buffers cloned into the state's items), then :meth:`attach` arms the optimizers' gates before the
+    call returns. On the save's thread, once the chunks are planned:
+    :meth:`plan` (the copy order; also called at the call where the plan is made there),
+    :meth:`check_unchanged` for chunks the save refers to instead of copying, :meth:`run` with the
+    :class:`Staged` of :attr:`chunks`. :meth:`close` in every case (idempotent; :meth:`run` calls it).
+    :attr:`done` is set once staging has ended, copied or failed."""
 
-    def __init__(self, chunks: Sequence[PendingChunk], state: Mapping[str, Any], *, path: str, rank: int) -> None:
+    def __init__(self, flat: FlatState, state: Mapping[str, Any], *, path: str, rank: int) -> None:
         self.path = path
         self.rank = rank
         self.done = threading.Event()
@@ -176,46 +184,90 @@ class BackgroundStaging:
         for _, module in modules_of(state):
             buffers.update(_storage_key(b) for b in module.buffers())
         buffers.discard(None)
+        # id(item.local) -> the item's tensors and their versions at the call (the items stay referenced by
+        # ``flat`` until the plan, and the per-rank items made from them share their ``local``)
+        self._recorded: dict[int, list[tuple[torch.Tensor, int]]] = {}
+        self._recorded_by_name: dict[str, list[tuple[torch.Tensor, int]]] = {}  # by tensor name, once planned
+        self._names: dict[int, str] = {}  # id(item.local) -> the tensor's name in the state, for messages
+        self._called: dict[str, str] = {}  # a planned chunk's tensor name -> that name (per-rank ones differ)
+        self.marks: dict[tuple[str, int], Any] = {}  # accelerator: the current stream's work at the call
+        for item in (*flat.items, *flat.per_rank):
+            self._capture(item, buffers)
+        self.guards = [_Guard(name, opt) for name, opt in _optimizers(state)]
         self.chunks: list[PendingChunk] = []
-        self.versions: list[int | None] = []
-        self.sources: list[torch.Tensor | None] = []  # what each version belongs to, until checked
-        for c in chunks:
-            version = _version(c.data)
-            if version is None or (buffers and _storage_key(c.data) in buffers):
-                c = PendingChunk(c.name, c.offsets, c.sizes, c.data.detach().clone())  # on its own device and stream
-                self.cloned += c.nbytes
-                version = None  # nobody else holds the clone
-            self.chunks.append(c)
-            self.versions.append(version)
-            self.sources.append(c.data if version is not None else None)
-        keys = [
-            _storage_key(c.data) if v is not None else None for c, v in zip(self.chunks, self.versions, strict=True)
-        ]
-        self.guards: list[_Guard] = []
-        for name, opt in _optimizers(state):
-            owned = _optimizer_keys(opt)
-            mine = {i for i, k in enumerate(keys) if k is not None and k in owned}
-            self.guards.append(_Guard(name, opt, mine))
-        first: list[int] = []
-        taken: set[int] = set()
-        for g in self.guards:
-            first += sorted(g.pending - taken)
-            taken |= g.pending
-        self.order = first + [i for i in range(len(self.chunks)) if i not in taken]
+        self.sources: list[list[tuple[torch.Tensor, int]]] = []  # per chunk, until its copy is checked
+        self.order: list[int] = []
         self._lock = threading.Lock()
         self._closed = False
         self.deadline: Deadline | None = None
+
+    def _capture(self, item: TensorItem, buffers: set[StorageKey | None]) -> None:
+        """(the call) Record the versions of ``item``'s tensors; clone those without one (inference
+        tensors) or that are a module's buffers, in place of the originals in ``item``."""
+        recorded: list[tuple[torch.Tensor, int]] = []
+        boxes = item.boxes()
+        cloned = False
+        for n, (offsets, t) in enumerate(boxes):
+            if t.is_cuda:
+                key = hostmem.device_key(t.device)
+                if key not in self.marks:
+                    self.marks[key] = hostmem.mark_current(t.device)
+            version = _version(t)
+            if version is None or (buffers and _storage_key(t) in buffers):
+                copy = t.detach().clone()  # on its own device and stream
+                self.cloned += copy.nbytes
+                boxes[n] = (offsets, copy)
+                cloned = True
+            else:
+                recorded.append((t, version))
+        if cloned:
+            if item.pieces is not None:
+                item.pieces = boxes
+                item.local = boxes[0][1] if boxes else item.local
+            else:
+                item.local = boxes[0][1]
+        self._recorded[id(item.local)] = recorded
+        self._names[id(item.local)] = item.name
+
+    def plan(self, flat: FlatState, chunks: Sequence[PendingChunk]) -> None:
+        """(the save's thread; the call's where the save plans there) This rank's planned ``chunks`` of
+        ``flat`` (made from the items :meth:`__init__` captured) become :attr:`chunks`: those the
+        optimizers' next steps touch first, in the optimizers' order, then the rest. An optimizer with
+        nothing to copy on this rank is released at once."""
+        items = (*flat.items, *flat.per_rank)
+        recorded = {i.name: self._recorded.get(id(i.local), []) for i in items}
+        self._called = {i.name: self._names.get(id(i.local), i.name) for i in items}
+        self.chunks = list(chunks)
+        self.sources = [recorded.get(c.name, []) for c in self.chunks]
+        keys = [_storage_key(c.data) if src else None for c, src in zip(self.chunks, self.sources, strict=True)]
+        first: list[int] = []
+        taken: set[int] = set()
+        for g in self.guards:
+            owned = _optimizer_keys(g.optimizer)  # its step waits at the gate: the set stays as it is
+            g.pending = {i for i, k in enumerate(keys) if k is not None and k in owned}
+            first += sorted(g.pending - taken)
+            taken |= g.pending
+            if not g.pending:
+                self._release(g)
+        self.order = first + [i for i in range(len(self.chunks)) if i not in taken]
+        self._recorded_by_name = recorded
+
+    def check_unchanged(self, names: Sequence[str]) -> None:
+        """(the save's thread, after the plan) The tensors ``names`` are not copied (the save refers to a
+        base's equal chunks, compared after the call): raise :class:`TornSnapshotError` if one changed
+        since the call."""
+        for name in names:
+            for src, before in self._recorded_by_name.get(name, []):
+                self._check(name, src, before)
 
     def attach(self, deadline: Deadline) -> None:
         """(the caller's thread, before ``async_save`` returns) Arm the gates of the optimizers whose
         chunks this rank copies: their next step waits for those chunks, until ``deadline`` at most."""
         self.deadline = deadline
         for g in self.guards:
-            if g.pending:
+            if not g.ready.is_set():
                 g.wait = self._waiter(g)
                 gate_of(g.optimizer).arm(g.wait)
-            else:
-                g.ready.set()
 
     def _waiter(self, g: _Guard) -> Callable[[], None]:
         def wait_for_staging() -> None:
@@ -260,10 +312,18 @@ class BackgroundStaging:
             self.close()
 
     def _landed(self, i: int) -> None:
-        src, before = self.sources[i], self.versions[i]
-        self.sources[i] = None
-        if src is not None and before is not None and int(src._version) != before:
-            name = self.chunks[i].name
+        sources, self.sources[i] = self.sources[i], []
+        for src, before in sources:
+            self._check(self.chunks[i].name, src, before)
+        for g in self.guards:
+            if i in g.pending:
+                g.pending.discard(i)
+                if not g.pending:
+                    self._release(g)
+
+    def _check(self, name: str, src: torch.Tensor, before: int) -> None:
+        if int(src._version) != before:
+            name = self._called.get(name, name)
             raise TornSnapshotError(
                 f"async_save of {self.path!r} (staging='background'): tensor {name!r} was changed in place on "
                 f"rank {self.rank} after the call and before it was copied (version {before} -> {int(src._version)}); "
@@ -271,11 +331,6 @@ class BackgroundStaging:
                 "changes it in the state (its step then waits for the copy), change it only after "
                 "handle.wait_staged(), or save with staging='blocking'"
             )
-        for g in self.guards:
-            if i in g.pending:
-                g.pending.discard(i)
-                if not g.pending:
-                    self._release(g)
 
     def close(self) -> None:
         """(any thread, idempotent) Staging is over: disarm the gates, release waiting steps."""
@@ -285,6 +340,9 @@ class BackgroundStaging:
             self._closed = True
         for g in self.guards:
             self._release(g)
-        self.sources = [None] * len(self.sources)
+        self.sources = []
+        self._recorded = {}
+        self._recorded_by_name = {}
+        self._names = {}
         self.chunks = []  # the save keeps the staged copies; no reference to the caller's tensors
         self.done.set()

@@ -28,7 +28,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import threading
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -100,13 +100,21 @@ class Staged:
         self.chunks = []
 
 
-def stage(chunks: Sequence[PendingChunk], *, snapshot: bool, wait: float, defer: bool = False) -> Staged:
-    """(every rank, the caller's thread, before its tensors may change) Prepare the chunks for the
-    writer. With ``snapshot`` (asynchronous save) every chunk is copied into one slab before this
-    returns, so the caller may change its tensors at once, unless ``defer``: then :func:`fill` copies
-    them later, from another thread; otherwise the copies happen while writing. Accelerator copies are
-    ordered after the work queued so far on each source device's current stream (at this call, also
-    when deferred)."""
+def stage(
+    chunks: Sequence[PendingChunk],
+    *,
+    snapshot: bool,
+    wait: float,
+    defer: bool = False,
+    marks: Mapping[tuple[str, int], Any] | None = None,
+) -> Staged:
+    """(every rank, before its tensors may change) Prepare the chunks for the writer. With ``snapshot``
+    (asynchronous save) every chunk is copied into one slab before this returns, so the caller may
+    change its tensors at once, unless ``defer``: then :func:`fill` copies them later, from another
+    thread; otherwise the copies happen while writing. Accelerator copies are ordered after the work
+    queued on each source device's current stream: up to this call, or up to the event ``marks`` holds
+    for the device (:func:`hostmem.mark_current`, recorded at the save's call when this runs later,
+    on the save's thread)."""
     staged = Staged(chunks, snapshot=snapshot, wait=wait)
     for c, copy in zip(staged.chunks, staged.copy, strict=True):
         dev = c.data.device
@@ -117,7 +125,8 @@ def stage(chunks: Sequence[PendingChunk], *, snapshot: bool, wait: float, defer:
             )
         if copy and dev.type == "cuda" and dev not in staged.streams:
             staged.streams[dev] = hostmem.side_stream(dev, "d2h")
-            hostmem.after_current(dev, staged.streams[dev])
+            mark = marks.get(hostmem.device_key(dev)) if marks else None
+            hostmem.after_current(dev, staged.streams[dev], mark)
     if snapshot and not defer:
         fill(staged)
     return staged

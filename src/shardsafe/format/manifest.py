@@ -37,7 +37,7 @@ from shardsafe.format.model import (
 )
 from shardsafe.format.names import SAVE_ID, is_data_file_of
 from shardsafe.format.tiling import check_tiling
-from shardsafe.format.values import dtype_name, validate
+from shardsafe.format.values import INT_LIMIT, MAX_DIMS, dtype_name, validate
 from shardsafe.format.walk import per_rank_counts, tensor_refs
 
 __all__ = [  # the model (format/model.py) is imported from here too
@@ -70,9 +70,6 @@ MAX_DEPTH = 128
 """Most levels of JSON arrays and objects in a manifest (a typed value inside is capped lower)."""
 MAX_HEADER_BYTES = 8 + 100_000_000
 """Largest ``header_bytes`` of a data file: safetensors' own limit on the JSON header, plus the prefix."""
-MAX_DIMS = 64
-INT_LIMIT = 2**62
-"""Every size, offset, byte position and element count in a manifest is at most this."""
 CREATED_LIMIT = 2**34
 """``created`` is a Unix time between 0 and this (the year 2514)."""
 

@@ -52,6 +52,11 @@ MAX_DEPTH = 100
 node, ``items`` and the pair; a tuple two; a list one). Deeper values are refused at save and
 rejected on load, so that no reader recurses without bound."""
 
+MAX_DIMS = 64
+"""Most dimensions of a tensor in a checkpoint."""
+INT_LIMIT = 2**62
+"""Every size, offset, byte position and element count in a manifest is at most this."""
+
 _FIELDS: dict[str, frozenset[str]] = {
     tag: frozenset({"$", *fields})
     for tag, fields in {
@@ -155,20 +160,21 @@ def _storable_tensor(tensor: torch.Tensor, path: str) -> None:
     """The limits a reader checks on every tensor entry (docs/format.md, section 8, rule 6), applied
     before anything is written, naming the tensor: at most ``MAX_DIMS`` dimensions, and a byte size
     (each 0 counted as 1) of at most ``INT_LIMIT``."""
-    from shardsafe.format.manifest import INT_LIMIT, MAX_DIMS  # the parser's own limits (it imports this module)
-
     if len(path) > _NAME_LIMIT:
         raise UnsafeValueError(
             f"{path[:80]!r}...: a tensor whose name (its path in the state) has {len(path)} characters; a checkpoint "
             f"holds names of at most {_NAME_LIMIT}. Use shorter keys."
         )
-    shape = tuple(int(d) for d in tensor.shape)
+    shape = tensor.shape
     if len(shape) > MAX_DIMS:
         raise UnsafeValueError(
             f"{path!r}: a tensor of {len(shape)} dimensions; a checkpoint holds at most {MAX_DIMS}. Reshape it "
             "(e.g. flatten leading dimensions) before saving, and back after loading."
         )
-    if math.prod(max(d, 1) for d in shape) * tensor.dtype.itemsize > INT_LIMIT:
+    size = tensor.dtype.itemsize
+    for d in shape:
+        size *= d if d > 1 else 1
+    if size > INT_LIMIT:
         raise UnsafeValueError(
             f"{path!r}: a tensor of shape {list(shape)} ({dtype_name(tensor.dtype)}); a checkpoint holds shapes whose "
             f"byte size, each 0 counted as 1, is at most 2^62. Store it with another shape."
@@ -192,6 +198,9 @@ def encode(value: Any, path: str, on_tensor: TensorSink, *, allow_pickle: bool =
             f"{path!r}: the value nests more than {MAX_DEPTH} levels deep (or holds itself); flatten it, "
             "or store it another way"
         )
+    if isinstance(value, torch.Tensor):  # the common case first (no other type checked here is a tensor)
+        _storable_tensor(value, path)
+        return {"$": "tensor", "ref": on_tensor(path, value)}
     if isinstance(value, PerRank):
         # This rank's value only; the save collects every rank's into "ranks" (state/per_rank.py).
         inner = encode(value.value, path, on_tensor, allow_pickle=allow_pickle, _level=_level + 2)
@@ -213,9 +222,6 @@ def encode(value: Any, path: str, on_tensor: TensorSink, *, allow_pickle: bool =
         if math.isfinite(value):
             return float(value)
         return {"$": "float", "v": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
-    if isinstance(value, torch.Tensor):
-        _storable_tensor(value, path)
-        return {"$": "tensor", "ref": on_tensor(path, value)}
     if isinstance(value, torch.Size):
         if any(not 0 <= int(d) < _SIZE_LIMIT for d in value):
             raise UnsafeValueError(f"{path!r}: torch.Size {list(value)} has a negative size, which cannot be stored")
@@ -234,14 +240,15 @@ def encode(value: Any, path: str, on_tensor: TensorSink, *, allow_pickle: bool =
                     f"{path!r}: dict key {k!r} of type {type(k).__name__} cannot be stored; "
                     "use str or int keys (or pass allow_pickle=True to save and load)"
                 )
+            where = f"{path}/{k}"
             if isinstance(k, str):
-                _storable_text(k, f"{path}/{k}", "the key")
+                _storable_text(k, where, "the key")
             elif k.bit_length() > _INT_BITS:
                 raise UnsafeValueError(
                     f"{path!r}: a dict key integer of {k.bit_length()} bits; a checkpoint holds integers of at most "
                     f"{_INT_BITS} bits. Use a shorter key or a str."
                 )
-            items.append([k, encode(v, f"{path}/{k}", on_tensor, allow_pickle=allow_pickle, _level=_level + 3)])
+            items.append([k, encode(v, where, on_tensor, allow_pickle=allow_pickle, _level=_level + 3)])
         return {"$": "dict", "items": items}
     if isinstance(value, list):
         return [

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-MAX_DIMS = 64
-"""Dimensions a tensor or ``torch.Size`` may have (the format's own limit)."""
+from shardsafe.format.values import MAX_DIMS  # the format's own limit on a tensor's (or a torch.Size's) dimensions
+
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 PersistentLoad = Callable[[Any], Any]

@@ -30,6 +30,10 @@ except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
 
+_PLAIN = (torch.Tensor, nn.Parameter)
+"""Tensor types held whole by every rank (what :func:`~shardsafe.state.layout.layout_of` says of them)."""
+
+
 @dataclass
 class TensorItem:
     """A tensor of the state as this rank holds it."""
@@ -89,14 +93,17 @@ def unwrap(module: nn.Module) -> nn.Module:
         module = inner
 
 
-def module_state(module: nn.Module) -> dict[str, Any]:
+def module_state(module: nn.Module, *, holds_fsdp1: bool | None = None) -> dict[str, Any]:
     """(every rank, locally) The state dict a module is saved from and loaded into: its own names, and
     tensors that share storage with its parameters and buffers (DTensor shards under FSDP2), so that
     filling them in place loads the module. A module holding FSDP1 units gives a :class:`Layout` per
     FSDP1-managed parameter instead: the boxes of this rank's range of it, views of its flat shard
-    (state/fsdp1.py; FSDP1's own ``state_dict()`` would gather)."""
+    (state/fsdp1.py; FSDP1's own ``state_dict()`` would gather). ``holds_fsdp1``: whether it holds FSDP1
+    units, where the caller has looked already (else it is looked for here)."""
     inner = unwrap(module)
-    sharded = fsdp1.module_state(inner)
+    if holds_fsdp1 is None:
+        holds_fsdp1 = fsdp1.is_fsdp1(inner)
+    sharded = fsdp1.module_state(inner) if holds_fsdp1 else None
     return inner.state_dict() if sharded is None else sharded
 
 
@@ -211,6 +218,10 @@ def flatten(
         if t.dtype not in SAFETENSORS_DTYPES:
             raise UnsafeValueError(f"{path!r}: dtype {t.dtype} cannot be stored (format v2, docs/format.md section 6)")
         shard = shards.get(id(t))
+        if shard is None and type(t) in _PLAIN:  # the common case, without working out a layout
+            data = t.detach()
+            items.append(TensorItem(name, data, tuple(data.shape), (0,) * data.dim(), True, True))
+            return name
         placed = shard is not None or is_sharded(t) or is_sharded_tensor(t)
         items.append(_item(name, shard[0] if shard is not None else layout_of(t), placed))
         if not items[-1].replicated:
@@ -233,7 +244,7 @@ def flatten(
         elif kind == "module":
             if isinstance(obj, nn.parallel.DistributedDataParallel):
                 strategies.add("ddp")
-            value = _stand_ins(module_state(obj), shards)
+            value = _stand_ins(module_state(obj, holds_fsdp1=fsdp is not None and key in fsdp.roots), shards)
         elif kind == "optimizer":
             if fsdp is not None and fsdp.touches(obj):
                 value = _stand_ins(fsdp.optimizer_value(obj, names), shards)
