@@ -24,6 +24,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import shardsafe
@@ -243,3 +244,27 @@ def test_an_uncommitted_share_folder_loses_only_what_shardsafe_writes(tmp_path: 
     (share / data_file(0, "abc")).write_bytes(b"x")
     remove_entry(str(share))
     assert not share.exists() and not share.parent.exists()
+
+
+def test_a_replica_request_without_the_server_token_is_refused(tmp_path: Path) -> None:
+    """Anything on the network that reaches a replica server's port, without the token published
+    through the store, can neither push files into the node folder nor pull a share out of it."""
+    from shardsafe.deadline import Deadline
+    from shardsafe.manager import replica
+
+    share = str(tmp_path / "share")
+    shardsafe.save(share, {"w": torch.arange(8.0)})
+    folder = tmp_path / "node"
+    server = replica.ReplicaServer(str(folder), 0, "127.0.0.1")
+    try:
+        for token in ("", "0" * 32):
+            with pytest.raises(shardsafe.CheckpointError, match="token refused"):
+                replica.push(server.address, token, share, 3, 1, Deadline.after(20, "io"))
+        assert not folder.exists() or not any(folder.rglob("*")), list(folder.rglob("*"))
+        replica.push(server.address, server.token, share, 3, 1, Deadline.after(20, "io"))  # the job's own rank
+        for token in ("", "0" * 32):
+            with pytest.raises(shardsafe.CheckpointError, match="token refused"):
+                replica.pull(server.address, token, str(tmp_path / "thief"), 3, 1, Deadline.after(20, "io"))
+        assert not (tmp_path / "thief").exists() or not any((tmp_path / "thief").rglob("*.safetensors"))
+    finally:
+        server.close()

@@ -3,7 +3,7 @@ talk through :class:`~shardsafe.coord.Operation` agreements (the rendezvous stor
 
 Local save of step N (operation ``tier.save``):
 
-1. agreement ``arrive``: each rank sends its node and replica-server address; rank 0 returns the table;
+1. agreement ``arrive``: each rank sends its node, replica-server address and token; rank 0 returns the table;
 2. each rank saves its whole state as a one-process shardsafe checkpoint ``<node folder>/step-N/rank-R``
    (all-or-nothing by itself), then pushes it to its peers (:func:`~shardsafe.manager.tiers.peers`),
    each of which verifies every byte before the copy counts;
@@ -51,10 +51,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Table:
-    """Every rank's node and replica-server address, in rank order."""
+    """Every rank's node, replica-server address and that server's token, in rank order."""
 
     nodes: list[str]
     addresses: list[str]
+    tokens: list[str]
 
     def peers(self, rank: int, replicas: int) -> list[int]:
         return peers(self.nodes, rank, replicas)
@@ -87,11 +88,11 @@ class LocalTierRuntime:
         self.server.close()
 
     def _me(self) -> str:
-        return json.dumps({"node": self.node, "address": self.server.address})
+        return json.dumps({"node": self.node, "address": self.server.address, "token": self.server.token})
 
     def _table(self, values: list[str]) -> Table:
         docs = [json.loads(v) for v in values]
-        return Table([d["node"] for d in docs], [d["address"] for d in docs])
+        return Table([d["node"] for d in docs], [d["address"] for d in docs], [d["token"] for d in docs])
 
     # ------------------------------------------------------------------------------------ save
 
@@ -111,7 +112,7 @@ class LocalTierRuntime:
                 api.save(path, state, group=SOLO, overwrite=True, timeout=self.timeout, metadata=meta)
                 deadline = Deadline.after(self.deadlines.io, "io")
                 for p in table.peers(self.rank, self.tier.replicas):
-                    replica.push(table.addresses[p], path, step, self.rank, deadline)
+                    replica.push(table.addresses[p], table.tokens[p], path, step, self.rank, deadline)
             except Exception as err:  # shared with every rank below
                 error = err
 
@@ -195,7 +196,12 @@ class LocalTierRuntime:
                     return
                 try:
                     replica.pull(
-                        table.addresses[source], self.folder, step, self.rank, Deadline.after(deadlines.io, "io")
+                        table.addresses[source],
+                        table.tokens[source],
+                        self.folder,
+                        step,
+                        self.rank,
+                        Deadline.after(deadlines.io, "io"),
                     )
                 except (CheckpointError, OSError) as err:  # this step cannot be had: an older one is tried
                     raise CorruptCheckpointError(

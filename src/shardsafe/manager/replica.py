@@ -11,6 +11,11 @@ never the training group). A connection carries one request, a JSON line, then r
 - ``pull``: the server sends the replica of rank R's share of a step that it holds (an answer line
   with ``files``, then the bytes); the puller stores and verifies it the same way, as its own share.
 
+Every request carries the server's token (32 random hex digits, made when the server starts and
+published with its address through the rendezvous store, which only the job's ranks reach); a request
+without it is refused before anything is read or written, so nothing else on the network can write
+into a node folder, nor read a share out of it.
+
 Every socket operation has a timeout (the remaining time of the caller's deadline, or
 ``SHARDSAFE_TIER_SOCKET_SECONDS`` on the server side); memory is bounded by one 1 MiB block per
 connection. The server serves one connection at a time (with ``replicas=1`` each server has one
@@ -136,6 +141,7 @@ class ReplicaServer:
         self._sock = socket.create_server(("", 0))
         self._sock.settimeout(0.5)
         self.address = f"{host}:{self._sock.getsockname()[1]}"
+        self.token = secrets.token_hex(16)  # what a request must carry (published with the address)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"shardsafe-replica-{rank}", daemon=True)
         self._thread.start()
@@ -169,6 +175,12 @@ class ReplicaServer:
 
     def _handle(self, conn: socket.socket) -> None:
         head = _read_line(conn)
+        token = head.get("token")
+        if not isinstance(token, str) or not secrets.compare_digest(token.encode(), self.token.encode()):
+            raise CheckpointError(
+                f"replica request to rank {self.rank} without this server's token refused (a request from outside "
+                "the job, or from another job's rank)"
+            )
         op, step, rank = head.get("op"), head.get("step"), head.get("rank")
         if not isinstance(step, int) or not isinstance(rank, int):
             raise CheckpointError(f"bad replica request {head!r:.200}")
@@ -204,13 +216,14 @@ def _bounded(address: str, what: str, deadline: Deadline, fn: Callable[[socket.s
         ) from err
 
 
-def push(address: str, path: str, step: int, rank: int, deadline: Deadline) -> None:
+def push(address: str, token: str, path: str, step: int, rank: int, deadline: Deadline) -> None:
     """(the sender) Send rank ``rank``'s committed share ``path`` of ``step`` to the server at
-    ``address``; returns once the receiver verified and renamed it. Raises :class:`CheckpointError`."""
+    ``address`` (whose ``token`` it carries); returns once the receiver verified and renamed it. Raises
+    :class:`CheckpointError`."""
     files = files_of(path)
 
     def run(sock: socket.socket) -> None:
-        _send_line(sock, {"op": "push", "step": step, "rank": rank, "files": files})
+        _send_line(sock, {"op": "push", "token": token, "step": step, "rank": rank, "files": files})
         _send_files(sock, path, files)
         answer = _read_line(sock)
         if answer.get("ok") is not True:
@@ -219,12 +232,13 @@ def push(address: str, path: str, step: int, rank: int, deadline: Deadline) -> N
     _bounded(address, f"rank {rank}: pushing the replica of {path}", deadline, run)
 
 
-def pull(address: str, folder: str, step: int, rank: int, deadline: Deadline) -> str:
-    """(rank ``rank``) Fetch the replica of its share of ``step`` from the server at ``address`` into
-    its own ``folder`` as its share (every byte verified). Returns the share's path."""
+def pull(address: str, token: str, folder: str, step: int, rank: int, deadline: Deadline) -> str:
+    """(rank ``rank``) Fetch the replica of its share of ``step`` from the server at ``address`` (whose
+    ``token`` it carries) into its own ``folder`` as its share (every byte verified). Returns the
+    share's path."""
 
     def run(sock: socket.socket) -> str:
-        _send_line(sock, {"op": "pull", "step": step, "rank": rank})
+        _send_line(sock, {"op": "pull", "token": token, "step": step, "rank": rank})
         answer = _read_line(sock)
         if answer.get("ok") is not True:
             raise CheckpointError(f"rank {rank}: fetching its share of step {step} failed: {answer.get('error')}")
