@@ -149,6 +149,14 @@ full_save_every = Whole(
     "A ``CheckpointManager(incremental=True)`` writes every this-many-th save in full (the others refer to the "
     "newest checkpoint for unchanged data), so old data is not kept for reference forever.",
 )
+leftover_age_seconds = Real(
+    _SAVING,
+    "LEFTOVER_AGE_SECONDS",
+    3600.0,
+    "A save that commits over a checkpoint also removes the data files there that no manifest lists and no save in "
+    "flight may still be writing (what another writer's failed save left), once unchanged for this long. Keep it "
+    "above the longest save. A ``CheckpointManager`` uses its own ``leftover_age`` for its cleanup.",
+)
 checksum_block_bytes = Whole(
     _SAVING,
     "CHECKSUM_BLOCK_BYTES",

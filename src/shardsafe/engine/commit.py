@@ -33,7 +33,15 @@ from typing import Any
 
 import torch
 
-from shardsafe.catalog.delete import delete_files, discard_save, release_references, stale_files
+from shardsafe import knobs
+from shardsafe.catalog.delete import (
+    delete_files,
+    discard_save,
+    manifest_files,
+    orphaned_files,
+    release_references,
+    stale_files,
+)
 from shardsafe.catalog.names import commit_of
 from shardsafe.catalog.refs import check_ref_files
 from shardsafe.coord import Deadline, Operation, fault_point
@@ -312,16 +320,27 @@ class Committer:
     def _remove_stale(self, old: bytes | None, new: bytes, where: str) -> None:
         """(rank 0, committed) Remove the data files of the replaced checkpoint that the new manifest
         does not list (taken from the old manifest, validated), then what only the old manifest referred
-        to in sibling checkpoints. A failure leaves unreferenced files."""
+        to in sibling checkpoints, then the orphans of saves that never committed there
+        (:func:`~shardsafe.catalog.delete.orphaned_files`). A failure leaves unreferenced files."""
         i = self.inputs
         began = time.monotonic()
         stale = stale_files(old, new, where)
-        if old is None:
-            return
 
         def remove() -> None:
             delete_files(i.storage, i.path, stale)
             release_references(i.storage, i.path, old, where)
+            _, listed = manifest_files(new, where)
+            age = knobs.leftover_age_seconds()
+            orphans = orphaned_files(i.storage, i.path, listed, min_age=age, now=time.time())
+            if orphans:
+                removed = delete_files(i.storage, i.path, orphans)
+                logger.info(
+                    "shardsafe: removed %s from %s: data files no manifest lists, unchanged for over %.0fs (a save "
+                    "there that never committed; SHARDSAFE_LEFTOVER_AGE_SECONDS)",
+                    removed,
+                    i.path,
+                    age,
+                )
 
         grace = self.op.clock.end.or_grace()
         i.storage.set_deadline(grace.at)  # its requests to an object store are bounded by the same

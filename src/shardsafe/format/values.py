@@ -240,15 +240,14 @@ def encode(value: Any, path: str, on_tensor: TensorSink, *, allow_pickle: bool =
                     f"{path!r}: dict key {k!r} of type {type(k).__name__} cannot be stored; "
                     "use str or int keys (or pass allow_pickle=True to save and load)"
                 )
-            where = f"{path}/{k}"
             if isinstance(k, str):
-                _storable_text(k, where, "the key")
+                _storable_text(k, f"{path}/{k}", "the key")
             elif k.bit_length() > _INT_BITS:
                 raise UnsafeValueError(
                     f"{path!r}: a dict key integer of {k.bit_length()} bits; a checkpoint holds integers of at most "
                     f"{_INT_BITS} bits. Use a shorter key or a str."
                 )
-            items.append([k, encode(v, where, on_tensor, allow_pickle=allow_pickle, _level=_level + 3)])
+            items.append([k, encode(v, f"{path}/{k}", on_tensor, allow_pickle=allow_pickle, _level=_level + 3)])
         return {"$": "dict", "items": items}
     if isinstance(value, list):
         return [

@@ -22,7 +22,7 @@ from functools import partial
 from typing import Any
 
 from shardsafe.catalog.delete import delete_checkpoint as _delete_checkpoint
-from shardsafe.catalog.delete import delete_files, finish_deletion, link_target, remove_pending
+from shardsafe.catalog.delete import delete_files, finish_deletion, link_target, orphaned_files, remove_pending
 from shardsafe.catalog.names import DATA_FILE, PENDING_DIR, TOMBSTONE
 from shardsafe.errors import CorruptCheckpointError
 from shardsafe.manager.listing import CheckpointRecord
@@ -156,16 +156,9 @@ def remove_leftovers(
         elif record.status == "committed":
             if TOMBSTONE in fs.list_dir(record.path):
                 _remove(partial(_finish, storage, record.path), fs.join(record.path, TOMBSTONE))
-            listed = set(record.files)
-            for name in fs.list_dir(record.path):
-                if not DATA_FILE.match(name) or name in listed:
-                    continue
+            for name in orphaned_files(fs, record.path, record.files, min_age=min_age, now=now):
                 path = fs.join(record.path, name)
-                try:
-                    age = now - fs.mtime(path)
-                except FileNotFoundError:
-                    continue
-                if age >= min_age and _remove(partial(_clear, storage, record.path, [name], rmdir=False), path):
+                if _remove(partial(_clear, storage, record.path, [name], rmdir=False), path):
                     removed.append(path)
     return removed
 

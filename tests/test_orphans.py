@@ -1,0 +1,118 @@
+"""A plain ``save`` over a checkpoint removes the data files there that no save will ever commit: what
+another writer's save of the same path left when it never committed (or a crash between moving its
+data files in and committing). Only once unchanged for ``SHARDSAFE_LEFTOVER_AGE_SECONDS``, and never a
+file a manifest lists, a sibling refers to, or a save in flight may still be writing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardsafe
+from shardsafe.catalog.names import data_file, pending_name, temp_manifest
+
+HOUR = 3600.0
+
+
+def _state(value: float) -> dict[str, Any]:
+    return {"w": torch.full((64,), value), "b": torch.full((8,), -value)}
+
+
+def _save_id(age: float) -> str:
+    """A save id of shardsafe's making (start time, 10 hex digits) for a save that began ``age`` ago."""
+    return f"{int(time.time() - age)}{'ab12cd34ef'}"
+
+
+def _leave(folder: Path, save_id: str, age: float) -> Path:
+    """What another writer's save ``save_id`` left in ``folder`` without committing, unchanged for ``age``
+    seconds: a real data file of that save id."""
+    own = next(folder.glob("data-*.safetensors"))
+    left = folder / data_file(0, save_id)
+    shutil.copyfile(own, left)
+    then = time.time() - age
+    os.utime(left, (then, then))
+    return left
+
+
+def _overwrite_and_check(path: Path, value: float) -> None:
+    shardsafe.save(str(path), _state(value), overwrite=True)
+    shardsafe.verify(str(path))
+    assert torch.equal(shardsafe.load(str(path))["w"], torch.full((64,), value))
+
+
+def test_an_old_orphan_of_another_writer_goes_with_the_next_overwrite(tmp_path: Path) -> None:
+    path = tmp_path / "ck"
+    shardsafe.save(str(path), _state(1.0))
+    left = _leave(path, _save_id(2 * HOUR), 2 * HOUR)
+    _overwrite_and_check(path, 2.0)
+    assert not left.exists()
+    assert sorted(p.name for p in path.iterdir() if p.name.startswith("data-")) == [
+        n for n in shardsafe.inspect(str(path)).files
+    ]
+
+
+@pytest.mark.parametrize(
+    "save_age, file_age",
+    [(2 * HOUR, 60.0), (60.0, 2 * HOUR)],
+    ids=["written-recently", "save-began-recently"],
+)
+def test_a_young_orphan_stays(tmp_path: Path, save_age: float, file_age: float) -> None:
+    """A save that began or wrote within the leftover age may still be in flight (on an object store
+    its data objects are in the target with nothing else to show for it)."""
+    path = tmp_path / "ck"
+    shardsafe.save(str(path), _state(1.0))
+    left = _leave(path, _save_id(save_age), file_age)
+    _overwrite_and_check(path, 2.0)
+    assert left.exists()
+
+
+@pytest.mark.parametrize("sign", ["pending directory", "temporary manifest"])
+def test_the_files_of_a_save_in_flight_stay_however_old(tmp_path: Path, sign: str) -> None:
+    path = tmp_path / "ck"
+    shardsafe.save(str(path), _state(1.0))
+    sid = _save_id(2 * HOUR)
+    left = _leave(path, sid, 2 * HOUR)
+    if sign == "pending directory":
+        (tmp_path / pending_name("ck", sid)).mkdir()
+    else:
+        (path / temp_manifest(sid)).write_bytes(b"{}")
+    _overwrite_and_check(path, 2.0)
+    assert left.exists()
+
+
+def test_files_a_sibling_refers_to_stay(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An overwrite keeps the old data files an incremental sibling refers to: no manifest of their
+    folder lists them, yet they are not orphans. With a leftover age of 0, every unlisted file is a
+    candidate; the sibling's references keep them."""
+    monkeypatch.setenv("SHARDSAFE_LEFTOVER_AGE_SECONDS", "0")
+    a, b = tmp_path / "a", tmp_path / "b"
+    shardsafe.save(str(a), _state(1.0))
+    shardsafe.save(str(b), _state(1.0), base=str(a))  # refers to a's files for every chunk
+    before = {p.name for p in a.glob("data-*")}
+    _overwrite_and_check(a, 2.0)
+    time.sleep(1.1)  # a save id carries its start time in whole seconds
+    _overwrite_and_check(a, 3.0)  # the second overwrite sees the first one's kept files as unlisted
+    assert before <= {p.name for p in a.glob("data-*")}
+    shardsafe.verify(str(b))
+    assert torch.equal(shardsafe.load(str(b))["w"], torch.full((64,), 1.0))
+
+
+def test_the_manager_cleanup_keeps_a_save_in_flight_of_another_process(tmp_path: Path) -> None:
+    """The manager's sweep of a committed checkpoint uses the same rule: an unlisted old file whose save
+    still has its pending directory beside the checkpoint stays."""
+    root = tmp_path / "run"
+    with shardsafe.CheckpointManager(str(root), leftover_age=HOUR) as mgr:
+        mgr.save(1, _state(1.0))
+        step = next(p for p in root.iterdir() if not p.name.startswith("."))
+        sid = _save_id(2 * HOUR)
+        in_flight = _leave(step, sid, 2 * HOUR)
+        (root / pending_name(step.name, sid)).mkdir()
+        orphan = _leave(step, _save_id(3 * HOUR), 3 * HOUR)
+        mgr.save(2, _state(2.0))  # a commit runs the sweep of leftovers
+    assert in_flight.exists() and not orphan.exists()
