@@ -188,7 +188,7 @@ class SaveJob:
         base; else a fresh save id, its staging, and the checksum block size every writer uses (rank 0's,
         so ranks configured differently still write one loadable checkpoint). A refusal is kept and
         decided for every rank once all have arrived."""
-        self.storage.set_deadline(self.clock.arrive.at)
+        self.storage.set_deadline(self.clock.arrive)
         why = refusal(self.storage, self.path, overwrite=self.options["overwrite"])
         if why is not None:
             self._refused = CheckpointExistsError(why)
@@ -270,7 +270,7 @@ class SaveJob:
         writer: Writer | None = None
         report: WriteReport | None = None
         error: BaseException | None = None
-        self.storage.set_deadline(self.clock.work.at)
+        self.storage.set_deadline(self.clock.work)
         try:
             if self.background is not None:
                 self.phase = "stage"

@@ -3,8 +3,8 @@ for the local POSIX backend (``local``) and the fsspec one (``remote``, ``upload
 ``fsspec_util``); it covers what the engine needs (pending, writers, publish, ranged reads) and what
 the manager needs (listing, sizes, ages), and the primitives the delete rule of
 :mod:`shardsafe.catalog.delete` calls. It knows no file name but ``MANIFEST.json``: a
-:class:`~shardsafe.storage.base.Commit` names the files a publish moves. Also: bounded local I/O
-(``bounded``) and regular-file checks (``regular``).
+:class:`~shardsafe.storage.base.Commit` names the files a publish moves. Also: regular-file checks
+(``regular``); blocking calls under a deadline run on :mod:`shardsafe.workers`.
 
 Layer: may import coord (fault points), workers, deadline, knobs and errors. Imported by format and
 everything above."""

@@ -26,10 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from shardsafe import knobs
+from shardsafe.deadline import NEVER, Deadline
 from shardsafe.errors import CorruptCheckpointError, InvalidArgumentError, RemoteIOError
 from shardsafe.storage import regular, retry
 from shardsafe.storage.base import MANIFEST_NAME, Commit, Writer
-from shardsafe.storage.bounded import run_bounded
 from shardsafe.storage.fsspec_util import check_name, import_fsspec, local_dir, mtime_of
 from shardsafe.storage.local import fsync_dir, make_dirs
 from shardsafe.storage.uploads import (
@@ -43,6 +43,7 @@ from shardsafe.storage.uploads import (
     precondition_failed,
     s3_call,
 )
+from shardsafe.workers import run_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class FsspecStorage:
                 )
             self.fs = protocol_or_fs
         self.policy = policy or retry.RetryPolicy.from_env()
-        self.deadline: float | None = None
+        self.deadline: Deadline | None = None
         self.s3 = is_s3(self.fs)
         protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
         self.object_store = self.s3 or bool(_OBJECT_STORE_PROTOCOLS.intersection(protocols))
@@ -117,8 +118,8 @@ class FsspecStorage:
 
     # -- save ------------------------------------------------------------------------------------
 
-    def set_deadline(self, deadline: float | None) -> None:
-        """The operation's deadline (``time.monotonic()`` seconds, ``None``: none): it bounds the local
+    def set_deadline(self, deadline: Deadline | None) -> None:
+        """The operation's deadline (``None``: none): it bounds the local
         writes and fsyncs of the save path (``file://``) and every request to an object store (each
         attempt is cut at the deadline and no retry starts past it)."""
         self.deadline = deadline
@@ -133,7 +134,7 @@ class FsspecStorage:
             return
         local = local_dir(self.fs, self._p(pending))
         if local:
-            run_bounded("creating the target directory", pending, self.deadline, lambda: make_dirs(local))
+            run_bounded("creating the target directory", pending, self.deadline or NEVER, lambda: make_dirs(local))
             return
         self._retry("create directory", pending, lambda: self.fs.makedirs(self._p(pending), exist_ok=True))
 

@@ -16,13 +16,16 @@ import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Any
+from typing import Any, TypeVar
 
 from shardsafe import knobs
+from shardsafe.deadline import NEVER, Deadline
 from shardsafe.storage import retry
-from shardsafe.storage.bounded import IOThread
+from shardsafe.workers import Lane
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 MIN_PART = 5 * 1024 * 1024  # S3's smallest part (all but the last)
 MAX_PART = 5 * 1024 * 1024 * 1024  # and largest
@@ -118,7 +121,9 @@ class PartWriter:
     """A new S3 object uploaded in parallel parts (see the module docstring). ``url`` names it in
     errors. ``write`` blocks while ``upload_threads()`` parts are in flight (bounded memory)."""
 
-    def __init__(self, fs: Any, path: str, url: str, policy: retry.RetryPolicy, deadline: float | None = None) -> None:
+    def __init__(
+        self, fs: Any, path: str, url: str, policy: retry.RetryPolicy, deadline: Deadline | None = None
+    ) -> None:
         self.fs = fs
         self.url = url
         self.policy = policy
@@ -311,27 +316,36 @@ class PartWriter:
 class StreamWriter:
     """A data file written through ``fs.open(path, "wb")`` (filesystems other than S3): the file
     object's own buffering uploads it; ``close`` finishes it (fsync on a local disk). Not retried
-    mid-stream: a failure raises and the engine aborts the save. With a ``deadline`` (a local disk:
-    ``file://``) every call runs on a worker thread under it (:mod:`shardsafe.storage.bounded`)."""
+    mid-stream: a failure raises and the engine aborts the save. Every call runs on a
+    :class:`~shardsafe.workers.Lane` of its own, waited for until ``deadline`` (given for a local disk:
+    ``file://``; ``None``: no deadline)."""
 
-    def __init__(self, fs: Any, path: str, deadline: float | None = None) -> None:
+    def __init__(self, fs: Any, path: str, deadline: Deadline | None = None) -> None:
         self.fs = fs
         self.path = path
-        self.io = IOThread(path, deadline)
-        self.f = self.io.call("create", lambda: fs.open(path, "wb"))
+        self.deadline = deadline or NEVER
+        self.lane = Lane("write")
+        try:
+            self.f = self._io("create", lambda: fs.open(path, "wb"))
+        except BaseException:
+            self.lane.close()
+            raise
+
+    def _io(self, what: str, fn: Callable[[], T]) -> T:
+        return self.lane.call(what, self.path, fn, self.deadline)
 
     def write(self, data: memoryview) -> None:
-        self.io.call("write", lambda: self.f.write(data))
+        self._io("write", lambda: self.f.write(data))
 
     def close(self) -> None:
         try:
-            self.io.call("fsync", self._finish)
+            self._io("fsync", self._finish)
         except BaseException:
-            if not self.io.hung:
+            if not self.lane.wedged:
                 _cleanup(self.abort, self.path)
             raise
         finally:
-            self.io.stop()
+            self.lane.close()
 
     def _finish(self) -> None:
         self.f.flush()
@@ -341,10 +355,10 @@ class StreamWriter:
         self.f.close()
 
     def abort(self) -> None:
-        if self.io.hung:
+        if self.lane.wedged:
             return
-        self.io.call("abort", self._discard)
-        self.io.stop()
+        self._io("abort", self._discard)
+        self.lane.close()
 
     def _discard(self) -> None:
         from fsspec.spec import AbstractBufferedFile
