@@ -17,8 +17,9 @@ here), and by the first :class:`Rule` that matches its method and path it:
 - ``blackhole``: reads it and never answers, nor closes (until the proxy stops).
 
 A rule acts on ``times`` matching requests (``None``: all) after ``skip`` ones, and, with ``window``,
-only within that many seconds of its first action. Every reply closes the connection
-(``Connection: close``), so the client never reuses one the proxy is about to drop.
+only within that many seconds of its first action; with ``spread``, once it acted, on every request.
+Every reply closes the connection (``Connection: close``), so the client never reuses one the proxy
+is about to drop.
 
 :class:`FaultProxy` runs its event loop on a daemon thread, stops in :meth:`stop` (the fixture's
 teardown) and at the latest after ``lifetime`` seconds; every wait in it has a bound.
@@ -66,6 +67,9 @@ class Rule:
     """``after``: the request that must be carried out first (matched as a rule is; its action unused)."""
     max_hold: float = 60.0
     """``after``: forwarded anyway once held this long."""
+    spread: bool = False
+    """Once this rule acted, it acts on every later request, whatever its method and path (an
+    endpoint that goes dark mid-save)."""
     seen: int = 0
     acted: int = 0
     first_at: float | None = None
@@ -230,6 +234,10 @@ class FaultProxy:
     def _rule_for(self, method: str, target: str) -> Rule | None:
         now = time.monotonic()
         with self._lock:
+            for rule in self.rules:
+                if rule.spread and rule.acted:
+                    rule.acted += 1
+                    return rule
             for rule in self.rules:
                 if rule.take(method, target, now):
                     return rule
