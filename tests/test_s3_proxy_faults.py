@@ -28,6 +28,9 @@ from s3_server import S3Server
 SLACK = 15.0
 """A call ends within its timeout plus this (a deadline bound, not a timing benchmark)."""
 TIMEOUT = 6.0
+"""The timeout of a call that succeeds (the S3 client's read timeout is a quarter of it)."""
+SHORT = 3.0
+"""The timeout of a call that fails at its deadline (what it waits for never comes)."""
 N = 3 * PART // 4 + 1000
 """float32 elements of the big tensor: a data file of 4 multipart parts."""
 MANIFEST = "/*/MANIFEST.json"
@@ -80,10 +83,9 @@ def _committed(root: str, opts: dict[str, Any]) -> list[str]:
     return found
 
 
-def _loads_as(url: str, opts: dict[str, Any], value: float) -> None:
-    """``url`` verifies and loads as the save of ``value``, bit for bit."""
-    shardsafe.verify(url, storage_options=opts)
-    got = shardsafe.load(url, storage_options=opts, timeout=30)
+def _loads_as(url: str, opts: dict[str, Any], value: float, timeout: float = 30.0) -> None:
+    """``url`` loads as the save of ``value``, bit for bit."""
+    got = shardsafe.load(url, storage_options=opts, timeout=timeout)
     want = _state(value)
     assert got["step"] == want["step"], (got["step"], value)
     for key in ("big", "small"):
@@ -91,6 +93,7 @@ def _loads_as(url: str, opts: dict[str, Any], value: float) -> None:
 
 
 def _check(root: str, opts: dict[str, Any], newest: str, value: float) -> None:
+    """Every checkpoint under ``root`` verifies, and ``newest`` loads as the save of ``value``."""
     assert newest in _committed(root, opts)
     _loads_as(newest, opts, value)
 
@@ -109,7 +112,7 @@ def test_a_manifest_put_held_past_the_timeout_is_refused_after_a_later_overwrite
     url = f"{root}/ckpt"
     assert _save(url, opts, 1.0) is None
     proxy.add("hold", "PUT", MANIFEST, times=None)
-    failed = _save(url, opts, 2.0)
+    failed = _save(url, opts, 2.0, SHORT)
     assert isinstance(failed, shardsafe.CheckpointError), failed  # never answered: it did not commit
     assert proxy.held
     _check(root, direct, url, 1.0)
@@ -131,7 +134,7 @@ def test_a_manifest_put_held_past_the_timeout_and_delivered_before_the_next_save
     url = f"{root}/ckpt"
     assert _save(url, opts, 1.0) is None
     proxy.add("hold", "PUT", MANIFEST, times=None)
-    assert _save(url, opts, 2.0) is not None
+    assert _save(url, opts, 2.0, SHORT) is not None
     proxy.clear()
     first, *rest = proxy.held
     assert proxy.release(first).status == 200  # lands: save 2 is committed after all
@@ -198,7 +201,7 @@ def test_c_reordered_requests(s3_server: S3Server, s3_bucket: str, proxy: FaultP
     assert _save(url, opts, 2.0) is None
     _check(root, direct, url, 2.0)
     proxy.add("after", "GET", DATA, trigger=_rule("GET", DATA), max_hold=30)
-    _timed(30, lambda: _loads_as(url, opts, 2.0))
+    assert _timed(TIMEOUT, lambda: _loads_as(url, opts, 2.0, TIMEOUT)) is None
     _check(root, direct, url, 2.0)
 
 
@@ -244,9 +247,9 @@ def test_e_a_short_500_storm_is_retried(s3_server: S3Server, s3_bucket: str, pro
     root = f"s3://{s3_bucket}/run"
     url = f"{root}/ckpt"
     assert _save(url, opts, 1.0) is None
-    proxy.add("error500", times=6)  # whatever comes next
+    proxy.add("error500", times=4)  # whatever comes next
     assert _save(url, opts, 2.0) is None
-    assert proxy.rules[0].acted == 6
+    assert proxy.rules[0].acted == 4
     _check(root, direct, url, 2.0)
 
 
@@ -260,8 +263,8 @@ def test_e_a_long_500_storm_fails_cleanly_within_the_timeout(
     assert _save(url, opts, 1.0) is None
     proxy.add("error500", "PUT", DATA, query="partNumber=2&", times=1)  # the storm starts mid-upload
     proxy.add("error500", times=None, skip=1)
-    assert isinstance(_save(url, opts, 2.0), shardsafe.CheckpointError)
-    loaded = _timed(TIMEOUT, lambda: shardsafe.load(url, storage_options=opts, timeout=TIMEOUT))
+    assert isinstance(_save(url, opts, 2.0, SHORT), shardsafe.CheckpointError)
+    loaded = _timed(SHORT, lambda: shardsafe.load(url, storage_options=opts, timeout=SHORT))
     assert isinstance(loaded, shardsafe.CheckpointError)
     proxy.clear()
     _check(root, direct, url, 1.0)
@@ -295,21 +298,15 @@ def test_f_an_endpoint_black_holed_mid_save_on_two_ranks(
     root = f"s3://{s3_bucket}/run"
     url = f"{root}/ckpt"
     env = {"SHARDSAFE_REMOTE_PART_BYTES": str(PART), "SHARDSAFE_REMOTE_UPLOAD_THREADS": "2"}
-    first = run_ranks(_save_ranks, 2, url, opts, 1.0, TIMEOUT, env=env, timeout=60)
-    assert all(o.ok and o.result["error"] is None for o in first), first
+    assert _save(url, opts, 1.0) is None  # the previous checkpoint, from one process
     proxy.add("blackhole", "PUT", DATA, skip=3, times=None, spread=True)
-    out = run_ranks(_save_ranks, 2, url, opts, 2.0, TIMEOUT, env=env, timeout=TIMEOUT + SLACK + 30)
+    out = run_ranks(_save_ranks, 2, url, opts, 2.0, SHORT, env=env, timeout=SHORT + SLACK + 30)
     for o in out:
         assert o.ok and not o.killed, o
         assert o.result["error"] is not None, o.result
-        assert o.result["took"] < TIMEOUT + SLACK, o.result
-    assert proxy.requests("PUT", DATA)
-    info = shardsafe.inspect(url, storage_options=direct)
-    assert info.world_size == 2
-    shardsafe.verify(url, storage_options=direct)
-    got = shardsafe.load(url, storage_options=direct, timeout=30)
-    assert torch.equal(got["a"], torch.full((N,), 1.0)) and torch.equal(got["b"], torch.full((N,), -1.0))
-    assert _committed(root, direct) == [url]
+        assert o.result["took"] < SHORT + SLACK, o.result
+    assert proxy.rules[0].acted > 1
+    _check(root, direct, url, 1.0)
 
 
 # ------------------------------------------------------------------------ the botocore budget
@@ -325,7 +322,7 @@ def test_the_client_of_a_save_times_out_and_retries_within_the_timeout(s3_server
     st = FsspecStorage.for_path(url, opts, deadline=Deadline.after(4.0, "end"))
     config = st.fs.config_kwargs
     assert config["read_timeout"] <= 4.0 and config["connect_timeout"] <= 4.0
-    assert config["retries"]["max_attempts"] <= 2
+    assert config["retries"]["total_max_attempts"] <= 2
     assert st.fs.retries <= 2
     st.exists(url)  # the client is made on the first request
     assert st.fs.s3.meta.config.read_timeout <= 4.0
@@ -341,14 +338,14 @@ def test_a_request_to_a_black_hole_is_cut_by_the_client_itself(s3_server: S3Serv
     at a deadline does not hold a thread and a connection for minutes."""
     opts = _through(proxy, s3_server)
     proxy.add("blackhole", times=None)
-    timeout = 4.0
+    timeout = SHORT
     st = FsspecStorage.for_path("s3://bucket/x", opts, deadline=Deadline.after(timeout, "end"))
     ended = threading.Event()
     errors: list[BaseException] = []
 
     def request() -> None:
         try:
-            st.fs.info("bucket/x")
+            st.fs.call_s3("head_object", Bucket="bucket", Key="x")  # one request, on s3fs' own loop
         except BaseException as err:
             errors.append(err)
         finally:

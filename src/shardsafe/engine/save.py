@@ -65,7 +65,7 @@ class SaveJob:
         self.options = options  # its "base": rank 0's applies: it checks it and tells every rank
         self.state = state
         self.clock = clock
-        self.storage: Storage = get_storage(self.path, options["storage_options"])
+        self.storage: Storage = get_storage(self.path, options["storage_options"], deadline=clock.end)
         self.op: Operation | None = None
         self.phases = PhaseLog("save", self.path, "rendezvous")
         self.save_id = ""

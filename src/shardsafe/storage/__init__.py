@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardsafe.deadline import Deadline
 from shardsafe.errors import InvalidArgumentError
 from shardsafe.storage.base import MANIFEST_NAME, Commit, Storage, Writer
 from shardsafe.storage.local import LocalStorage
@@ -25,12 +26,15 @@ def is_remote(path: str) -> bool:
     return "://" in str(path)
 
 
-def get_storage(path: str, storage_options: dict[str, Any] | None = None) -> Storage:
-    """The backend for ``path``: local POSIX for plain paths, fsspec for paths with a scheme."""
+def get_storage(
+    path: str, storage_options: dict[str, Any] | None = None, *, deadline: Deadline | None = None
+) -> Storage:
+    """The backend for ``path``: local POSIX for plain paths, fsspec for paths with a scheme.
+    ``deadline``: the call's, whose length bounds an object store client's own timeouts and retries."""
     if is_remote(path):
         from shardsafe.storage.remote import FsspecStorage
 
-        return FsspecStorage.for_path(path, storage_options)  # type: ignore[no-any-return]
+        return FsspecStorage.for_path(path, storage_options, deadline=deadline)  # type: ignore[no-any-return]
     if storage_options:
         raise InvalidArgumentError(
             f"storage_options= applies to remote paths (s3://...), not to the local path {path!r}"
