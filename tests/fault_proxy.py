@@ -13,7 +13,11 @@ here), and by the first :class:`Rule` that matches its method and path it:
 - ``after``: holds it until a request matching ``trigger`` has been carried out, then forwards it
   (a reordering: B reaches the server before A, though A was sent first);
 - ``lose``: forwards it, then closes the client's connection without a reply;
-- ``error500``: answers ``500 InternalError`` (S3's XML) without forwarding;
+- ``error``: answers an S3 error (``status``, ``code``; by default ``500 InternalError``) without
+  forwarding;
+- ``forward_error``: forwards it, then answers such an error instead of the server's reply (what a
+  store answers the later copy of a request it carried out already: ``404 NoSuchUpload`` to a
+  repeated multipart completion);
 - ``blackhole``: reads it and never answers, nor closes (until the proxy stops).
 
 A rule acts on ``times`` matching requests (``None``: all) after ``skip`` ones, and, with ``window``,
@@ -35,16 +39,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-ACTIONS = frozenset({"pass", "hold", "delay", "duplicate", "after", "lose", "error500", "blackhole"})
+ACTIONS = frozenset({"pass", "hold", "delay", "duplicate", "after", "lose", "error", "forward_error", "blackhole"})
 UPSTREAM_TIMEOUT = 30.0
 """Seconds a forwarded request may take at the server (it is on the loopback interface)."""
 HEAD_LIMIT = 64 * 1024
 
-_ERROR_XML = (
-    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code>'
-    b"<Message>We encountered an internal error. Please try again.</Message>"
-    b"<RequestId>fault-proxy</RequestId></Error>"
-)
+_REASONS = {404: "Not Found", 500: "Internal Server Error", 503: "Service Unavailable"}
 
 
 @dataclass
@@ -61,6 +61,10 @@ class Rule:
     window: float | None = None
     seconds: float = 0.0
     """``delay``: how long the request is held before it is forwarded."""
+    status: int = 500
+    """``error``, ``forward_error``: the HTTP status answered."""
+    code: str = "InternalError"
+    """``error``, ``forward_error``: the S3 error code answered."""
     reply: str = "first"
     """``duplicate``: which of the two replies the client gets."""
     trigger: Rule | None = None
@@ -268,8 +272,12 @@ class FaultProxy:
             reply = await self._forward(request)
             self._carried_out(request)
             return reply
-        if rule.action == "error500":
-            return _error_reply()
+        if rule.action == "error":
+            return _error_reply(rule.status, rule.code)
+        if rule.action == "forward_error":
+            await self._forward(request)
+            self._carried_out(request)
+            return _error_reply(rule.status, rule.code)
         if rule.action == "lose":
             await self._forward(request)
             self._carried_out(request)
@@ -365,12 +373,16 @@ def _relayable(raw: bytes) -> Reply:
     return Reply(status, ("\r\n".join(kept)).encode("latin-1") + sep + body)
 
 
-def _error_reply() -> Reply:
+def _error_reply(status: int, code: str) -> Reply:
+    body = (
+        f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>injected by the fault '
+        "proxy</Message><RequestId>fault-proxy</RequestId></Error>"
+    ).encode()
     head = (
-        "HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/xml\r\n"
-        f"Content-Length: {len(_ERROR_XML)}\r\nx-amz-request-id: fault-proxy\r\nConnection: close\r\n\r\n"
+        f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: application/xml\r\n"
+        f"Content-Length: {len(body)}\r\nx-amz-request-id: fault-proxy\r\nConnection: close\r\n\r\n"
     )
-    return Reply(500, head.encode("latin-1") + _ERROR_XML)
+    return Reply(status, head.encode("latin-1") + body)
 
 
 async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
