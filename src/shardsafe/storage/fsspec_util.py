@@ -35,10 +35,10 @@ def s3_client_options(options: Mapping[str, Any], seconds: float | None) -> dict
     """``options`` (an s3fs filesystem's) with botocore's budget bounded by a call's ``seconds``: its
     connect and read timeouts at most a quarter of them (s3fs' 5 and 15 s where those are shorter), and
     :data:`S3_ATTEMPTS` attempts per request; s3fs' loop around botocore makes at most as many (see
-    :func:`bound_s3_retries`). So one request ends on its own within ``seconds`` (attempts times
-    timeouts), even one a deadline abandoned. What the caller set in ``config_kwargs`` stays, and so do
-    retries configured through ``AWS_MAX_ATTEMPTS`` / ``AWS_RETRY_MODE``. ``seconds=None`` (or
-    infinite): the timeouts stay s3fs'."""
+    :func:`bound_s3_retries`). So one request ends on its own within about ``seconds`` (attempts
+    times timeouts, and botocore's short backoffs), even one a deadline abandoned. What the caller set
+    in ``config_kwargs`` stays, and so do retries configured through ``AWS_MAX_ATTEMPTS`` /
+    ``AWS_RETRY_MODE``. ``seconds=None`` (or infinite): the timeouts stay s3fs'."""
     config = dict(options.get("config_kwargs") or {})
     if seconds is not None and math.isfinite(seconds):
         for name, default in _S3FS_TIMEOUTS.items():
