@@ -97,7 +97,7 @@ class _LeaderLost(Exception):
 def discard(storage: Storage, path: str, pending: str, save_id: str, world_size: int, deadline: Deadline) -> None:
     """(every rank, once an abort is the outcome) Remove what this save wrote, within ``deadline`` (a
     hung disk must not hang the error path); failures are logged."""
-    storage.set_deadline(deadline.at)  # its object-store requests are bounded by the same deadline
+    storage.set_deadline(deadline)  # its object-store requests are bounded by the same deadline
     try:
         run_bounded(
             "removing the files of the failed save",
@@ -225,7 +225,7 @@ class Committer:
                 raise UnsafeValueError(
                     f"save of {i.path!r}: the state holds something the format cannot store: {err}"
                 ) from None
-            i.storage.set_deadline(deadline.at)
+            i.storage.set_deadline(deadline)
             commit = commit_of(i.pending, i.path, i.save_id, raw, manifest.files)
             i.storage.stage_manifest(commit)
             if manifest.refs:
@@ -343,7 +343,7 @@ class Committer:
                 )
 
         grace = self.op.clock.end.or_grace()
-        i.storage.set_deadline(grace.at)  # its requests to an object store are bounded by the same
+        i.storage.set_deadline(grace)  # its requests to an object store are bounded by the same
         try:
             run_bounded("removing the old data files", i.path, grace, remove)
         except (OSError, ValueError, CheckpointError) as err:

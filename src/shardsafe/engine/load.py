@@ -55,8 +55,8 @@ def load(
     """(all ranks of the group, or one process) See :func:`shardsafe.load`. ``rest``: which unrequested
     entries are read and returned (state/rest.py); without a state, every entry."""
     path = str(path)
-    storage = get_storage(path, storage_options)
-    storage.set_deadline(clock.work.at)  # every request to an object store ends by then
+    storage = get_storage(path, storage_options, deadline=clock.end)
+    storage.set_deadline(clock.work)  # every request to an object store ends by then
     single = state is None
     op = None if single else Operation.begin("load", path, clock, group=group)
     started = time.monotonic()

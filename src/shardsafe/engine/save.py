@@ -65,7 +65,7 @@ class SaveJob:
         self.options = options  # its "base": rank 0's applies: it checks it and tells every rank
         self.state = state
         self.clock = clock
-        self.storage: Storage = get_storage(self.path, options["storage_options"])
+        self.storage: Storage = get_storage(self.path, options["storage_options"], deadline=clock.end)
         self.op: Operation | None = None
         self.phases = PhaseLog("save", self.path, "rendezvous")
         self.save_id = ""
@@ -227,7 +227,7 @@ class SaveJob:
         base; else a fresh save id, its staging, and the checksum block size every writer uses (rank 0's,
         so ranks configured differently still write one loadable checkpoint). A refusal is kept and
         decided for every rank once all have arrived."""
-        self.storage.set_deadline(self.clock.arrive.at)
+        self.storage.set_deadline(self.clock.arrive)
         why = refusal(self.storage, self.path, overwrite=self.options["overwrite"])
         if why is not None:
             self._refused = CheckpointExistsError(why)
@@ -313,7 +313,7 @@ class SaveJob:
         writer: Writer | None = None
         report: WriteReport | None = None
         error: BaseException | None = None
-        self.storage.set_deadline(self.clock.work.at)
+        self.storage.set_deadline(self.clock.work)
         try:
             if self.background is not None:
                 self.phase = "stage"

@@ -3,8 +3,8 @@ for the local POSIX backend (``local``) and the fsspec one (``remote``, ``upload
 ``fsspec_util``); it covers what the engine needs (pending, writers, publish, ranged reads) and what
 the manager needs (listing, sizes, ages), and the primitives the delete rule of
 :mod:`shardsafe.catalog.delete` calls. It knows no file name but ``MANIFEST.json``: a
-:class:`~shardsafe.storage.base.Commit` names the files a publish moves. Also: bounded local I/O
-(``bounded``) and regular-file checks (``regular``).
+:class:`~shardsafe.storage.base.Commit` names the files a publish moves. Also: regular-file checks
+(``regular``); blocking calls under a deadline run on :mod:`shardsafe.workers`.
 
 Layer: may import coord (fault points), workers, deadline, knobs and errors. Imported by format and
 everything above."""
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardsafe.deadline import Deadline
 from shardsafe.errors import InvalidArgumentError
 from shardsafe.storage.base import MANIFEST_NAME, Commit, Storage, Writer
 from shardsafe.storage.local import LocalStorage
@@ -25,12 +26,15 @@ def is_remote(path: str) -> bool:
     return "://" in str(path)
 
 
-def get_storage(path: str, storage_options: dict[str, Any] | None = None) -> Storage:
-    """The backend for ``path``: local POSIX for plain paths, fsspec for paths with a scheme."""
+def get_storage(
+    path: str, storage_options: dict[str, Any] | None = None, *, deadline: Deadline | None = None
+) -> Storage:
+    """The backend for ``path``: local POSIX for plain paths, fsspec for paths with a scheme.
+    ``deadline``: the call's, whose length bounds an object store client's own timeouts and retries."""
     if is_remote(path):
         from shardsafe.storage.remote import FsspecStorage
 
-        return FsspecStorage.for_path(path, storage_options)  # type: ignore[no-any-return]
+        return FsspecStorage.for_path(path, storage_options, deadline=deadline)  # type: ignore[no-any-return]
     if storage_options:
         raise InvalidArgumentError(
             f"storage_options= applies to remote paths (s3://...), not to the local path {path!r}"

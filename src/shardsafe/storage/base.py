@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from shardsafe.deadline import Deadline
+
 MANIFEST_NAME = "MANIFEST.json"
 
 
@@ -56,10 +58,11 @@ class Storage(Protocol):
         """``base`` + ``/`` + a plain ``name``."""
         ...
 
-    def set_deadline(self, deadline: float | None) -> None:
-        """Bound the blocking local writes, fsyncs and renames of the save path made from now on
-        (writers opened later included) by ``deadline`` (``time.monotonic()`` seconds): past it they
-        raise ``TimeoutError`` instead of hanging. ``None``: unbounded."""
+    def set_deadline(self, deadline: Deadline | None) -> None:
+        """Bound the blocking local writes, fsyncs and renames of the save path, and every request to
+        an object store, made from now on (writers opened later included) by ``deadline``: past it they
+        raise :class:`~shardsafe.errors.CheckpointTimeoutError` (a ``TimeoutError``) instead of hanging.
+        ``None``: unbounded."""
         ...
 
     def pending_dir(self, target: str, save_id: str) -> str:

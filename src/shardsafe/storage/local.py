@@ -9,7 +9,7 @@
 
 Either way ``<target>/MANIFEST.json`` exists iff the checkpoint is committed. Folders this backend
 creates are fsynced into their parents; the blocking writes, fsyncs and renames of a save run under
-its deadline (:mod:`shardsafe.storage.bounded`). Deletions go through :mod:`shardsafe.catalog.delete`.
+its deadline (:mod:`shardsafe.workers`). Deletions go through :mod:`shardsafe.catalog.delete`.
 """
 
 from __future__ import annotations
@@ -17,12 +17,16 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Callable
+from typing import TypeVar
 
 from shardsafe import knobs
 from shardsafe.coord.faults import fault_point
+from shardsafe.deadline import NEVER, Deadline
 from shardsafe.storage import regular
 from shardsafe.storage.base import MANIFEST_NAME, Commit
-from shardsafe.storage.bounded import IOThread, run_bounded
+from shardsafe.workers import Lane, run_bounded
+
+T = TypeVar("T")
 
 
 def fsync_dir(path: str) -> None:
@@ -63,19 +67,27 @@ def _write_all(fd: int, data: memoryview) -> None:
 
 class LocalWriter:
     """A new file written with ``os.write`` and made durable with ``fsync`` on close, every call on
-    a worker thread under the save's deadline (``deadline``, ``time.monotonic()`` seconds). Pieces
+    a :class:`~shardsafe.workers.Lane` of its own, waited for until the save's ``deadline``. Pieces
     under ``SMALL`` bytes (:func:`~shardsafe.knobs.local_gather_below_bytes`) are gathered (copied)
     into one buffer of up to ``GATHER`` bytes and written together: a state of thousands of small
     tensors costs a few hand-offs to the worker, not one per tensor."""
 
-    def __init__(self, path: str, deadline: float | None = None) -> None:
+    def __init__(self, path: str, deadline: Deadline | None = None) -> None:
         self.path = path
         self.SMALL = knobs.local_gather_below_bytes()
         self.GATHER = knobs.local_gather_bytes()
-        self.io = IOThread(path, deadline)
+        self.deadline = deadline or NEVER
+        self.lane = Lane("write")
         self.gathered = bytearray()
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        self.fd = self.io.call("create", lambda: os.open(path, flags, 0o644))
+        try:
+            self.fd = self._io("create", lambda: os.open(path, flags, 0o644))
+        except BaseException:
+            self.lane.close()
+            raise
+
+    def _io(self, what: str, fn: Callable[[], T]) -> T:
+        return self.lane.call(what, self.path, fn, self.deadline)
 
     def write(self, data: memoryview) -> None:
         if len(data) < self.SMALL:
@@ -85,12 +97,12 @@ class LocalWriter:
             return
         self._flush()
         fd = self.fd
-        self.io.call("write", lambda: _write_all(fd, data))
+        self._io("write", lambda: _write_all(fd, data))
 
     def _flush(self) -> None:
         if self.gathered:
             fd, data = self.fd, memoryview(self.gathered)
-            self.io.call("write", lambda: _write_all(fd, data))
+            self._io("write", lambda: _write_all(fd, data))
             self.gathered = bytearray()
 
     def close(self) -> None:
@@ -102,23 +114,23 @@ class LocalWriter:
 
         try:
             self._flush()
-            self.io.call("fsync", sync)
+            self._io("fsync", sync)
         finally:
             try:
-                if not self.io.hung:
-                    self.io.call("close", lambda: os.close(fd))
+                if not self.lane.wedged:
+                    self._io("close", lambda: os.close(fd))
             finally:
-                self.io.stop()
+                self.lane.close()
 
     def abort(self) -> None:
         """Close and remove the file: the one this writer created (``O_EXCL``), nothing else."""
         fd, path = self.fd, self.path
         try:
-            if not self.io.hung:
-                self.io.call("close", lambda: os.close(fd))
-                self.io.call("remove", lambda: _unlink(path))
+            if not self.lane.wedged:
+                self._io("close", lambda: os.close(fd))
+                self._io("remove", lambda: _unlink(path))
         finally:
-            self.io.stop()
+            self.lane.close()
 
 
 def _unlink(path: str) -> None:
@@ -132,12 +144,12 @@ class LocalStorage:
     """:class:`~shardsafe.storage.base.Storage` on a local (or POSIX network) filesystem."""
 
     def __init__(self) -> None:
-        self.deadline: float | None = None
+        self.deadline: Deadline | None = None
 
     def join(self, base: str, name: str) -> str:
         return os.path.join(base, name)
 
-    def set_deadline(self, deadline: float | None) -> None:
+    def set_deadline(self, deadline: Deadline | None) -> None:
         self.deadline = deadline
 
     def pending_dir(self, target: str, save_id: str) -> str:
@@ -150,7 +162,7 @@ class LocalStorage:
             os.mkdir(pending)
             fsync_dir(os.path.dirname(pending))
 
-        run_bounded("creating the pending directory", pending, self.deadline, make)
+        run_bounded("creating the pending directory", pending, self.deadline or NEVER, make)
 
     def open_writer(self, path: str) -> LocalWriter:
         return LocalWriter(path, self.deadline)
@@ -168,7 +180,7 @@ class LocalStorage:
             os.rename(tmp, staged)
             fsync_dir(pending)
 
-        run_bounded("writing the staged manifest", staged, self.deadline, write)
+        run_bounded("writing the staged manifest", staged, self.deadline or NEVER, write)
 
     def publish(self, commit: Commit, *, overwrite: bool, at_commit: Callable[[], None]) -> bytes | None:
         pending, target = commit.pending, commit.target

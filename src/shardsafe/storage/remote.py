@@ -26,11 +26,18 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from shardsafe import knobs
+from shardsafe.deadline import NEVER, Deadline
 from shardsafe.errors import CorruptCheckpointError, InvalidArgumentError, RemoteIOError
 from shardsafe.storage import regular, retry
 from shardsafe.storage.base import MANIFEST_NAME, Commit, Writer
-from shardsafe.storage.bounded import run_bounded
-from shardsafe.storage.fsspec_util import check_name, import_fsspec, local_dir, mtime_of
+from shardsafe.storage.fsspec_util import (
+    bound_s3_retries,
+    check_name,
+    import_fsspec,
+    local_dir,
+    mtime_of,
+    s3_client_options,
+)
 from shardsafe.storage.local import fsync_dir, make_dirs
 from shardsafe.storage.uploads import (
     PartWriter,
@@ -43,6 +50,7 @@ from shardsafe.storage.uploads import (
     precondition_failed,
     s3_call,
 )
+from shardsafe.workers import run_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +65,9 @@ class FsspecStorage:
     """:class:`~shardsafe.storage.base.Storage` over an fsspec filesystem (object stores, memory, ...).
 
     ``FsspecStorage("s3", {"key": ..., "client_kwargs": {"endpoint_url": ...}})`` or
-    ``FsspecStorage(fs_instance)``; :meth:`for_path` picks the filesystem from a URL."""
+    ``FsspecStorage(fs_instance)``; :meth:`for_path` picks the filesystem from a URL. ``deadline``: the
+    call's, whose length bounds the S3 client's own timeouts and retries
+    (:func:`~shardsafe.storage.fsspec_util.s3_client_options`)."""
 
     def __init__(
         self,
@@ -65,11 +75,18 @@ class FsspecStorage:
         storage_options: Mapping[str, Any] | None = None,
         *,
         policy: retry.RetryPolicy | None = None,
+        deadline: Deadline | None = None,
     ) -> None:
         if isinstance(protocol_or_fs, str):
             fsspec = import_fsspec()
             try:
-                self.fs = fsspec.filesystem(protocol_or_fs, **dict(storage_options or {}))
+                options = dict(storage_options or {})
+                s3 = is_s3(fsspec.get_filesystem_class(protocol_or_fs))
+                if s3:
+                    options = s3_client_options(options, None if deadline is None else deadline.seconds)
+                self.fs = fsspec.filesystem(protocol_or_fs, **options)
+                if s3:
+                    bound_s3_retries(self.fs)
             except ImportError as err:
                 extra = "s3" if protocol_or_fs in ("s3", "s3a") else "remote"
                 raise ImportError(
@@ -82,15 +99,18 @@ class FsspecStorage:
                 )
             self.fs = protocol_or_fs
         self.policy = policy or retry.RetryPolicy.from_env()
-        self.deadline: float | None = None
+        self.deadline: Deadline | None = deadline
         self.s3 = is_s3(self.fs)
         protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
         self.object_store = self.s3 or bool(_OBJECT_STORE_PROTOCOLS.intersection(protocols))
 
     @classmethod
-    def for_path(cls, path: str, storage_options: Mapping[str, Any] | None = None) -> FsspecStorage:
+    def for_path(
+        cls, path: str, storage_options: Mapping[str, Any] | None = None, *, deadline: Deadline | None = None
+    ) -> FsspecStorage:
         """The storage for a URL such as ``s3://bucket/run/step-1``; ``storage_options`` are the
-        filesystem's usual options (credentials, ``client_kwargs={"endpoint_url": ...}``)."""
+        filesystem's usual options (credentials, ``client_kwargs={"endpoint_url": ...}``); ``deadline``:
+        the call's (see the class)."""
         if "::" in path:
             raise InvalidArgumentError(
                 f"{path!r}: chained fsspec URLs are not supported; give the URL of the store itself"
@@ -98,7 +118,7 @@ class FsspecStorage:
         protocol, sep, _ = path.partition("://")
         if not sep or not protocol:
             raise InvalidArgumentError(f"{path!r} has no scheme; plain paths use the local storage")
-        return cls(protocol, storage_options)
+        return cls(protocol, storage_options, deadline=deadline)
 
     # -- paths -----------------------------------------------------------------------------------
 
@@ -117,8 +137,8 @@ class FsspecStorage:
 
     # -- save ------------------------------------------------------------------------------------
 
-    def set_deadline(self, deadline: float | None) -> None:
-        """The operation's deadline (``time.monotonic()`` seconds, ``None``: none): it bounds the local
+    def set_deadline(self, deadline: Deadline | None) -> None:
+        """The operation's deadline (``None``: none): it bounds the local
         writes and fsyncs of the save path (``file://``) and every request to an object store (each
         attempt is cut at the deadline and no retry starts past it)."""
         self.deadline = deadline
@@ -133,7 +153,7 @@ class FsspecStorage:
             return
         local = local_dir(self.fs, self._p(pending))
         if local:
-            run_bounded("creating the target directory", pending, self.deadline, lambda: make_dirs(local))
+            run_bounded("creating the target directory", pending, self.deadline or NEVER, lambda: make_dirs(local))
             return
         self._retry("create directory", pending, lambda: self.fs.makedirs(self._p(pending), exist_ok=True))
 
@@ -274,9 +294,9 @@ class FsspecStorage:
         if not self.s3:
             return
         prefix = self._p(target) + "/"
-        for key_path, upload_id in list_uploads(self.fs, prefix, self.policy):
+        for key_path, upload_id in list_uploads(self.fs, prefix, self.policy, self.deadline):
             if save_id in key_path.rsplit("/", 1)[-1]:
-                abort_upload(self.fs, key_path, upload_id, self.policy)
+                abort_upload(self.fs, key_path, upload_id, self.policy, self.deadline)
 
     def _remove_paths(self, directory: str, paths: list[str]) -> None:
         if not paths:

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from shardsafe import knobs
+from shardsafe.deadline import Deadline
 from shardsafe.errors import CheckpointTimeoutError, InvalidArgumentError, RemoteIOError
-from shardsafe.storage.bounded import run_bounded
+from shardsafe.workers import run_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -141,14 +142,15 @@ def _transient_one(err: BaseException) -> bool:
     return False
 
 
-def call(op: str, path: str, fn: Callable[[], T], policy: RetryPolicy, deadline: float | None = None) -> T:
+def call(op: str, path: str, fn: Callable[[], T], policy: RetryPolicy, deadline: Deadline | None = None) -> T:
     """(any thread) Run ``fn`` until it succeeds, a non-transient error occurs, or ``policy.deadline``
     passes. ``op`` and ``path`` name the request in logs and in the final error.
 
-    With ``deadline`` (``time.monotonic()`` seconds: the operation's deadline) every attempt runs on a
-    worker thread waited for until then, so a request the client's own timeouts and retries would hold
-    for minutes (a black-holed endpoint) is cut at the deadline, and no retry starts past it."""
-    if deadline is not None and not math.isfinite(deadline):
+    With ``deadline`` (the operation's) every attempt runs on a daemon thread
+    (:func:`shardsafe.workers.run_bounded`) waited for until then, so a request the client's own
+    timeouts and retries would hold for minutes (a black-holed endpoint) is cut at the deadline, and no
+    retry starts past it."""
+    if deadline is not None and not math.isfinite(deadline.at):
         deadline = None  # timeout=inf: the policy alone bounds the retries
     start = time.monotonic()
     attempt = 0
@@ -157,7 +159,7 @@ def call(op: str, path: str, fn: Callable[[], T], policy: RetryPolicy, deadline:
         try:
             if deadline is None:
                 return fn()
-            if time.monotonic() >= deadline:
+            if deadline.expired():
                 raise CheckpointTimeoutError(
                     f"{op} {path}: the operation's deadline passed before the request was sent"
                 )
@@ -168,7 +170,7 @@ def call(op: str, path: str, fn: Callable[[], T], policy: RetryPolicy, deadline:
             now = time.monotonic()
             elapsed = now - start
             sleep = policy.delay(attempt)
-            if elapsed + sleep > policy.deadline or (deadline is not None and now + sleep >= deadline):
+            if elapsed + sleep > policy.deadline or (deadline is not None and now + sleep >= deadline.at):
                 raise RemoteIOError(
                     err.errno if isinstance(err, OSError) and err.errno else errno.EIO,
                     f"{op} {path}: still failing after {attempt} attempts in {elapsed:.1f}s "

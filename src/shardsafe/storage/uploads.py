@@ -16,13 +16,16 @@ import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Any
+from typing import Any, TypeVar
 
 from shardsafe import knobs
+from shardsafe.deadline import NEVER, Deadline
 from shardsafe.storage import retry
-from shardsafe.storage.bounded import IOThread
+from shardsafe.workers import Lane
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 MIN_PART = 5 * 1024 * 1024  # S3's smallest part (all but the last)
 MAX_PART = 5 * 1024 * 1024 * 1024  # and largest
@@ -89,14 +92,17 @@ def get_with_etag(fs: Any, bucket: str, key: str) -> tuple[bytes, str]:
     return result
 
 
-def list_uploads(fs: Any, prefix: str, policy: retry.RetryPolicy) -> list[tuple[str, str]]:
-    """``(bucket/key, upload id)`` of the unfinished multipart uploads under ``prefix``."""
+def list_uploads(
+    fs: Any, prefix: str, policy: retry.RetryPolicy, deadline: Deadline | None = None
+) -> list[tuple[str, str]]:
+    """``(bucket/key, upload id)`` of the unfinished multipart uploads under ``prefix`` (every request
+    ended by ``deadline``, see :func:`~shardsafe.storage.retry.call`)."""
     bucket, key_prefix, _ = fs.split_path(prefix)
     found: list[tuple[str, str]] = []
     markers: dict[str, str] = {}
     for _ in range(10_000):  # pages of 1,000; a bound rather than trusting IsTruncated forever
         page = functools.partial(s3_call, fs, "list_multipart_uploads", Bucket=bucket, Prefix=key_prefix, **markers)
-        out = retry.call("list multipart uploads", prefix, page, policy)
+        out = retry.call("list multipart uploads", prefix, page, policy, deadline)
         found += [(f"{bucket}/{u['Key']}", u["UploadId"]) for u in out.get("Uploads") or []]
         if not out.get("IsTruncated"):
             break
@@ -104,12 +110,14 @@ def list_uploads(fs: Any, prefix: str, policy: retry.RetryPolicy) -> list[tuple[
     return found
 
 
-def abort_upload(fs: Any, key_path: str, upload_id: str, policy: retry.RetryPolicy) -> None:
+def abort_upload(
+    fs: Any, key_path: str, upload_id: str, policy: retry.RetryPolicy, deadline: Deadline | None = None
+) -> None:
     """Abort one unfinished multipart upload of ``bucket/key``; one already gone is fine."""
     bucket, key, _ = fs.split_path(key_path)
     abort = functools.partial(s3_call, fs, "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
     try:
-        retry.call(f"abort multipart upload {upload_id}", key_path, abort, policy)
+        retry.call(f"abort multipart upload {upload_id}", key_path, abort, policy, deadline)
     except FileNotFoundError:
         pass
 
@@ -118,7 +126,9 @@ class PartWriter:
     """A new S3 object uploaded in parallel parts (see the module docstring). ``url`` names it in
     errors. ``write`` blocks while ``upload_threads()`` parts are in flight (bounded memory)."""
 
-    def __init__(self, fs: Any, path: str, url: str, policy: retry.RetryPolicy, deadline: float | None = None) -> None:
+    def __init__(
+        self, fs: Any, path: str, url: str, policy: retry.RetryPolicy, deadline: Deadline | None = None
+    ) -> None:
         self.fs = fs
         self.url = url
         self.policy = policy
@@ -135,7 +145,6 @@ class PartWriter:
         self.parts: list[Future[dict[str, Any]]] = []
         self.pool: ThreadPoolExecutor | None = None
         self.finished = False
-        self.starts = 0  # attempts at starting the upload: a retried start may have left a stray one
 
     def _part_size(self, number: int) -> int:
         if self.fixed_size:
@@ -162,7 +171,6 @@ class PartWriter:
         if self.upload_id is None:
 
             def start() -> Any:
-                self.starts += 1
                 return s3_call(self.fs, "create_multipart_upload", Bucket=self.bucket, Key=self.key)
 
             self.upload_id = retry.call("start multipart upload", self.url, start, self.policy, self.deadline)[
@@ -197,8 +205,9 @@ class PartWriter:
         return {"PartNumber": number, "ETag": out["ETag"]}
 
     def _wait_for_room(self, max_pending: int) -> None:
-        """Block until at most ``max_pending`` parts are in flight; raise the first part failure."""
-        deadline = knobs.io_timeout()
+        """Block until at most ``max_pending`` parts are in flight; raise the first part failure. Each
+        part's requests end by the deadline (``SHARDSAFE_IO_TIMEOUT`` without one)."""
+        deadline = knobs.io_timeout() if self.deadline is None else self.deadline.remaining() + 1.0
         while True:
             pending = [f for f in self.parts if not f.done()]
             for f in self.parts:
@@ -234,7 +243,7 @@ class PartWriter:
                     self._send_part()
                 self._wait_for_room(0)
                 self._complete([f.result() for f in self.parts])
-                self._abort_strays()
+                _cleanup(lambda: self._abort_strays(self.deadline), self.url)
             self.finished = True
             self.fs.invalidate_cache(f"{self.bucket}/{self.key}")
         except BaseException:
@@ -245,11 +254,7 @@ class PartWriter:
                 self.pool.shutdown(wait=False)
 
     def _complete(self, parts: list[dict[str, Any]]) -> None:
-        attempts = 0
-
         def complete() -> None:
-            nonlocal attempts
-            attempts += 1
             try:
                 s3_call(
                     self.fs,
@@ -260,20 +265,23 @@ class PartWriter:
                     MultipartUpload={"Parts": parts},
                 )
             except FileNotFoundError:
-                # NoSuchUpload on a retry: an earlier attempt completed it and its reply was lost.
-                if attempts > 1 and self._stored_size() == self.total:
+                # NoSuchUpload: an earlier copy of this request completed it and its reply was lost (a
+                # retry, ours or the client's own, or a copy the network delivered twice). The key is
+                # this writer's alone: an object of the full size there is this upload, completed.
+                if self._stored_size() == self.total:
                     return
                 raise
 
         retry.call(self._op("complete multipart upload"), self.url, complete, self.policy, self.deadline)
 
-    def _abort_strays(self) -> None:
-        """Abort uploads of this key that a start whose reply was lost created (never ours)."""
-        if self.starts <= 1:
-            return
-        for key_path, upload_id in list_uploads(self.fs, f"{self.bucket}/{self.key}", self.policy):
-            if key_path == f"{self.bucket}/{self.key}" and upload_id != self.upload_id:
-                abort_upload(self.fs, key_path, upload_id, self.policy)
+    def _abort_strays(self, deadline: Deadline | None) -> None:
+        """Abort the other uploads of this key (its name is this writer's alone): those a start created
+        whose reply was lost, or that the network delivered twice. One listing, whether or not a start
+        was retried: the S3 client retries on its own, unseen here."""
+        key_path = f"{self.bucket}/{self.key}"
+        for found, upload_id in list_uploads(self.fs, key_path, self.policy, deadline):
+            if found == key_path and upload_id != self.upload_id:
+                abort_upload(self.fs, found, upload_id, self.policy, deadline)
 
     def _stored_size(self) -> int | None:
         try:
@@ -284,7 +292,9 @@ class PartWriter:
 
     def abort(self) -> None:
         """Cancel the upload; nothing becomes visible. Parts in flight are waited for (each is
-        bounded by its retry deadline) so none lands after the abort."""
+        bounded by the deadline) so none lands after the abort; the abort's own requests end by the
+        deadline, or past it run on a thread of their own within the error-reporting grace
+        (``SHARDSAFE_ERROR_REPORT_SECONDS``)."""
         if self.finished:
             return
         try:
@@ -295,43 +305,70 @@ class PartWriter:
 
     def _cancel(self) -> None:
         self.finished = True
+        grace = None if self.deadline is None else self.deadline.or_grace()
         for f in self.parts:
             f.cancel()
         running = [f for f in self.parts if not f.done()]
         if running:
-            wait(running, timeout=self.policy.deadline + knobs.wait_margin_seconds())
+            wait(
+                running,
+                timeout=self.policy.deadline + knobs.wait_margin_seconds() if grace is None else grace.remaining(),
+            )
         for f in self.parts:
             if f.done() and not f.cancelled() and f.exception() is not None:
                 logger.debug("%s: part upload failed during abort: %s", self.url, f.exception())
-        if self.upload_id is not None:
-            abort_upload(self.fs, f"{self.bucket}/{self.key}", self.upload_id, self.policy)
-        self._abort_strays()
+        if self.upload_id is None:
+            return
+        upload_id = self.upload_id
+
+        def abort() -> None:
+            abort_upload(self.fs, f"{self.bucket}/{self.key}", upload_id, self.policy, grace)
+            self._abort_strays(grace)
+
+        if self.deadline is not None and self.deadline.expired():
+            # Past the deadline the caller does not wait for the store once more (the save's own cleanup
+            # has its grace to spend, and aborts this save's uploads too): the abort goes on, within the
+            # grace, on a thread of its own.
+            lane = Lane("abort")
+            lane.post(lambda: _cleanup(abort, self.url))
+            lane.close()
+            return
+        abort()
 
 
 class StreamWriter:
     """A data file written through ``fs.open(path, "wb")`` (filesystems other than S3): the file
     object's own buffering uploads it; ``close`` finishes it (fsync on a local disk). Not retried
-    mid-stream: a failure raises and the engine aborts the save. With a ``deadline`` (a local disk:
-    ``file://``) every call runs on a worker thread under it (:mod:`shardsafe.storage.bounded`)."""
+    mid-stream: a failure raises and the engine aborts the save. Every call runs on a
+    :class:`~shardsafe.workers.Lane` of its own, waited for until ``deadline`` (given for a local disk:
+    ``file://``; ``None``: no deadline)."""
 
-    def __init__(self, fs: Any, path: str, deadline: float | None = None) -> None:
+    def __init__(self, fs: Any, path: str, deadline: Deadline | None = None) -> None:
         self.fs = fs
         self.path = path
-        self.io = IOThread(path, deadline)
-        self.f = self.io.call("create", lambda: fs.open(path, "wb"))
+        self.deadline = deadline or NEVER
+        self.lane = Lane("write")
+        try:
+            self.f = self._io("create", lambda: fs.open(path, "wb"))
+        except BaseException:
+            self.lane.close()
+            raise
+
+    def _io(self, what: str, fn: Callable[[], T]) -> T:
+        return self.lane.call(what, self.path, fn, self.deadline)
 
     def write(self, data: memoryview) -> None:
-        self.io.call("write", lambda: self.f.write(data))
+        self._io("write", lambda: self.f.write(data))
 
     def close(self) -> None:
         try:
-            self.io.call("fsync", self._finish)
+            self._io("fsync", self._finish)
         except BaseException:
-            if not self.io.hung:
+            if not self.lane.wedged:
                 _cleanup(self.abort, self.path)
             raise
         finally:
-            self.io.stop()
+            self.lane.close()
 
     def _finish(self) -> None:
         self.f.flush()
@@ -341,10 +378,10 @@ class StreamWriter:
         self.f.close()
 
     def abort(self) -> None:
-        if self.io.hung:
+        if self.lane.wedged:
             return
-        self.io.call("abort", self._discard)
-        self.io.stop()
+        self._io("abort", self._discard)
+        self.lane.close()
 
     def _discard(self) -> None:
         from fsspec.spec import AbstractBufferedFile
