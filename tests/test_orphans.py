@@ -88,9 +88,9 @@ def test_the_files_of_a_save_in_flight_stay_however_old(tmp_path: Path, sign: st
 
 def test_files_a_sibling_refers_to_stay(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An overwrite keeps the old data files an incremental sibling refers to: no manifest of their
-    folder lists them, yet they are not orphans. With a leftover age of 0, every unlisted file is a
+    folder lists them, yet they are not orphans. With a leftover age near 0, every unlisted file is a
     candidate; the sibling's references keep them."""
-    monkeypatch.setenv("SHARDSAFE_LEFTOVER_AGE_SECONDS", "0")
+    monkeypatch.setenv("SHARDSAFE_LEFTOVER_AGE_SECONDS", "0.01")
     a, b = tmp_path / "a", tmp_path / "b"
     shardsafe.save(str(a), _state(1.0))
     shardsafe.save(str(b), _state(1.0), base=str(a))  # refers to a's files for every chunk
@@ -116,3 +116,48 @@ def test_the_manager_cleanup_keeps_a_save_in_flight_of_another_process(tmp_path:
         orphan = _leave(step, _save_id(3 * HOUR), 3 * HOUR)
         mgr.save(2, _state(2.0))  # a commit runs the sweep of leftovers
     assert in_flight.exists() and not orphan.exists()
+
+
+def test_a_read_only_remount_at_the_commit_leaves_the_old_checkpoint_and_the_next_save_cleans_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The filesystem turns read-only at the final rename of an overwrite (after the new data files
+    were moved in): the save fails naming the path, nothing can be removed then, the previous checkpoint
+    stays whole; once writable again, the next save of the path removes what the failed one left (its
+    moved data files and its pending directory)."""
+    path = tmp_path / "ck"
+    shardsafe.save(str(path), _state(1.0))
+    read_only = [False]
+    real_rename, real_unlink, real_rmdir = os.rename, os.unlink, os.rmdir
+
+    def refuse(fn: Any, what: str) -> Any:
+        def call(src: Any, *args: Any, **kwargs: Any) -> Any:
+            if read_only[0] and str(src).startswith(str(tmp_path)):
+                raise OSError(30, "Read-only file system", str(src))
+            commit_point = what == "rename" and ".staging-" in str(src) and str(args[0]) == str(path / "MANIFEST.json")
+            if commit_point:  # the remount happens now
+                read_only[0] = True
+                raise OSError(30, "Read-only file system", str(src))
+            return fn(src, *args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(os, "rename", refuse(real_rename, "rename"))
+    monkeypatch.setattr(os, "unlink", refuse(real_unlink, "unlink"))
+    monkeypatch.setattr(os, "rmdir", refuse(real_rmdir, "rmdir"))
+    with pytest.raises(shardsafe.CheckpointError, match="Read-only file system") as err:
+        shardsafe.save(str(path), _state(2.0), overwrite=True)
+    assert str(path) in str(err.value)
+    monkeypatch.undo()  # writable again
+    shardsafe.verify(str(path))
+    assert torch.equal(shardsafe.load(str(path))["w"], torch.full((64,), 1.0))
+    left = [p.name for p in tmp_path.iterdir() if ".staging-" in p.name]
+    assert left, "the failed save could not remove its pending directory on a read-only filesystem"
+    listed = set(shardsafe.inspect(str(path)).files)
+    assert {p.name for p in path.glob("data-*")} - listed, "its moved data files are in the checkpoint folder"
+
+    monkeypatch.setenv("SHARDSAFE_LEFTOVER_AGE_SECONDS", "0.01")
+    time.sleep(1.1)  # a save id carries its start time in whole seconds
+    _overwrite_and_check(path, 3.0)
+    assert not [p.name for p in tmp_path.iterdir() if ".staging-" in p.name]
+    assert {p.name for p in path.glob("data-*")} == set(shardsafe.inspect(str(path)).files)

@@ -335,6 +335,29 @@ def orphaned_files(storage: Storage, path: str, listed: Iterable[str], *, min_ag
     return out
 
 
+def abandoned_pending(storage: Storage, path: str, *, min_age: float, now: float) -> list[str]:
+    """(rank 0) The pending directories of saves into ``path`` (beside it, on local disks) that began
+    and last changed more than ``min_age`` seconds ago: a save that failed and could not remove its
+    own (a read-only remount, a crash), which :func:`remove_pending` removes. Symbolic links are
+    left out (nothing is deleted through one)."""
+    parent, target = refs.split(path)
+    out = []
+    for name in storage.list_dir(parent):
+        m = PENDING_DIR.match(name)
+        if m is None or m["target"] != target or not _began_before(m["sid"], now - min_age):
+            continue
+        pending = storage.join(parent, name)
+        if link_target(pending) is not None:
+            continue
+        try:
+            changed = storage.mtime(pending)
+        except FileNotFoundError:
+            continue
+        if now - changed >= min_age:
+            out.append(pending)
+    return out
+
+
 def _began_before(save_id: str, moment: float) -> bool:
     """Whether save ``save_id`` began before ``moment`` (unix time), as far as its id tells: shardsafe's
     save ids start with their start time in seconds, then 10 hex digits. An id of another shape tells

@@ -35,11 +35,13 @@ import torch
 
 from shardsafe import knobs
 from shardsafe.catalog.delete import (
+    abandoned_pending,
     delete_files,
     discard_save,
     manifest_files,
     orphaned_files,
     release_references,
+    remove_pending,
     stale_files,
 )
 from shardsafe.catalog.names import commit_of
@@ -320,8 +322,7 @@ class Committer:
     def _remove_stale(self, old: bytes | None, new: bytes, where: str) -> None:
         """(rank 0, committed) Remove the data files of the replaced checkpoint that the new manifest
         does not list (taken from the old manifest, validated), then what only the old manifest referred
-        to in sibling checkpoints, then the orphans of saves that never committed there
-        (:func:`~shardsafe.catalog.delete.orphaned_files`). A failure leaves unreferenced files."""
+        to in sibling checkpoints; then :meth:`_sweep`. A failure leaves unreferenced files (logged)."""
         i = self.inputs
         began = time.monotonic()
         stale = stale_files(old, new, where)
@@ -329,18 +330,6 @@ class Committer:
         def remove() -> None:
             delete_files(i.storage, i.path, stale)
             release_references(i.storage, i.path, old, where)
-            _, listed = manifest_files(new, where)
-            age = knobs.leftover_age_seconds()
-            orphans = orphaned_files(i.storage, i.path, listed, min_age=age, now=time.time())
-            if orphans:
-                removed = delete_files(i.storage, i.path, orphans)
-                logger.info(
-                    "shardsafe: removed %s from %s: data files no manifest lists, unchanged for over %.0fs (a save "
-                    "there that never committed; SHARDSAFE_LEFTOVER_AGE_SECONDS)",
-                    removed,
-                    i.path,
-                    age,
-                )
 
         grace = self.op.clock.end.or_grace()
         i.storage.set_deadline(grace)  # its requests to an object store are bounded by the same
@@ -348,12 +337,40 @@ class Committer:
             run_bounded("removing the old data files", i.path, grace, remove)
         except (OSError, ValueError, CheckpointError) as err:
             logger.warning("shardsafe: committed %s but could not remove old data files %s: %s", i.path, stale, err)
+        try:
+            run_bounded("removing what failed saves left", i.path, grace, lambda: self._sweep(new, where))
+        except (OSError, ValueError, CheckpointError) as err:
+            logger.warning("shardsafe: committed %s but could not remove what failed saves left there: %s", i.path, err)
         logger.debug(
             "shardsafe: save %s rank 0: removed %d replaced file(s) in %.3fs",
             i.path,
             len(stale),
             time.monotonic() - began,
         )
+
+    def _sweep(self, new: bytes, where: str) -> None:
+        """(rank 0, committed) Remove the pending directories that saves of the path which never
+        committed left beside it (:func:`~shardsafe.catalog.delete.abandoned_pending`), then the orphans
+        of such saves in it (:func:`~shardsafe.catalog.delete.orphaned_files`), once older than
+        ``SHARDSAFE_LEFTOVER_AGE_SECONDS``."""
+        i = self.inputs
+        age = knobs.leftover_age_seconds()
+        # first: a save whose pending directory is gone is no longer in flight, and its files in the
+        # checkpoint are orphans
+        for pending in abandoned_pending(i.storage, i.path, min_age=age, now=time.time()):
+            if remove_pending(i.storage, pending):
+                logger.info("shardsafe: removed %s, left by a failed save of %s", pending, i.path)
+        _, listed = manifest_files(new, where)
+        orphans = orphaned_files(i.storage, i.path, listed, min_age=age, now=time.time())
+        if orphans:
+            removed = delete_files(i.storage, i.path, orphans)
+            logger.info(
+                "shardsafe: removed %s from %s: data files no manifest lists, unchanged for over %.0fs (a save there "
+                "that never committed; SHARDSAFE_LEFTOVER_AGE_SECONDS)",
+                removed,
+                i.path,
+                age,
+            )
 
     def _follow(self, r: Round, deadline: Deadline) -> CommitResult:
         """(ranks other than 0, report sent) Learn the outcome; see the module docstring."""
