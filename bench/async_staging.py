@@ -167,9 +167,10 @@ def _training(size_mib: int, steps: int, scratch: Path, threads: int) -> dict[st
     for mode in ("background", "blocking"):
         rows: list[dict[str, Any]] = []
         for _ in range(3):
+            target = _fresh(scratch / mode)  # removing the previous save is not the call's
             os.sync()
             t0 = time.perf_counter()
-            handle = shardsafe.async_save(_fresh(scratch / mode), {"model": model, "optimizer": opt}, staging=mode)
+            handle = shardsafe.async_save(target, {"model": model, "optimizer": opt}, staging=mode)
             call = time.perf_counter() - t0
             times = []
             while not handle.done() or len(times) < 2:
