@@ -5,7 +5,8 @@ its address travels to the other ranks in the local tier's agreements (through t
 never the training group). A connection carries one request, a JSON line, then raw file bytes:
 
 - ``push``: the sender's committed share of a step (``files``: ``[relative name, size]``); the server
-  writes it into ``.incoming-...`` in its own node folder, verifies every byte
+  answers whether it accepts the request, then, once accepted, the sender sends the bytes, and the server
+  writes them into ``.incoming-...`` in its own node folder, verifies every byte
   (:func:`shardsafe.verify`), renames it to ``replica-of-rank-R`` (replacing an older copy) and answers
   ``{"ok": true}``; anything else answers ``{"ok": false, "error": ...}`` and leaves nothing behind;
 - ``pull``: the server sends the replica of rank R's share of a step that it holds (an answer line
@@ -185,6 +186,7 @@ class ReplicaServer:
         if not isinstance(step, int) or not isinstance(rank, int):
             raise CheckpointError(f"bad replica request {head!r:.200}")
         if op == "push":
+            _send_line(conn, {"ok": True})  # accepted: the sender sends the bytes now
             receive_checkpoint(conn, self.folder, step, replica_name(rank), self.rank, head["files"])
             _send_line(conn, {"ok": True})
         elif op == "pull":
@@ -224,6 +226,9 @@ def push(address: str, token: str, path: str, step: int, rank: int, deadline: De
 
     def run(sock: socket.socket) -> None:
         _send_line(sock, {"op": "push", "token": token, "step": step, "rank": rank, "files": files})
+        answer = _read_line(sock)  # the request accepted (or refused) before any byte is sent
+        if answer.get("ok") is not True:
+            raise CheckpointError(f"rank {rank}: replicating {path} was refused by the receiver: {answer.get('error')}")
         _send_files(sock, path, files)
         answer = _read_line(sock)
         if answer.get("ok") is not True:
