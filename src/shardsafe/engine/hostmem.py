@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -152,6 +153,14 @@ def mark_current(device: torch.device) -> Any:
     event = _cuda.Event()
     event.record(torch.cuda.current_stream(torch.device(device.type, _index(device))))
     return event
+
+
+def current_after(marks: Mapping[tuple[str, int], Any]) -> None:
+    """(a thread other than the one that recorded ``marks``, from :func:`mark_current`) Order the work
+    this thread queues on its current stream of each device after that device's mark, so that what it
+    reads there is what the marking thread had written by then."""
+    for (kind, index), mark in marks.items():
+        torch.cuda.current_stream(torch.device(kind, index)).wait_event(mark)
 
 
 def device_key(device: torch.device) -> tuple[str, int]:

@@ -38,7 +38,7 @@ from shardsafe import knobs
 from shardsafe.catalog.names import refusal
 from shardsafe.coord import Clock, Operation, fault_point
 from shardsafe.coord.messages import PerRankNodes, PerRankPaths, SaveArrival, SaveStart, WriteReport
-from shardsafe.engine import commit, incremental, snapshot, staging
+from shardsafe.engine import commit, hostmem, incremental, snapshot, staging
 from shardsafe.engine.options import SaveOptions
 from shardsafe.engine.phases import PhaseLog
 from shardsafe.engine.plan import PendingChunk, file_bytes, own_chunks, plan_writes
@@ -307,6 +307,8 @@ class SaveJob:
         op = self.op
         assert op is not None
         if self.deferred:
+            assert self.background is not None
+            hostmem.current_after(self.background.marks)  # the start reads small tensors (per-rank digests)
             self._start(op, copy=True, defer=True)
         flat = self.flat
         assert flat is not None

@@ -191,8 +191,11 @@ class BackgroundStaging:
         self._names: dict[int, str] = {}  # id(item.local) -> the tensor's name in the state, for messages
         self._called: dict[str, str] = {}  # a planned chunk's tensor name -> that name (per-rank ones differ)
         self.marks: dict[tuple[str, int], Any] = {}  # accelerator: the current stream's work at the call
+        devices: dict[tuple[str, int], torch.device] = {}
         for item in (*flat.items, *flat.per_rank):
-            self._capture(item, buffers)
+            self._capture(item, buffers, devices)
+        for key, device in devices.items():  # after the clones: the copies and reads come after them too
+            self.marks[key] = hostmem.mark_current(device)
         self.guards = [_Guard(name, opt) for name, opt in _optimizers(state)]
         self.chunks: list[PendingChunk] = []
         self.sources: list[list[tuple[torch.Tensor, int]]] = []  # per chunk, until its copy is checked
@@ -201,17 +204,18 @@ class BackgroundStaging:
         self._closed = False
         self.deadline: Deadline | None = None
 
-    def _capture(self, item: TensorItem, buffers: set[StorageKey | None]) -> None:
+    def _capture(
+        self, item: TensorItem, buffers: set[StorageKey | None], devices: dict[tuple[str, int], torch.device]
+    ) -> None:
         """(the call) Record the versions of ``item``'s tensors; clone those without one (inference
-        tensors) or that are a module's buffers, in place of the originals in ``item``."""
+        tensors) or that are a module's buffers, in place of the originals in ``item``; note the
+        accelerators they are on in ``devices``."""
         recorded: list[tuple[torch.Tensor, int]] = []
         boxes = item.boxes()
         cloned = False
         for n, (offsets, t) in enumerate(boxes):
             if t.is_cuda:
-                key = hostmem.device_key(t.device)
-                if key not in self.marks:
-                    self.marks[key] = hostmem.mark_current(t.device)
+                devices.setdefault(hostmem.device_key(t.device), t.device)
             version = _version(t)
             if version is None or (buffers and _storage_key(t) in buffers):
                 copy = t.detach().clone()  # on its own device and stream
