@@ -161,3 +161,112 @@ def test_a_read_only_remount_at_the_commit_leaves_the_old_checkpoint_and_the_nex
     _overwrite_and_check(path, 3.0)
     assert not [p.name for p in tmp_path.iterdir() if ".staging-" in p.name]
     assert {p.name for p in path.glob("data-*")} == set(shardsafe.inspect(str(path)).files)
+
+
+def test_a_symbolic_link_named_like_a_data_file_stays(tmp_path: Path) -> None:
+    """Nothing is removed through a link, nor the link itself (shardsafe did not write it): a link that
+    looks like an old orphan stays, and so does what it points to; a real orphan beside it goes."""
+    path = tmp_path / "ck"
+    shardsafe.save(str(path), _state(1.0))
+    outside = tmp_path / "kept.bin"
+    outside.write_bytes(b"not shardsafe's")
+    link = path / data_file(0, _save_id(3 * HOUR))
+    link.symlink_to(outside)
+    then = time.time() - 3 * HOUR
+    os.utime(outside, (then, then))
+    os.utime(link, (then, then), follow_symlinks=False)
+    orphan = _leave(path, _save_id(2 * HOUR), 2 * HOUR)
+    _overwrite_and_check(path, 2.0)
+    assert link.is_symlink() and outside.read_bytes() == b"not shardsafe's"
+    assert not orphan.exists()
+
+
+def test_a_folder_named_like_a_data_file_stays_and_does_not_block_the_rest(tmp_path: Path) -> None:
+    path = tmp_path / "ck"
+    shardsafe.save(str(path), _state(1.0))
+    orphan = _leave(path, _save_id(2 * HOUR), 2 * HOUR)
+    folder = path / data_file(0, _save_id(3 * HOUR))  # sorts before the orphan
+    folder.mkdir()
+    then = time.time() - 3 * HOUR
+    os.utime(folder, (then, then))
+    _overwrite_and_check(path, 2.0)
+    assert folder.is_dir() and not orphan.exists()
+
+
+def test_files_shardsafe_did_not_write_stay(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save refuses a folder holding foreign files, so they can only appear while it runs (someone
+    else writing there): the sweep after its commit leaves them, however old, and names that merely
+    start like a data file too."""
+    from shardsafe.engine import commit
+
+    path = tmp_path / "ck"
+    shardsafe.save(str(path), _state(1.0))
+    orphan = _leave(path, _save_id(2 * HOUR), 2 * HOUR)
+    sid = _save_id(3 * HOUR)
+    foreign = [path / "notes.txt", path / f"{data_file(0, sid)}.part", path / f"x{data_file(0, sid)}"]
+    real = commit.fault_point
+
+    def meanwhile(point: str, rank: int | None = None) -> None:
+        if point == "save.commit":
+            then = time.time() - 3 * HOUR
+            for f in foreign:
+                f.write_bytes(b"mine")
+                os.utime(f, (then, then))
+        real(point, rank)
+
+    monkeypatch.setattr(commit, "fault_point", meanwhile)
+    _overwrite_and_check(path, 2.0)
+    assert all(f.read_bytes() == b"mine" for f in foreign)
+    assert not orphan.exists()
+
+
+def _old_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A committed checkpoint elsewhere whose save began over a second ago (the leftover age is set
+    near 0, and a save id carries its start time in whole seconds) and whose files look old."""
+    monkeypatch.setenv("SHARDSAFE_LEFTOVER_AGE_SECONDS", "0.01")
+    other = tmp_path / "other"
+    shardsafe.save(str(other), _state(7.0))
+    then = time.time() - 2 * HOUR
+    for f in other.iterdir():
+        os.utime(f, (then, then))
+    time.sleep(1.1)
+    return other
+
+
+def test_files_a_manifest_committed_meanwhile_lists_stay(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second writer of the path commits right after this save's publish, before its sweep: the
+    current manifest is the second writer's, and its files (old, of a save that began long ago) stay."""
+    from shardsafe.storage.local import LocalStorage
+
+    path = tmp_path / "ck"
+    shardsafe.save(str(path), _state(1.0))
+    other = _old_checkpoint(tmp_path, monkeypatch)
+    real = LocalStorage.publish
+
+    def publish(self: LocalStorage, commit: Any, **kwargs: Any) -> bytes | None:
+        old = real(self, commit, **kwargs)
+        for f in other.glob("data-*"):  # the second writer moves its files in, then commits
+            shutil.copy2(f, path / f.name)
+        (path / ".MANIFEST.json.second").write_bytes((other / "MANIFEST.json").read_bytes())
+        os.replace(path / ".MANIFEST.json.second", path / "MANIFEST.json")
+        return old
+
+    monkeypatch.setattr(LocalStorage, "publish", publish)
+    shardsafe.save(str(path), _state(2.0), overwrite=True)
+    monkeypatch.undo()
+    shardsafe.verify(str(path))
+    assert torch.equal(shardsafe.load(str(path))["w"], torch.full((64,), 7.0))
+
+
+def test_files_a_tombstone_lists_stay(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The files of a deletion under way in the folder (its tombstone lists them) are the deletion's to
+    remove (it keeps those other checkpoints still refer to), not the orphan sweep's."""
+    path = tmp_path / "ck"
+    shardsafe.save(str(path), _state(1.0))
+    other = _old_checkpoint(tmp_path, monkeypatch)
+    retired = sorted(f.name for f in other.glob("data-*"))
+    for name in retired:
+        shutil.copy2(other / name, path / name)
+    (path / ".MANIFEST.json.deleting").write_bytes((other / "MANIFEST.json").read_bytes())
+    _overwrite_and_check(path, 2.0)
+    assert all((path / name).exists() for name in retired)

@@ -73,7 +73,6 @@ from shardsafe.catalog.names import (
     DATA_FILE,
     PENDING_DIR,
     STAGED_MANIFEST,
-    TEMP_MANIFEST,
     TOMBSTONE,
     basename,
     data_file,
@@ -305,65 +304,6 @@ def release_references(storage: Storage, path: str, old: bytes | None, where: st
         return  # stale_files logged it
     _release_replaced(storage, path, old, where)
     _release_bases(storage, path, old, where)
-
-
-def orphaned_files(storage: Storage, path: str, listed: Iterable[str], *, min_age: float, now: float) -> list[str]:
-    """(rank 0) The data files in the committed checkpoint ``path`` that its manifest (``listed``) does
-    not list, that no save in flight into ``path`` may still be writing, and that have not changed for
-    ``min_age`` seconds: what a save that never committed left there (a second writer of the same
-    path, a crash between moving data files in and committing). A save in flight is one whose save id
-    names a pending directory beside ``path`` or a temporary manifest in it, or that began less than
-    ``min_age`` ago (shardsafe's save ids start with their start time: on an object store a save's data
-    objects go straight into ``path`` with nothing else to show for it). Data files a sibling refers to are
-    kept by :func:`delete_files`, which removes these."""
-    names = storage.list_dir(path)
-    busy = {m.group("sid") for m in map(TEMP_MANIFEST.match, names) if m}
-    parent, target = refs.split(path)
-    busy |= {m.group("sid") for m in map(PENDING_DIR.match, storage.list_dir(parent)) if m and m["target"] == target}
-    keep = set(listed)
-    out = []
-    for name in names:
-        m = DATA_FILE.match(name)
-        if m is None or name in keep or m.group("sid") in busy or not _began_before(m.group("sid"), now - min_age):
-            continue
-        try:
-            changed = storage.mtime(storage.join(path, name))
-        except FileNotFoundError:
-            continue
-        if now - changed >= min_age:
-            out.append(name)
-    return out
-
-
-def abandoned_pending(storage: Storage, path: str, *, min_age: float, now: float) -> list[str]:
-    """(rank 0) The pending directories of saves into ``path`` (beside it, on local disks) that began
-    and last changed more than ``min_age`` seconds ago: a save that failed and could not remove its
-    own (a read-only remount, a crash), which :func:`remove_pending` removes. Symbolic links are
-    left out (nothing is deleted through one)."""
-    parent, target = refs.split(path)
-    out = []
-    for name in storage.list_dir(parent):
-        m = PENDING_DIR.match(name)
-        if m is None or m["target"] != target or not _began_before(m["sid"], now - min_age):
-            continue
-        pending = storage.join(parent, name)
-        if link_target(pending) is not None:
-            continue
-        try:
-            changed = storage.mtime(pending)
-        except FileNotFoundError:
-            continue
-        if now - changed >= min_age:
-            out.append(pending)
-    return out
-
-
-def _began_before(save_id: str, moment: float) -> bool:
-    """Whether save ``save_id`` began before ``moment`` (unix time), as far as its id tells: shardsafe's
-    save ids start with their start time in seconds, then 10 hex digits. An id of another shape tells
-    nothing (True: the file's own age decides)."""
-    started = save_id[:-10]
-    return not started.isdigit() or int(started) < moment
 
 
 def discard_save(storage: Storage, pending: str, target: str, save_id: str, world_size: int) -> None:

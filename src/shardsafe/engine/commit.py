@@ -35,16 +35,15 @@ import torch
 
 from shardsafe import knobs
 from shardsafe.catalog.delete import (
-    abandoned_pending,
     delete_files,
     discard_save,
     manifest_files,
-    orphaned_files,
     release_references,
     remove_pending,
     stale_files,
 )
 from shardsafe.catalog.names import commit_of
+from shardsafe.catalog.orphans import abandoned_pending, orphaned_files
 from shardsafe.catalog.refs import check_ref_files
 from shardsafe.coord import Deadline, Operation, fault_point
 from shardsafe.coord.agreement import Round
@@ -350,8 +349,8 @@ class Committer:
 
     def _sweep(self, new: bytes, where: str) -> None:
         """(rank 0, committed) Remove the pending directories that saves of the path which never
-        committed left beside it (:func:`~shardsafe.catalog.delete.abandoned_pending`), then the orphans
-        of such saves in it (:func:`~shardsafe.catalog.delete.orphaned_files`), once older than
+        committed left beside it (:func:`~shardsafe.catalog.orphans.abandoned_pending`), then the orphans
+        of such saves in it (:func:`~shardsafe.catalog.orphans.orphaned_files`), once older than
         ``SHARDSAFE_LEFTOVER_AGE_SECONDS``."""
         i = self.inputs
         age = knobs.leftover_age_seconds()

@@ -22,8 +22,9 @@ from functools import partial
 from typing import Any
 
 from shardsafe.catalog.delete import delete_checkpoint as _delete_checkpoint
-from shardsafe.catalog.delete import delete_files, finish_deletion, link_target, orphaned_files, remove_pending
+from shardsafe.catalog.delete import delete_files, finish_deletion, link_target, remove_pending
 from shardsafe.catalog.names import DATA_FILE, PENDING_DIR, TOMBSTONE
+from shardsafe.catalog.orphans import orphaned_files
 from shardsafe.errors import CorruptCheckpointError
 from shardsafe.manager.listing import CheckpointRecord
 from shardsafe.manager.retention import RetentionPolicy
