@@ -23,6 +23,7 @@ committed manifest without its data, and every rank sees one outcome.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import threading
@@ -49,7 +50,7 @@ from shardsafe.coord import Deadline, Operation, fault_point
 from shardsafe.coord.agreement import Round
 from shardsafe.coord.failures import Failure, wrap
 from shardsafe.coord.messages import Committed, Envelope, Outcome, Timeout, WriteReport
-from shardsafe.engine import incremental
+from shardsafe.engine import incremental, unremoved
 from shardsafe.errors import CheckpointError, CorruptCheckpointError, RankDeadError, UnsafeValueError
 from shardsafe.format.manifest import Chunk, FileEntry, Manifest, TensorEntry, parse_manifest
 from shardsafe.progress.tracker import Tracker
@@ -95,9 +96,20 @@ class _LeaderLost(Exception):
     """(internal) Rank 0 stopped after "commit" won: only the storage can tell whether it published."""
 
 
-def discard(storage: Storage, path: str, pending: str, save_id: str, world_size: int, deadline: Deadline) -> None:
+def discard(
+    storage: Storage,
+    path: str,
+    pending: str,
+    save_id: str,
+    world_size: int,
+    deadline: Deadline,
+    *,
+    remember: bool = False,
+) -> bool:
     """(every rank, once an abort is the outcome) Remove what this save wrote, within ``deadline`` (a
-    hung disk must not hang the error path); failures are logged."""
+    hung disk must not hang the error path); returns whether that worked. A failure is logged and,
+    with ``remember`` (rank 0), kept for the next save of this process beside ``path``
+    (:mod:`shardsafe.engine.unremoved`)."""
     storage.set_deadline(deadline)  # its object-store requests are bounded by the same deadline
     try:
         run_bounded(
@@ -109,7 +121,29 @@ def discard(storage: Storage, path: str, pending: str, save_id: str, world_size:
     except FileNotFoundError as err:  # another rank removed it first: the removal is shared and idempotent
         logger.debug("shardsafe: pending directory %s of a failed save was already removed: %s", pending, err)
     except (OSError, ValueError, CheckpointError) as err:
-        logger.error("shardsafe: could not remove the pending directory %s of a failed save: %s", pending, err)
+        logger.error(
+            "shardsafe: could not remove the pending directory %s of a failed save: %s. It is never read; the next "
+            "save that commits beside it removes it (SHARDSAFE_LEFTOVER_AGE_SECONDS).",
+            pending,
+            err,
+        )
+        if remember:
+            unremoved.remember(unremoved.Unremoved(path, pending, save_id, world_size))
+        return False
+    return True
+
+
+def refused(err: BaseException) -> bool:
+    """Whether the storage refused the change (read-only, or not permitted): an ``OSError`` with errno
+    ``EROFS``, ``EACCES`` or ``EPERM`` in ``err`` or its causes."""
+    seen: set[int] = set()
+    cur: BaseException | None = err
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 def committed_on_storage(storage: Storage, path: str, save_id: str) -> bool:
@@ -151,9 +185,17 @@ class Committer:
 
     def _raise(self, outcome: Outcome, own: BaseException | None) -> None:
         """(every rank) Discard the pending directory (an abort won) and raise what ``outcome`` says."""
-        i = self.inputs
+        i, op = self.inputs, self.op
         if i.pending:
-            discard(i.storage, i.path, i.pending, i.save_id, self.op.world_size, self.op.clock.arrive.or_grace())
+            discard(
+                i.storage,
+                i.path,
+                i.pending,
+                i.save_id,
+                op.world_size,
+                op.clock.arrive.or_grace(),
+                remember=op.rank == 0,
+            )
         self.op.acknowledge()
         self.op.settle(outcome, own)
 
@@ -297,7 +339,13 @@ class Committer:
             if never:
                 message = (
                     f"save of {i.path!r}: rank 0's publish failed ({type(err).__name__}: {err}); nothing was "
-                    "committed. Fix the cause and save again."
+                    "committed, and the checkpoint that was there, if any, is unchanged and loadable. "
+                    + (
+                        "The storage refused the change (read-only, say remounted read-only after an error, or not "
+                        f"permitted): make {i.path!r} and its parent folder writable again, then save again."
+                        if refused(err)
+                        else "Fix the cause and save again."
+                    )
                 )
             else:
                 message = (
@@ -311,8 +359,13 @@ class Committer:
                     self.round.propose(Outcome(failure=failure), op.clock.end.or_grace())
                 except RankDeadError as lost:
                     logger.error("shardsafe: could not tell the ranks that publishing %s failed: %s", i.path, lost)
-            if never:
-                discard(i.storage, i.path, i.pending, i.save_id, op.world_size, op.clock.arrive.or_grace())
+            if never and not discard(
+                i.storage, i.path, i.pending, i.save_id, op.world_size, op.clock.arrive.or_grace(), remember=True
+            ):
+                message += (
+                    f" What this save wrote could not be removed either ({i.pending}); it is never read, and the next "
+                    "save that commits beside it removes it."
+                )
             op.acknowledge()
             raise CheckpointError(message) from err
         finally:
@@ -348,11 +401,23 @@ class Committer:
         )
 
     def _sweep(self, new: bytes, where: str) -> None:
-        """(rank 0, committed) Remove the pending directories that saves of the path which never
-        committed left beside it (:func:`~shardsafe.catalog.orphans.abandoned_pending`), then the orphans
-        of such saves in it (:func:`~shardsafe.catalog.orphans.orphaned_files`), once older than
+        """(rank 0, committed) Remove what failed saves of this process beside the path could not
+        remove themselves (:mod:`shardsafe.engine.unremoved`), then the pending directories that saves
+        of the path which never committed left beside it
+        (:func:`~shardsafe.catalog.orphans.abandoned_pending`), then the orphans of such saves in it
+        (:func:`~shardsafe.catalog.orphans.orphaned_files`), these two once older than
         ``SHARDSAFE_LEFTOVER_AGE_SECONDS``."""
         i = self.inputs
+        for left in unremoved.beside(i.path):
+            try:
+                discard_save(i.storage, left.pending, left.path, left.save_id, left.world_size)
+            except (OSError, ValueError, CheckpointError) as err:
+                logger.warning(
+                    "shardsafe: still cannot remove what failed save %s left in %s: %s", left.save_id, left.pending, err
+                )
+                continue
+            unremoved.forget(left)
+            logger.info("shardsafe: removed what failed save %s of %s left (%s)", left.save_id, left.path, left.pending)
         age = knobs.leftover_age_seconds()
         # first: a save whose pending directory is gone is no longer in flight, and its files in the
         # checkpoint are orphans

@@ -296,7 +296,13 @@ class SaveJob:
         """(rank 0) The rendezvous failed: remove the staging it created (nothing else was written)."""
         if op.rank == 0 and self._prepared:
             commit.discard(
-                self.storage, self.path, self.pending, self.save_id, op.world_size, self.clock.arrive.or_grace()
+                self.storage,
+                self.path,
+                self.pending,
+                self.save_id,
+                op.world_size,
+                self.clock.arrive.or_grace(),
+                remember=True,
             )
             self._prepared = False
 
