@@ -47,6 +47,25 @@ class Outcome:
         return self.exitcode == 0 and self.error_type is None
 
 
+PORT_TAKEN = "port-taken"
+"""What rank 0 reports when the port it was to host the store on was taken meanwhile by another
+process (``free_port`` can only say it was free then): the world starts again on another port."""
+
+
+def _join(rank: int, world: int, port: int, store_mode: str) -> None:
+    """Join the gloo process group as ``store_mode`` says (module docstring)."""
+    if store_mode == "external":
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=120))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    elif store_mode == "tcp":  # rank 0 hosts the store (SLURM srun, mp.spawn)
+        method = f"tcp://127.0.0.1:{port}"
+        dist.init_process_group("gloo", init_method=method, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    elif store_mode == "env":  # rank 0 hosts the store (MASTER_ADDR/MASTER_PORT, Lightning's launcher)
+        dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=120))
+    else:
+        raise ValueError(f"store={store_mode!r} is not external, tcp or env")
+
+
 def _entry(
     fn: Callable[..., Any],
     rank: int,
@@ -70,16 +89,13 @@ def _entry(
 
     torch.set_num_threads(1)
     start = time.monotonic()
-    if store_mode == "external":
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=120))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    elif store_mode == "tcp":  # rank 0 hosts the store (SLURM srun, mp.spawn)
-        method = f"tcp://127.0.0.1:{port}"
-        dist.init_process_group("gloo", init_method=method, rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    elif store_mode == "env":  # rank 0 hosts the store (MASTER_ADDR/MASTER_PORT, Lightning's launcher)
-        dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=120))
-    else:
-        raise ValueError(f"store={store_mode!r} is not external, tcp or env")
+    try:
+        _join(rank, world, port, store_mode)
+    except Exception as err:
+        if rank == 0 and store_mode != "external" and "EADDRINUSE" in str(err):  # taken since free_port()
+            q.put((rank, PORT_TAKEN, None, type(err).__name__, str(err), None, [], time.monotonic() - start))
+            return
+        raise
     try:
         result = fn(rank, world, *args)
         buf = io.BytesIO()
@@ -123,7 +139,25 @@ def run_ranks(
     store: str = "external",
 ) -> list[Outcome]:
     """Run ``fn(rank, world, *args)`` on ``world`` fresh processes; return each rank's outcome.
-    ``store`` says who hosts the rendezvous store (module docstring)."""
+    ``store`` says who hosts the rendezvous store (module docstring). A world whose rank 0 found its
+    store's port taken by another process (:data:`PORT_TAKEN`) is started again, at most 3 times."""
+    for _ in range(3):
+        outcomes = _run_once(fn, world, args, timeout, env, rank_env, store)
+        if outcomes is not None:
+            return outcomes
+    raise RuntimeError(f"rank 0 found the store's port taken 3 times in a row (store={store!r})")
+
+
+def _run_once(
+    fn: Callable[..., Any],
+    world: int,
+    args: tuple[Any, ...],
+    timeout: float,
+    env: dict[str, str] | None,
+    rank_env: dict[int, dict[str, str]] | None,
+    store: str,
+) -> list[Outcome] | None:
+    """One try of :func:`run_ranks`; ``None`` when rank 0 found its port taken (the others are killed)."""
     ctx = _CTX
     host: Any = None
     if store == "external":
@@ -145,7 +179,12 @@ def run_ranks(
     pending = set(range(world))
     while pending and time.monotonic() < deadline:
         try:
-            rank, _kind, result, etype, emsg, tb, mro, elapsed = q.get(timeout=0.2)
+            rank, kind, result, etype, emsg, tb, mro, elapsed = q.get(timeout=0.2)
+            if kind == PORT_TAKEN:
+                for p in procs:
+                    p.kill()
+                    p.join(5)
+                return None
             o = outcomes[rank]
             if result is not None:
                 result = torch.load(io.BytesIO(result), weights_only=False)

@@ -58,13 +58,11 @@ def _start(path: str | os.PathLike[str], state: Mapping[str, Any], call: str, gi
     if not background:
         job.finish()
         return SaveHandle(job, None)
+    name = f"shardsafe-save-{os.path.basename(job.path.rstrip('/'))}"
     handle = SaveHandle(job, None)
-    thread = threading.Thread(
-        target=handle._run, name=f"shardsafe-save-{os.path.basename(job.path.rstrip('/'))}", daemon=True
-    )
-    handle._thread = thread
+    handle._thread = threading.Thread(target=handle._run, name=name, daemon=True)
     inflight.add(handle)
-    thread.start()
+    handle.launch()
     return handle
 
 

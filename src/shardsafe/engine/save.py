@@ -106,9 +106,9 @@ class SaveJob:
         values encoded, its tensors' versions recorded, the optimizers gated: :mod:`~shardsafe.engine.snapshot`)
         and :meth:`finish` does the rest on the save's thread: rendezvous, plan, copies."""
         self.op = op = Operation.begin("save", self.path, self.clock, group=self.options["group"])
-        self.tracker.start(op, lambda: self.phase)
         self.deferred = defer and self._capture(op)
-        if not self.deferred:
+        if not self.deferred:  # else the save's thread starts progress reporting, with the rest of the save
+            self.tracker.start(op, lambda: self.phase)
             self._start(op, copy=copy, defer=defer)
         self.blocking_seconds = time.monotonic() - self.started
 
@@ -315,6 +315,7 @@ class SaveJob:
         if self.deferred:
             assert self.background is not None
             hostmem.current_after(self.background.marks)  # the start reads small tensors (per-rank digests)
+            self.tracker.start(op, lambda: self.phase)
             self._start(op, copy=True, defer=True)
         flat = self.flat
         assert flat is not None
@@ -433,6 +434,10 @@ def _no_tensors(path: str, _t: torch.Tensor) -> str:
     raise UnsafeValueError(f"{path!r}: metadata= holds plain values only (no tensors); put tensors in the state")
 
 
+_GO_AHEAD_SECONDS = 1.0
+"""The longest a save's thread waits for :meth:`SaveHandle.launch` to hand it the interpreter lock."""
+
+
 class SaveHandle:
     """A save in progress. ``wait()`` returns once the checkpoint is committed on every rank, or raises
     the save's error (on every rank)."""
@@ -442,12 +447,23 @@ class SaveHandle:
         self._thread = thread
         self._error: BaseException | None = None
         self._error_seen = False
+        self._go = threading.Event()  # set by the caller once it no longer needs the interpreter lock
+
+    def launch(self) -> None:
+        """(the caller's thread) Start the save's thread (given at construction) and return at once. The
+        thread waits for the go-ahead this sets as the last step: a thread that starts running Python
+        code keeps the interpreter lock for a whole switch interval (5 ms) while ``Thread.start``
+        waits to take it back, which would be the largest part of the call's blocking time."""
+        assert self._thread is not None
+        self._thread.start()
+        self._go.set()
 
     @property
     def path(self) -> str:
         return self.job.path
 
     def _run(self) -> None:
+        self._go.wait(_GO_AHEAD_SECONDS)  # set at once by launch(); bounded, and the save runs either way
         try:
             self.job.finish()
         except BaseException as err:  # kept and raised by wait() / the next save; never swallowed

@@ -210,6 +210,13 @@ class BackgroundStaging:
         """(the call) Record the versions of ``item``'s tensors; clone those without one (inference
         tensors) or that are a module's buffers, in place of the originals in ``item``; note the
         accelerators they are on in ``devices``."""
+        if item.pieces is None and not buffers:  # one box, no buffer to clone: the common case
+            t = item.local
+            version = _version(t)
+            if version is not None and not t.is_cuda:
+                self._recorded[id(t)] = [(t, version)]
+                self._names[id(t)] = item.name
+                return
         recorded: list[tuple[torch.Tensor, int]] = []
         boxes = item.boxes()
         cloned = False

@@ -198,9 +198,11 @@ def encode(value: Any, path: str, on_tensor: TensorSink, *, allow_pickle: bool =
             f"{path!r}: the value nests more than {MAX_DEPTH} levels deep (or holds itself); flatten it, "
             "or store it another way"
         )
-    if isinstance(value, torch.Tensor):  # the common case first (no other type checked here is a tensor)
-        _storable_tensor(value, path)
+    if isinstance(value, torch.Tensor):  # the common cases first (no other type checked here is a tensor
+        _storable_tensor(value, path)  # or a plain dict)
         return {"$": "tensor", "ref": on_tensor(path, value)}
+    if type(value) is dict:
+        return _encode_dict(value, path, on_tensor, allow_pickle, _level)
     if isinstance(value, PerRank):
         # This rank's value only; the save collects every rank's into "ranks" (state/per_rank.py).
         inner = encode(value.value, path, on_tensor, allow_pickle=allow_pickle, _level=_level + 2)
@@ -233,22 +235,7 @@ def encode(value: Any, path: str, on_tensor: TensorSink, *, allow_pickle: bool =
     if isinstance(value, (bytes, bytearray)):
         return {"$": "bytes", "b64": base64.b64encode(bytes(value)).decode()}
     if isinstance(value, dict):
-        items = []
-        for k, v in value.items():
-            if isinstance(k, bool) or not isinstance(k, (str, int)):
-                raise UnsafeValueError(
-                    f"{path!r}: dict key {k!r} of type {type(k).__name__} cannot be stored; "
-                    "use str or int keys (or pass allow_pickle=True to save and load)"
-                )
-            if isinstance(k, str):
-                _storable_text(k, f"{path}/{k}", "the key")
-            elif k.bit_length() > _INT_BITS:
-                raise UnsafeValueError(
-                    f"{path!r}: a dict key integer of {k.bit_length()} bits; a checkpoint holds integers of at most "
-                    f"{_INT_BITS} bits. Use a shorter key or a str."
-                )
-            items.append([k, encode(v, f"{path}/{k}", on_tensor, allow_pickle=allow_pickle, _level=_level + 3)])
-        return {"$": "dict", "items": items}
+        return _encode_dict(value, path, on_tensor, allow_pickle, _level)
     if isinstance(value, list):
         return [
             encode(v, f"{path}/{i}", on_tensor, allow_pickle=allow_pickle, _level=_level + 1)
@@ -267,6 +254,30 @@ def encode(value: Any, path: str, on_tensor: TensorSink, *, allow_pickle: bool =
         "pickle. Convert it to plain types (int, float, str, bool, None, list, tuple, dict, bytes, tensors), give "
         "the object state_dict()/load_state_dict(), or opt in with allow_pickle=True on both save and load."
     )
+
+
+def _encode_dict(value: dict[Any, Any], path: str, on_tensor: TensorSink, allow_pickle: bool, level: int) -> Json:
+    """:func:`encode` of a dict (str or int keys, each checked as the format requires)."""
+    items = []
+    for k, v in value.items():
+        kind = type(k)
+        if kind is not str and (kind is bool or not isinstance(k, (str, int))):
+            raise UnsafeValueError(
+                f"{path!r}: dict key {k!r} of type {kind.__name__} cannot be stored; "
+                "use str or int keys (or pass allow_pickle=True to save and load)"
+            )
+        if isinstance(k, str):
+            step = f"{path}/{k}"
+            _storable_text(k, step, "the key")
+        elif k.bit_length() > _INT_BITS:
+            raise UnsafeValueError(
+                f"{path!r}: a dict key integer of {k.bit_length()} bits; a checkpoint holds integers of at most "
+                f"{_INT_BITS} bits. Use a shorter key or a str."
+            )
+        else:
+            step = f"{path}/{k}"
+        items.append([k, encode(v, step, on_tensor, allow_pickle=allow_pickle, _level=level + 3)])
+    return {"$": "dict", "items": items}
 
 
 def _numpy_value(value: Any, path: str, on_tensor: TensorSink, level: int) -> Json | None:

@@ -217,10 +217,13 @@ def flatten(
         taken.add(name)
         if t.dtype not in SAFETENSORS_DTYPES:
             raise UnsafeValueError(f"{path!r}: dtype {t.dtype} cannot be stored (format v2, docs/format.md section 6)")
-        shard = shards.get(id(t))
-        if shard is None and type(t) in _PLAIN:  # the common case, without working out a layout
-            data = t.detach()
-            items.append(TensorItem(name, data, tuple(data.shape), (0,) * data.dim(), True, True))
+        shard = shards.get(id(t)) if shards else None
+        kind = type(t)
+        if shard is None and kind in _PLAIN:  # the common case, without working out a layout
+            # a plain tensor outside autograd (a state dict's) is its own detached view
+            data = t if kind is torch.Tensor and not t.requires_grad else t.detach()
+            shape = tuple(data.shape)
+            items.append(TensorItem(name, data, shape, (0,) * len(shape), True, True))
             return name
         placed = shard is not None or is_sharded(t) or is_sharded_tensor(t)
         items.append(_item(name, shard[0] if shard is not None else layout_of(t), placed))

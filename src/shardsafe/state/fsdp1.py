@@ -48,6 +48,8 @@ _WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"
 
 def clean_name(name: str) -> str:
     """A parameter or module name as state dicts spell it: without FSDP1 and activation-checkpoint wrappers."""
+    if "_wrapped_module" not in name:  # no wrapper part: the name as it is (the common case)
+        return name
     return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
 
 
