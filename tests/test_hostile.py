@@ -687,3 +687,30 @@ def test_writer_refuses_what_readers_reject(tmp_path: Path) -> None:
         assert not (tmp_path / "ck").exists()
     shardsafe.save(tmp_path / "ok", {"v": {"a": {"b": [[(1, 2)]]}}, "n": np.uint64(2**64 - 1)})
     assert shardsafe.load(tmp_path / "ok")["n"] == np.uint64(2**64 - 1)
+
+
+def test_tensors_in_dicts_at_the_depth_limit_are_written_only_as_deep_as_readers_read(tmp_path: Path) -> None:
+    """The writer encodes a dict's tensors without a call of its own (the common case of a state dict):
+    one nested one level past the limit is still refused by name, and every one it wrote loads."""
+    from shardsafe import UnsafeValueError
+
+    outcomes = set()
+    for depth in range(28, 40):
+        value: Any = torch.full((2,), float(depth))
+        for _ in range(depth):
+            value = {"k": value}
+        path = tmp_path / f"d{depth}"
+        try:
+            shardsafe.save(path, {"v": value})
+        except UnsafeValueError as err:
+            assert "nests more than" in str(err), err  # the encoder's words, naming the value (not the manifest)
+            assert not path.exists()
+            outcomes.add("refused")
+            continue
+        loaded = shardsafe.load(path)["v"]
+        for _ in range(depth):
+            loaded = loaded["k"]
+        assert torch.equal(loaded, torch.full((2,), float(depth)))
+        assert "refused" not in outcomes, f"depth {depth} written after a shallower one was refused"
+        outcomes.add("written")
+    assert outcomes == {"written", "refused"}

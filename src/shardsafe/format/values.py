@@ -171,9 +171,12 @@ def _storable_tensor(tensor: torch.Tensor, path: str) -> None:
             f"{path!r}: a tensor of {len(shape)} dimensions; a checkpoint holds at most {MAX_DIMS}. Reshape it "
             "(e.g. flatten leading dimensions) before saving, and back after loading."
         )
-    size = tensor.dtype.itemsize
-    for d in shape:
-        size *= d if d > 1 else 1
+    size = tensor.numel()  # the product of the sizes, unless one is 0
+    if size == 0:
+        size = 1
+        for d in shape:
+            size *= d if d > 1 else 1
+    size *= tensor.dtype.itemsize
     if size > INT_LIMIT:
         raise UnsafeValueError(
             f"{path!r}: a tensor of shape {list(shape)} ({dtype_name(tensor.dtype)}); a checkpoint holds shapes whose "
@@ -238,7 +241,9 @@ def encode(value: Any, path: str, on_tensor: TensorSink, *, allow_pickle: bool =
         return _encode_dict(value, path, on_tensor, allow_pickle, _level)
     if isinstance(value, list):
         return [
-            encode(v, f"{path}/{i}", on_tensor, allow_pickle=allow_pickle, _level=_level + 1)
+            v  # ASCII text as it is (a list of names): encode()'s str case, without the call
+            if type(v) is str and v.isascii()
+            else encode(v, f"{path}/{i}", on_tensor, allow_pickle=allow_pickle, _level=_level + 1)
             for i, v in enumerate(value)
         ]
     if type(value) is tuple:
@@ -259,25 +264,39 @@ def encode(value: Any, path: str, on_tensor: TensorSink, *, allow_pickle: bool =
 def _encode_dict(value: dict[Any, Any], path: str, on_tensor: TensorSink, allow_pickle: bool, level: int) -> Json:
     """:func:`encode` of a dict (str or int keys, each checked as the format requires)."""
     items = []
+    inline = level + 3 <= MAX_DEPTH  # a tensor value is within the depth limit: encoded here, without the call
     for k, v in value.items():
-        kind = type(k)
-        if kind is not str and (kind is bool or not isinstance(k, (str, int))):
-            raise UnsafeValueError(
-                f"{path!r}: dict key {k!r} of type {kind.__name__} cannot be stored; "
-                "use str or int keys (or pass allow_pickle=True to save and load)"
-            )
-        if isinstance(k, str):
+        if type(k) is str:
             step = f"{path}/{k}"
-            _storable_text(k, step, "the key")
-        elif k.bit_length() > _INT_BITS:
-            raise UnsafeValueError(
-                f"{path!r}: a dict key integer of {k.bit_length()} bits; a checkpoint holds integers of at most "
-                f"{_INT_BITS} bits. Use a shorter key or a str."
-            )
+            if not k.isascii():
+                _storable_text(k, step, "the key")
         else:
-            step = f"{path}/{k}"
-        items.append([k, encode(v, step, on_tensor, allow_pickle=allow_pickle, _level=level + 3)])
+            step = _other_key_step(k, path)
+        if inline and isinstance(v, torch.Tensor):
+            _storable_tensor(v, step)
+            items.append([k, {"$": "tensor", "ref": on_tensor(step, v)}])
+        else:
+            items.append([k, encode(v, step, on_tensor, allow_pickle=allow_pickle, _level=level + 3)])
     return {"$": "dict", "items": items}
+
+
+def _other_key_step(k: Any, path: str) -> str:
+    """The path of the value under dict key ``k``, which is not exactly a str: a str subclass (checked
+    as text) or an int (not a bool) of at most ``_INT_BITS`` bits; any other key is refused, naming it."""
+    if isinstance(k, str):
+        _storable_text(k, f"{path}/{k}", "the key")
+        return f"{path}/{k}"
+    if type(k) is bool or not isinstance(k, int):
+        raise UnsafeValueError(
+            f"{path!r}: dict key {k!r} of type {type(k).__name__} cannot be stored; "
+            "use str or int keys (or pass allow_pickle=True to save and load)"
+        )
+    if k.bit_length() > _INT_BITS:
+        raise UnsafeValueError(
+            f"{path!r}: a dict key integer of {k.bit_length()} bits; a checkpoint holds integers of at most "
+            f"{_INT_BITS} bits. Use a shorter key or a str."
+        )
+    return f"{path}/{k}"
 
 
 def _numpy_value(value: Any, path: str, on_tensor: TensorSink, level: int) -> Json | None:

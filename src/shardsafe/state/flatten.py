@@ -34,7 +34,7 @@ _PLAIN = (torch.Tensor, nn.Parameter)
 """Tensor types held whole by every rank (what :func:`~shardsafe.state.layout.layout_of` says of them)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorItem:
     """A tensor of the state as this rank holds it."""
 
