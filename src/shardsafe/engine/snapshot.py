@@ -61,7 +61,7 @@ from shardsafe.engine import hostmem, staging
 from shardsafe.engine.plan import PendingChunk
 from shardsafe.errors import TornSnapshotError
 from shardsafe.format.values import PerRank
-from shardsafe.state.flatten import Filtered, FlatState, TensorItem, modules_of
+from shardsafe.state.flatten import Filtered, FlatState, TensorItem
 
 try:
     from torch.distributed.tensor import DTensor
@@ -180,9 +180,7 @@ class BackgroundStaging:
         self.cloned = 0  # bytes copied at the call (module buffers)
         self.waited = 0.0  # seconds optimizer steps spent waiting for this staging (all gates)
         self._waiting = 0  # optimizer steps waiting now: the CPU copies then take every core
-        buffers: set[StorageKey | None] = set()
-        for _, module in modules_of(state):
-            buffers.update(_storage_key(b) for b in module.buffers())
+        buffers = {_storage_key(b) for b in flat.buffers}
         buffers.discard(None)
         # id(item.local) -> the item's tensors and their versions at the call (the items stay referenced by
         # ``flat`` until the plan, and the per-rank items made from them share their ``local``)

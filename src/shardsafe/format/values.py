@@ -171,7 +171,7 @@ def _storable_tensor(tensor: torch.Tensor, path: str) -> None:
             f"{path!r}: a tensor of {len(shape)} dimensions; a checkpoint holds at most {MAX_DIMS}. Reshape it "
             "(e.g. flatten leading dimensions) before saving, and back after loading."
         )
-    size = tensor.numel()  # the product of the sizes, unless one is 0
+    size = math.prod(shape)  # the product of the sizes, unless one is 0 (every tensor type has a shape)
     if size == 0:
         size = 1
         for d in shape:

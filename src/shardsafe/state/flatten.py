@@ -73,6 +73,8 @@ class FlatState:
     strategy: str
     per_rank: list[TensorItem] = field(default_factory=list)
     """Tensors of this rank's per-rank values (state/per_rank.py): written whole by this rank only."""
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    """The buffers of the state's modules (BatchNorm statistics, which a forward changes in place)."""
     per_rank_paths: list[list[Any]] = field(default_factory=list)
     """Where the ``per_rank`` nodes are: ``[key, step, ...]`` (dict keys, list/tuple indices), in the
     same order on every rank."""
@@ -142,16 +144,44 @@ def modules_of(state: Mapping[str, Any]) -> list[tuple[str, nn.Module]]:
     return out
 
 
+@dataclass
+class ModuleWalk:
+    """What one walk over the submodules of every module in a state finds (:func:`walk_modules`)."""
+
+    names: dict[int, str]
+    """id(parameter) -> stable name (:func:`param_names`)."""
+    fsdp1_keys: set[str]
+    """The keys of the state's modules that hold FSDP1 units."""
+    buffers: list[torch.Tensor]
+    """Every buffer of those modules (persistent or not), as the modules hold them."""
+
+
+def walk_modules(state: Mapping[str, Any]) -> ModuleWalk:
+    """(every rank, locally) One walk over every submodule of every module in ``state`` (a save's
+    call walks the state's modules once here instead of once per question: the walk is a large part
+    of the call's cost for models of many small layers)."""
+    modules = modules_of(state)
+    fsdp_class = fsdp1.fsdp_class()
+    found = ModuleWalk({}, set(), [])
+    names, buffers = found.names, found.buffers
+    for key, module in modules:
+        prefix_key = f"{key}." if len(modules) > 1 else ""
+        for prefix, sub in module.named_modules(remove_duplicate=False):  # as named_parameters walks
+            if fsdp_class is not None and isinstance(sub, fsdp_class):
+                found.fsdp1_keys.add(key)
+            for pname, p in sub._parameters.items():
+                if p is not None and id(p) not in names:
+                    names[id(p)] = prefix_key + fsdp1.clean_name(f"{prefix}.{pname}" if prefix else pname)
+            for b in sub._buffers.values():
+                if b is not None:
+                    buffers.append(b)
+    return found
+
+
 def param_names(state: Mapping[str, Any]) -> dict[int, str]:
     """id(parameter) -> stable name, from every module in ``state``. One module: its parameter names;
     several: ``<key>.<name>``. FSDP1 and activation-checkpoint wrapper parts are left out of names."""
-    modules = modules_of(state)
-    names: dict[int, str] = {}
-    for key, module in modules:
-        for name, p in module.named_parameters(remove_duplicate=False):
-            name = fsdp1.clean_name(name)
-            names.setdefault(id(p), name if len(modules) == 1 else f"{key}.{name}")
-    return names
+    return walk_modules(state).names
 
 
 def optimizer_names(opt: torch.optim.Optimizer, names: dict[int, str]) -> list[list[str]]:
@@ -201,8 +231,9 @@ def flatten(
     every rank. Without ``gather``, one process is assumed."""
     if not isinstance(state, Mapping):
         raise InvalidTypeError(f"state must be a dict of str -> object, not {type(state).__name__}")
-    names = param_names(state)
-    fsdp = _fsdp1_state(state, gather)  # FSDP1 hook: None unless the state holds an FSDP1 module
+    walk = walk_modules(state)
+    names = walk.names
+    fsdp = _fsdp1_state(state, gather, walk.fsdp1_keys)  # FSDP1 hook: None unless the state holds an FSDP1 module
     items: list[TensorItem] = []
     shards: dict[int, tuple[Layout, torch.Tensor]] = {}  # stand-in id -> (FSDP1 layout, stand-in)
     taken: set[str] = set()
@@ -267,7 +298,7 @@ def flatten(
                 kind = "value"
         objects[key] = {"kind": kind, "value": encode(value, key, on_tensor, allow_pickle=allow_pickle)}
     strategy = "fsdp" if "fsdp" in strategies else ("ddp" if "ddp" in strategies else "plain")
-    return FlatState(objects=objects, items=items, strategy=strategy)
+    return FlatState(objects=objects, items=items, strategy=strategy, buffers=walk.buffers)
 
 
 def nested_states(value: Any, where: str, allow_pickle: bool = False, _level: int = 0) -> Any:
@@ -354,11 +385,14 @@ def exchange_payload(state: Mapping[str, Any]) -> str:
     return captured[0] if captured else ""
 
 
-def _fsdp1_state(state: Mapping[str, Any], gather: fsdp1.Gather | None) -> fsdp1.Fsdp1State | None:
+def _fsdp1_state(
+    state: Mapping[str, Any], gather: fsdp1.Gather | None, keys: set[str] | None = None
+) -> fsdp1.Fsdp1State | None:
     """FSDP1 hook (state/fsdp1.py): the FSDP1 modules of ``state`` and, for optimizers over their
-    original parameters, the state structure exchanged through ``gather``."""
+    original parameters, the state structure exchanged through ``gather``. ``keys``: the keys of the
+    modules holding FSDP1 units, where a walk found them already."""
     modules = modules_of(state)
-    roots = {k: m for k, m in modules if fsdp1.is_fsdp1(m)}
+    roots = {k: m for k, m in modules if (k in keys if keys is not None else fsdp1.is_fsdp1(m))}
     if not roots:
         return None
     fsdp = fsdp1.Fsdp1State(roots, multi=len(modules) > 1)

@@ -53,7 +53,7 @@ def clean_name(name: str) -> str:
     return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
 
 
-def _fsdp_class() -> Any:
+def fsdp_class() -> Any:
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover - torch built without distributed
@@ -62,7 +62,7 @@ def _fsdp_class() -> Any:
 
 
 def is_fsdp1(module: nn.Module) -> bool:
-    cls = _fsdp_class()
+    cls = fsdp_class()
     return cls is not None and any(isinstance(m, cls) for m in module.modules())
 
 
@@ -138,7 +138,7 @@ def _params(root: nn.Module) -> list[_Param]:
     own metadata. Refuses a unit that is not sharded right now (inside ``summon_full_params``/forward)."""
     import torch.distributed as dist
 
-    cls = _fsdp_class()
+    cls = fsdp_class()
     modules = {id(m): clean_name(n) for n, m in root.named_modules()}
     out: list[_Param] = []
     for unit in cls.fsdp_modules(root):
