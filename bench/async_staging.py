@@ -10,25 +10,30 @@ for shardsafe; the same tensors as one flat dict for DCP, which does not take th
 process, no process group. Per size, in order, with ``sync`` before each call:
 
 - ``copy floor``: ``copy_`` of every tensor into host buffers allocated beforehand (what a snapshot of
-  the state costs at least: the figure the issue's "0.1x a copy of the state" refers to);
+  the state costs at least: the figure the goal of "0.1x a copy of the state" refers to), timed
+  ``--reps`` times back to back beforehand, and once in each rotation right before the background
+  call (the same state of the machine: caches cold after the previous save); the faster median of
+  the two is the floor;
 - the caller's blocking time of ``shardsafe.async_save(..., staging="background")``,
   ``staging="blocking"`` and ``torch.distributed.checkpoint.async_save``, alternating, ``--reps``
   times after a first call per contender (reported apart: it allocates the staging memory); each
   save is waited for (``wait()`` / ``result()``) before the next one starts, outside the timing.
 
 Then the training loop, on the smallest size's model: median step time (forward, backward, AdamW step
-on a batch of 32) without a save, and while a save is in flight (``async_save`` called just before the
-first of the steps, steps run until the save is done), for ``background`` and ``blocking`` staging;
-also the first step after the call (in background mode it waits in the optimizer's step pre-hook for
-its tensors to be copied) and the call plus that first step, which is the training stall a save
-causes. Results: ``<out>/async_staging.json`` and ``async_staging.md``, as ratios against the peers
-measured in the same run. Peak memory stays near 2.5x the largest state (state, gradients freed, one
-staging slab or DCP's copy at a time).
+on a batch of 32) without a save (``--steps`` of them before each run, all runs' together), and while
+a save is in flight (``async_save`` called just before the first of the steps, steps run until the
+save is done), for ``background`` and ``blocking`` staging; also the first step after the call (in
+background mode it waits in the optimizer's step pre-hook for its tensors to be copied) and the call
+plus that first step, which is the training stall a save causes. Results:
+``<out>/async_staging.json`` and ``async_staging.md``, as ratios against the peers measured in the
+same run. Peak memory stays near 3.5x the largest state (state, gradients freed, the copy floor's
+buffers, one staging slab or DCP's copy at a time).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -84,17 +89,39 @@ def _fresh(path: Path) -> str:
     return str(path)
 
 
-def _call(mode: str, model: nn.Module, opt: torch.optim.Optimizer, path: Path) -> tuple[float, Any]:
+_FULL_COLLECTIONS: list[float] = []  # when each full collection of Python's garbage collector began
+
+
+def _on_gc(phase: str, info: dict[str, Any]) -> None:
+    if phase == "start" and info.get("generation") == 2:
+        _FULL_COLLECTIONS.append(time.perf_counter())
+
+
+gc.callbacks.append(_on_gc)
+
+
+def _call(mode: str, model: nn.Module, opt: torch.optim.Optimizer, path: Path) -> tuple[float, Any, int]:
+    """One call of ``mode``: the seconds it blocked, what waits for its save, and how many full garbage
+    collections began while it blocked."""
     os.sync()  # no call pays for the write-back of the one before
     target = _fresh(path)
+    before = len(_FULL_COLLECTIONS)
     if mode == "dcp":
         flat = _tensors(model, opt)
         t0 = time.perf_counter()
         fut = dcp.async_save(flat, checkpoint_id=target)
-        return time.perf_counter() - t0, fut.result
+        return time.perf_counter() - t0, fut.result, len(_FULL_COLLECTIONS) - before
     t0 = time.perf_counter()
     handle = shardsafe.async_save(target, {"model": model, "optimizer": opt}, staging=mode)
-    return time.perf_counter() - t0, handle.wait
+    return time.perf_counter() - t0, handle.wait, len(_FULL_COLLECTIONS) - before
+
+
+def _copy(bufs: list[torch.Tensor], tensors: list[torch.Tensor]) -> float:
+    """Seconds of a ``copy_`` of every tensor into its buffer (allocated and faulted in beforehand)."""
+    t0 = time.perf_counter()
+    for b, t in zip(bufs, tensors, strict=True):
+        b.copy_(t)
+    return time.perf_counter() - t0
 
 
 def blocking(size_mib: int, reps: int, scratch: Path) -> dict[str, Any]:
@@ -104,34 +131,42 @@ def blocking(size_mib: int, reps: int, scratch: Path) -> dict[str, Any]:
     bufs = [torch.empty_like(t) for t in tensors]
     for b, t in zip(bufs, tensors, strict=True):  # fault the pages in: the floor copies into memory that is there
         b.copy_(t)
-    floor = []
+    quiet_floor = []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        for b, t in zip(bufs, tensors, strict=True):
-            b.copy_(t)
-        floor.append(time.perf_counter() - t0)
-    del bufs, tensors
+        quiet_floor.append(_copy(bufs, tensors))
+    floor = []  # the copy once more in each rotation, right before the background call: the same conditions
     first: dict[str, float] = {}
     steady: dict[str, list[float]] = {m: [] for m in MODES}
+    collected: list[int] = []  # per steady background call: full collections that began during it
     for rep in range(reps + 1):
         for mode in MODES:
-            seconds, wait = _call(mode, model, opt, scratch / mode)
+            if mode == "background":
+                os.sync()
+                floor.append(_copy(bufs, tensors))
+            seconds, wait, collections = _call(mode, model, opt, scratch / mode)
             wait()
+            if mode == "background" and rep > 0:
+                collected.append(collections)
             if rep == 0:
                 first[mode] = seconds
             else:
                 steady[mode].append(seconds)
             if mode == "blocking" or rep == reps:  # blocking reuses background's slab (as a run's next save would);
                 staging.free_idle()  # DCP runs without it, and the next background call allocates its own
+    del bufs, tensors
     for mode in MODES:
         _fresh(scratch / mode)
     med = {m: statistics.median(v) for m, v in steady.items()}
-    copy = statistics.median(floor)
+    copy = min(statistics.median(floor[1:]), statistics.median(quiet_floor))  # the faster: the stricter ratio
     return {
         "size_mib": size_mib,
         "bytes": nbytes,
         "tensors": len(list(model.parameters())) * 4,
         "copy_floor_s": copy,
+        "copy_rotation_s": statistics.median(floor[1:]),
+        "copy_rotation_all_s": floor[1:],
+        "copy_quiet_s": statistics.median(quiet_floor),
+        "background_full_collections": collected,
         "first_s": first,
         "blocked_s": med,
         "blocked_all_s": steady,
@@ -158,17 +193,21 @@ def _training(size_mib: int, steps: int, scratch: Path, threads: int) -> dict[st
     model, opt = _model(size_mib)
     for _ in range(2):
         _step(model, opt)
-    quiet = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        _step(model, opt)
-        quiet.append(time.perf_counter() - t0)
-    out: dict[str, Any] = {"size_mib": size_mib, "threads": threads, "quiet_step_s": statistics.median(quiet)}
+    quiet: list[float] = []
+
+    def quiet_steps(n: int) -> None:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            _step(model, opt)
+            quiet.append(time.perf_counter() - t0)
+
+    out: dict[str, Any] = {"size_mib": size_mib, "threads": threads}
     for mode in ("background", "blocking"):
         rows: list[dict[str, Any]] = []
         for _ in range(3):
             target = _fresh(scratch / mode)  # removing the previous save is not the call's
             os.sync()
+            quiet_steps(steps)  # the quiet steps are taken beside the runs: the machine's state drifts
             t0 = time.perf_counter()
             handle = shardsafe.async_save(target, {"model": model, "optimizer": opt}, staging=mode)
             call = time.perf_counter() - t0
@@ -193,14 +232,16 @@ def _training(size_mib: int, steps: int, scratch: Path, threads: int) -> dict[st
         staging.free_idle()
     _fresh(scratch / "background")
     _fresh(scratch / "blocking")
-    quiet_s = out["quiet_step_s"]
+    out["quiet_step_s"] = quiet_s = statistics.median(quiet)
+    out["quiet_steps"] = len(quiet)
     for mode in ("background", "blocking"):
         m = out[mode]
         m["step_in_flight_over_quiet"] = m["step_in_flight_s"] / quiet_s
         m["stall_over_quiet_step"] = m["stall_s"] / quiet_s
         m["extra_stall_s"] = m["stall_s"] - quiet_s  # what the save added to the step it interrupted
-    out["extra_stall_background_over_blocking"] = out["background"]["extra_stall_s"] / max(
-        1e-9, out["blocking"]["extra_stall_s"]
+    blocking_extra = out["blocking"]["extra_stall_s"]  # within the noise of a step time: no ratio to read
+    out["extra_stall_background_over_blocking"] = (
+        out["background"]["extra_stall_s"] / blocking_extra if blocking_extra > 0.05 * quiet_s else None
     )
     return out
 
@@ -221,8 +262,8 @@ def markdown(report: dict[str, Any]) -> str:
         "## Caller blocked by `async_save`",
         "",
         "| state | copy floor | background | blocking | DCP async_save | background / copy | background / "
-        "blocking | background / DCP | first call: background, blocking, DCP |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "blocking | background / DCP | background: per tensor, slowest call | first call: background, blocking, DCP |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in report["blocking"]:
         b = r["blocked_s"]
@@ -231,13 +272,30 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {r['bytes'] / MIB:.0f} MiB | {r['copy_floor_s'] * 1e3:.1f} ms | {b['background'] * 1e3:.1f} ms | "
             f"{b['blocking'] * 1e3:.1f} ms | {b['dcp'] * 1e3:.1f} ms | **{r['background_over_copy']:.3f}** | "
             f"**{r['background_over_blocking']:.3f}** | **{r['background_over_dcp']:.3f}** | "
+            f"{b['background'] / r['tensors'] * 1e6:.1f} µs ({r['tensors']} tensors), "
+            f"{max(r['blocked_all_s']['background']) * 1e3:.1f} ms | "
             f"{f['background'] * 1e3:.1f} / {f['blocking'] * 1e3:.1f} / {f['dcp'] * 1e3:.1f} ms |"
         )
+    lines += [
+        "",
+        "Copy floor: the faster of two medians (the stricter ratio): the copy timed back to back before the "
+        "rotation, and timed in each rotation right before the background call. Here "
+        + "; ".join(
+            f"{r['bytes'] / MIB:.0f} MiB: {r['copy_quiet_s'] * 1e3:.1f} ms back to back, "
+            f"{r['copy_rotation_s'] * 1e3:.1f} ms in the rotation"
+            for r in report["blocking"]
+        )
+        + ". Full collections of Python's garbage collector (a pause of tens of ms with torch loaded) that began "
+        "while a background call blocked, per call: "
+        + "; ".join(f"{r['bytes'] / MIB:.0f} MiB: {r['background_full_collections']}" for r in report["blocking"])
+        + ".",
+    ]
     t = report["training"]
     lines += [
         "",
         f"## Training steps with a save in flight ({t['size_mib']} MiB state, {t['threads']} intra-op thread(s) "
-        f"for the training, quiet step {t['quiet_step_s'] * 1e3:.0f} ms)",
+        f"for the training, quiet step {t['quiet_step_s'] * 1e3:.0f} ms: median of {t['quiet_steps']} taken "
+        "before each run)",
         "",
         "| staging | call | first step after it | call + first step | extra stall | steps in flight: median | "
         "/ quiet step |",
@@ -252,8 +310,13 @@ def markdown(report: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        f"Extra stall of the interrupted step, background / blocking: "
-        f"**{t['extra_stall_background_over_blocking']:.2f}**. In background mode the first step waits in the "
+        "Extra stall of the interrupted step, background / blocking: "
+        + (
+            f"**{ratio:.2f}**"
+            if (ratio := t["extra_stall_background_over_blocking"]) is not None
+            else "not given (the blocking mode's extra stall is within 5% of a quiet step, the noise of this machine)"
+        )
+        + ". In background mode the first step waits in the "
         "optimizer's step pre-hook until its parameters and moments are copied, so the call plus that step "
         "costs about one copy of the optimizer's tensors (made by every core once a step waits); in blocking "
         "mode the call itself makes the copy. Steps after it run beside the write, which competes with them "
@@ -267,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes-mib", type=int, nargs="+", default=[512, 2048], help="state sizes (default 512 2048)")
     p.add_argument("--reps", type=int, default=3, help="calls per contender after the first (default 3)")
-    p.add_argument("--steps", type=int, default=8, help="quiet training steps timed (default 8)")
+    p.add_argument("--steps", type=int, default=3, help="quiet training steps timed before each run (default 3)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="output directory")
     p.add_argument(
         "--train-threads",

@@ -17,6 +17,7 @@ from torch import nn
 import shardsafe
 from shardsafe.engine import save as save_module
 from shardsafe.engine import staging
+from shardsafe.state import flatten as flatten_module
 
 from harness import check_ok, run_ranks
 from models import assert_same, build, full_state, needs_fsdp2_on_cpu, train
@@ -283,3 +284,71 @@ def test_staging_option_is_checked_and_the_manager_passes_it(tmp_path: Any) -> N
         except shardsafe.TornSnapshotError:
             return
     assert torch.equal(shardsafe.load(str(tmp_path / "m" / "step-00000001"))["w"], torch.ones(2))
+
+
+# ------------------------------------------------------------ what the call reads, encoded afterwards
+
+
+class _Counter(nn.Module):
+    """A module with extra state held in a dict it changes in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen = {"batches": 0, "names": ["a"]}
+
+    def get_extra_state(self) -> Any:
+        return self.seen
+
+    def set_extra_state(self, state: Any) -> None:
+        self.seen = state
+
+
+def test_changes_after_the_call_to_what_it_read_do_not_reach_the_checkpoint(tmp_path: Any, monkeypatch: Any) -> None:
+    """The call reads the module's and optimizer's state and encodes it on the save's thread: an
+    optimizer's per-parameter entry replaced (not changed in place), its learning rate set, a
+    module's extra state changed in place, a parameter replaced on the module, all right after the
+    call, leave the checkpoint with the values at the call."""
+    torch.manual_seed(0)
+    model = _Counter()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model.lin(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    before = {k: v.clone() for k, v in model.lin.state_dict().items()}
+    p = model.lin.weight
+    step_before = opt.state[p]["step"].clone()
+    monkeypatch.setattr(staging, "before_background_copy", lambda _name: time.sleep(0.05))
+    finish = flatten_module.Captured.finish
+    encoded = threading.Event()
+
+    def finish_later(self: Any, *args: Any) -> Any:  # the encoding comes after every change below
+        assert encoded.wait(30)
+        return finish(self, *args)
+
+    monkeypatch.setattr(flatten_module.Captured, "finish", finish_later)
+    path = str(tmp_path / "c")
+    handle = shardsafe.async_save(path, {"model": model, "optimizer": opt}, staging="background")
+    opt.state[p]["step"] = torch.tensor(99.0)  # a new tensor in place of the old one: no version counter sees it
+    opt.state[p]["extra"] = 1.5
+    opt.param_groups[0]["lr"] = 0.5
+    model.seen["batches"] = 7
+    model.seen["names"].append("b")
+    model.lin.bias = nn.Parameter(torch.full((4,), 3.0))
+    encoded.set()
+    handle.wait()
+    loaded = shardsafe.load(path)
+    assert loaded["model"]["_extra_state"] == {"batches": 0, "names": ["a"]}
+    for k, v in before.items():
+        assert torch.equal(loaded["model"][f"lin.{k}"], v), k
+    state = loaded["optimizer"]["state"]["lin.weight"]
+    assert torch.equal(state["step"], step_before) and "extra" not in state
+    assert loaded["optimizer"]["param_groups"][0]["lr"] == 0.01
+
+
+def test_a_tensor_the_format_cannot_hold_is_refused_at_the_call(tmp_path: Any) -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.state[model.weight]["odd"] = torch.zeros(2, dtype=torch.complex32)
+    with pytest.raises(shardsafe.UnsafeValueError, match="complex32"):
+        shardsafe.async_save(str(tmp_path / "c"), {"model": model, "optimizer": opt}, staging="background")
+    assert not os.path.exists(tmp_path / "c")

@@ -49,7 +49,7 @@ from shardsafe.format.names import data_file
 from shardsafe.format.values import encode
 from shardsafe.progress.tracker import Tracker
 from shardsafe.state import per_rank
-from shardsafe.state.flatten import FlatState, exchange_payload, flatten
+from shardsafe.state.flatten import Captured, FlatState, capture, exchange_payload, flatten
 from shardsafe.storage import Storage, Writer, get_storage
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ class SaveJob:
         self.base_manifest: Manifest | None = None
         self.ref_chunks: list[tuple[str, Chunk]] = []  # (tensor, reference) for chunks the base holds
         self.flat: FlatState | None = None
+        self.captured: Captured | None = None  # staging="background": the state as the call read it, until encoded
         self.metadata_json: Any = None
         self.chunks: list[PendingChunk] = []
         self.staged: staging.Staged | None = None
@@ -117,9 +118,12 @@ class SaveJob:
         staging; False where the start must come first (an FSDP1 exchange, which the rendezvous carries)
         or the capture failed: then the rendezvous, at the call, carries the failure to every rank."""
         try:
-            self.flat = flatten(self.state, allow_pickle=self.options["allow_pickle"], gather=_exchange_first)
+            self.captured = capture(self.state, allow_pickle=self.options["allow_pickle"], gather=_exchange_first)
             self.metadata_json = encode(self.options["metadata"], "metadata", _no_tensors)
-            self.background = snapshot.BackgroundStaging(self.flat, self.state, path=self.path, rank=op.rank)
+            c = self.captured
+            self.background = snapshot.BackgroundStaging(
+                c.items, c.leaves, c.buffers, self.state, path=self.path, rank=op.rank
+            )
             self.background.attach(self.clock.work)
         except _ExchangeFirst:
             return False
@@ -147,7 +151,10 @@ class SaveJob:
                     self.state, allow_pickle=self.options["allow_pickle"], gather=lambda _phase, _mine: payloads
                 )
             if copy and defer and self.background is None:  # captured now, the start having come first
-                self.background = snapshot.BackgroundStaging(self.flat, self.state, path=self.path, rank=op.rank)
+                flat = self.flat
+                self.background = snapshot.BackgroundStaging(
+                    flat.items, [], flat.buffers, self.state, path=self.path, rank=op.rank
+                )
                 self.background.attach(self.clock.work)
             paths = start.per_rank if start.per_rank is not None else self._per_rank_round(op, start.differ)
             per_rank.apply(self.flat, paths, op.rank)
@@ -200,9 +207,16 @@ class SaveJob:
         then the first agreement. Raises the rendezvous' failure on every rank."""
         body: SaveArrival | None = None
         failure: BaseException | None = self._captured_failure
+        if failure is None and self.captured is not None:  # encode what the call captured (background)
+            assert self.background is not None
+            try:
+                self.flat = self.captured.finish(self.background.substitutes)
+            except Exception as err:  # sent to every rank in the agreement; raised on every rank
+                failure = err
+            self.captured = None
         try:
             if failure is not None:
-                pass  # the capture failed: every rank learns it from this agreement
+                pass  # the capture (or its encoding) failed: every rank learns it from this agreement
             elif self.flat is None and (payload := exchange_payload(self.state)):
                 body = SaveArrival({}, {}, payload)
             else:

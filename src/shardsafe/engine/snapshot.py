@@ -173,15 +173,27 @@ class BackgroundStaging:
     :class:`Staged` of :attr:`chunks`. :meth:`close` in every case (idempotent; :meth:`run` calls it).
     :attr:`done` is set once staging has ended, copied or failed."""
 
-    def __init__(self, flat: FlatState, state: Mapping[str, Any], *, path: str, rank: int) -> None:
+    def __init__(
+        self,
+        items: Sequence[TensorItem],
+        leaves: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
+        state: Mapping[str, Any],
+        *,
+        path: str,
+        rank: int,
+    ) -> None:
+        """``items``: the tensors of the state's encoded entries; ``leaves``: those of its entries encoded
+        after the call (:class:`~shardsafe.state.flatten.Captured`), whose copies made here are in
+        :attr:`substitutes`; ``buffers``: the state's module buffers."""
         self.path = path
         self.rank = rank
         self.done = threading.Event()
         self.cloned = 0  # bytes copied at the call (module buffers)
         self.waited = 0.0  # seconds optimizer steps spent waiting for this staging (all gates)
         self._waiting = 0  # optimizer steps waiting now: the CPU copies then take every core
-        buffers = {_storage_key(b) for b in flat.buffers}
-        buffers.discard(None)
+        buffer_keys = {_storage_key(b) for b in buffers}
+        buffer_keys.discard(None)
         # id(item.local) -> the item's tensors and their versions at the call (the items stay referenced by
         # ``flat`` until the plan, and the per-rank items made from them share their ``local``)
         self._recorded: dict[int, list[tuple[torch.Tensor, int]]] = {}
@@ -190,8 +202,11 @@ class BackgroundStaging:
         self._called: dict[str, str] = {}  # a planned chunk's tensor name -> that name (per-rank ones differ)
         self.marks: dict[tuple[str, int], Any] = {}  # accelerator: the current stream's work at the call
         devices: dict[tuple[str, int], torch.device] = {}
-        for item in (*flat.items, *flat.per_rank):
-            self._capture(item, buffers, devices)
+        self.substitutes: dict[int, torch.Tensor] = {}  # id(a leaf) -> its copy, saved in its place
+        for item in items:
+            self._capture(item, buffer_keys, devices)
+        for leaf in leaves:
+            self._capture_leaf(leaf, buffer_keys, devices)
         for key, device in devices.items():  # after the clones: the copies and reads come after them too
             self.marks[key] = hostmem.mark_current(device)
         self.guards = [_Guard(name, opt) for name, opt in _optimizers(state)]
@@ -237,6 +252,22 @@ class BackgroundStaging:
                 item.local = boxes[0][1]
         self._recorded[id(item.local)] = recorded
         self._names[id(item.local)] = item.name
+
+    def _capture_leaf(
+        self, t: torch.Tensor, buffers: set[StorageKey | None], devices: dict[tuple[str, int], torch.device]
+    ) -> None:
+        """(the call) :meth:`_capture` of a tensor the encoder has not named yet (it will be an item's
+        ``local``): its version recorded, or a copy of it made and kept in :attr:`substitutes`."""
+        if t.is_cuda:
+            devices.setdefault(hostmem.device_key(t.device), t.device)
+        version = _version(t)
+        if version is None or (buffers and _storage_key(t) in buffers):
+            copy = t.detach().clone()
+            self.cloned += copy.nbytes
+            self.substitutes[id(t)] = copy
+            self._recorded[id(copy)] = []
+        else:
+            self._recorded[id(t)] = [(t, version)]
 
     def plan(self, flat: FlatState, chunks: Sequence[PendingChunk]) -> None:
         """(the save's thread; the call's where the save plans there) This rank's planned ``chunks`` of

@@ -229,40 +229,31 @@ def flatten(
     FSDP1 optimizers with ``use_orig_params=True``: their state structure is exchanged through
     ``gather`` (every rank's payload, through the rendezvous store; state/fsdp1.py), which waits for
     every rank. Without ``gather``, one process is assumed."""
+    return capture(state, allow_pickle=allow_pickle, gather=gather, defer=False).finish()
+
+
+def capture(
+    state: Mapping[str, Any],
+    *,
+    allow_pickle: bool = False,
+    gather: fsdp1.Gather | None = None,
+    defer: bool = True,
+) -> Captured:
+    """(every rank) :func:`flatten` in two steps. This one reads the state: every entry's value is
+    taken from its object (a module's state dict, an optimizer's state by parameter name), and encoded
+    now, or, with ``defer``, kept as a frozen copy for :meth:`Captured.finish` to encode where that is
+    safe (:func:`_frozen`: a module or optimizer entry whose containers this copy owns and whose leaves
+    are plain tensors or immutable values), so that ``async_save(staging="background")`` returns after
+    reading the state, before encoding it. The frozen copy's tensors are the caller's (its
+    :attr:`Captured.leaves`): their contents may still change, which background staging detects
+    through their version counters."""
     if not isinstance(state, Mapping):
         raise InvalidTypeError(f"state must be a dict of str -> object, not {type(state).__name__}")
     walk = walk_modules(state)
     names = walk.names
     fsdp = _fsdp1_state(state, gather, walk.fsdp1_keys)  # FSDP1 hook: None unless the state holds an FSDP1 module
-    items: list[TensorItem] = []
-    shards: dict[int, tuple[Layout, torch.Tensor]] = {}  # stand-in id -> (FSDP1 layout, stand-in)
-    taken: set[str] = set()
-    strategies: set[str] = set()
-
-    def on_tensor(path: str, t: torch.Tensor) -> str:
-        name = path
-        n = 1
-        while name in taken:
-            n += 1
-            name = f"{path}#{n}"
-        taken.add(name)
-        if t.dtype not in SAFETENSORS_DTYPES:
-            raise UnsafeValueError(f"{path!r}: dtype {t.dtype} cannot be stored (format v2, docs/format.md section 6)")
-        shard = shards.get(id(t)) if shards else None
-        kind = type(t)
-        if shard is None and kind in _PLAIN:  # the common case, without working out a layout
-            # a plain tensor outside autograd (a state dict's) is its own detached view
-            data = t if kind is torch.Tensor and not t.requires_grad else t.detach()
-            shape = tuple(data.shape)
-            items.append(TensorItem(name, data, shape, (0,) * len(shape), True, True))
-            return name
-        placed = shard is not None or is_sharded(t) or is_sharded_tensor(t)
-        items.append(_item(name, shard[0] if shard is not None else layout_of(t), placed))
-        if not items[-1].replicated:
-            strategies.add("fsdp")
-        return name
-
-    objects: dict[str, dict[str, Any]] = {}
+    sink = _Sink()
+    out = Captured(sink, allow_pickle, walk.buffers)
     for key, entry in state.items():
         if not isinstance(key, str) or not key or "/" in key:
             raise UnsafeValueError(f"state key {key!r}: top-level keys must be non-empty str without '/'")
@@ -277,11 +268,11 @@ def flatten(
             value: Any = PerRank(obj.value.state_dict())
         elif kind == "module":
             if isinstance(obj, nn.parallel.DistributedDataParallel):
-                strategies.add("ddp")
-            value = _stand_ins(module_state(obj, holds_fsdp1=fsdp is not None and key in fsdp.roots), shards)
+                sink.strategies.add("ddp")
+            value = _stand_ins(module_state(obj, holds_fsdp1=fsdp is not None and key in fsdp.roots), sink.shards)
         elif kind == "optimizer":
             if fsdp is not None and fsdp.touches(obj):
-                value = _stand_ins(fsdp.optimizer_value(obj, names), shards)
+                value = _stand_ins(fsdp.optimizer_value(obj, names), sink.shards)
             else:
                 value = optimizer_state(obj, names)
         elif kind == "stateful":
@@ -296,9 +287,135 @@ def flatten(
                 continue
             if kind == "optimizer":
                 kind = "value"
-        objects[key] = {"kind": kind, "value": encode(value, key, on_tensor, allow_pickle=allow_pickle)}
-    strategy = "fsdp" if "fsdp" in strategies else ("ddp" if "ddp" in strategies else "plain")
-    return FlatState(objects=objects, items=items, strategy=strategy, buffers=walk.buffers)
+        frozen = _frozen(kind, value) if defer and fsdp is None else None
+        if frozen is not None:
+            out.later(key, kind, *frozen)
+        else:
+            out.now(key, kind, value)
+    return out
+
+
+class _Sink:
+    """The tensors of one state as the encoder hands them over (``on_tensor``), entry by entry."""
+
+    def __init__(self) -> None:
+        self.items: list[TensorItem] = []  # of the entry being encoded
+        self.shards: dict[int, tuple[Layout, torch.Tensor]] = {}  # stand-in id -> (FSDP1 layout, stand-in)
+        self.taken: set[str] = set()
+        self.strategies: set[str] = set()
+        self.substitutes: dict[int, torch.Tensor] = {}  # id(a frozen copy's tensor) -> what to save in its place
+
+    def on_tensor(self, path: str, t: torch.Tensor) -> str:
+        name = path
+        n = 1
+        while name in self.taken:
+            n += 1
+            name = f"{path}#{n}"
+        self.taken.add(name)
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise UnsafeValueError(f"{path!r}: dtype {t.dtype} cannot be stored (format v2, docs/format.md section 6)")
+        if self.substitutes:
+            t = self.substitutes.get(id(t), t)
+        shard = self.shards.get(id(t)) if self.shards else None
+        kind = type(t)
+        if shard is None and kind in _PLAIN:  # the common case, without working out a layout
+            # a plain tensor outside autograd (a state dict's) is its own detached view
+            data = t if kind is torch.Tensor and not t.requires_grad else t.detach()
+            shape = tuple(data.shape)
+            self.items.append(TensorItem(name, data, shape, (0,) * len(shape), True, True))
+            return name
+        placed = shard is not None or is_sharded(t) or is_sharded_tensor(t)
+        self.items.append(_item(name, shard[0] if shard is not None else layout_of(t), placed))
+        if not self.items[-1].replicated:
+            self.strategies.add("fsdp")
+        return name
+
+
+class Captured:
+    """A state as :func:`capture` read it: entries encoded (with their tensors) and entries frozen for
+    :meth:`finish`, in the state's order."""
+
+    def __init__(self, sink: _Sink, allow_pickle: bool, buffers: list[torch.Tensor]) -> None:
+        self._sink = sink
+        self._allow_pickle = allow_pickle
+        self.buffers = buffers
+        self._entries: list[tuple[str, str, Any, list[TensorItem] | None]] = []  # key, kind, value or JSON, items
+        self.items: list[TensorItem] = []
+        """The tensors of the entries encoded at the capture."""
+        self.leaves: list[torch.Tensor] = []
+        """The tensors of the frozen entries, as :meth:`finish` will find them."""
+
+    def now(self, key: str, kind: str, value: Any) -> None:
+        sink = self._sink
+        sink.items = []
+        encoded = encode(value, key, sink.on_tensor, allow_pickle=self._allow_pickle)
+        self._entries.append((key, kind, encoded, sink.items))
+        self.items += sink.items
+
+    def later(self, key: str, kind: str, frozen: Any, leaves: list[torch.Tensor]) -> None:
+        self._entries.append((key, kind, frozen, None))
+        self.leaves += leaves
+
+    def finish(self, substitutes: dict[int, torch.Tensor] | None = None) -> FlatState:
+        """Encode the frozen entries (a leaf whose id is in ``substitutes`` saved as its value there: a
+        copy made at the call) and return the whole state, as :func:`flatten` does."""
+        sink = self._sink
+        sink.substitutes = substitutes or {}
+        objects: dict[str, dict[str, Any]] = {}
+        items: list[TensorItem] = []
+        for key, kind, value, encoded_items in self._entries:
+            if encoded_items is None:
+                sink.items = []
+                value = encode(value, key, sink.on_tensor, allow_pickle=self._allow_pickle)
+                encoded_items = sink.items
+            objects[key] = {"kind": kind, "value": value}
+            items += encoded_items
+        sink.substitutes = {}
+        strategies = sink.strategies
+        strategy = "fsdp" if "fsdp" in strategies else ("ddp" if "ddp" in strategies else "plain")
+        return FlatState(objects=objects, items=items, strategy=strategy, buffers=self.buffers)
+
+
+_IMMUTABLE = (int, float, bool, str, type(None))
+
+
+def _frozen(kind: str, value: Any) -> tuple[Any, list[torch.Tensor]] | None:
+    """(a background save's call) A copy of a module's or an optimizer's ``value`` that later changes to
+    the module or optimizer cannot reach, and its tensors, to be encoded after the call; ``None`` where
+    the value holds anything else than plain tensors and immutable values (a module's extra state, a
+    sharded tensor, a list an optimizer keeps in its state, a tensor of a dtype the format does not hold):
+    that entry is encoded at the call. A tensor that the encoder would detach is detached here, so the
+    tensors found then are these."""
+    leaves: list[torch.Tensor] = []
+
+    def leaf(v: Any) -> Any:
+        kind_v = type(v)
+        if kind_v in _PLAIN:
+            if v.dtype not in SAFETENSORS_DTYPES:  # refused at the call, by the encoder, naming it
+                raise _NotFrozen
+            v = v if kind_v is torch.Tensor and not v.requires_grad else v.detach()
+            leaves.append(v)
+            return v
+        if kind_v in _IMMUTABLE:
+            return v
+        if kind_v is tuple and all(type(x) in _IMMUTABLE for x in v):
+            return v
+        raise _NotFrozen
+
+    try:
+        if kind == "module" and isinstance(value, dict):
+            return {k: leaf(v) for k, v in value.items()}, leaves
+        if kind == "optimizer" and type(value) is dict and value.keys() == {"state", "param_groups"}:
+            state = {k: {n: leaf(v) for n, v in s.items()} for k, s in value["state"].items()}
+            groups = [{k: (list(v) if k == "params" else leaf(v)) for k, v in g.items()} for g in value["param_groups"]]
+            return {"state": state, "param_groups": groups}, leaves
+    except (_NotFrozen, AttributeError, TypeError):
+        return None
+    return None
+
+
+class _NotFrozen(Exception):
+    """(internal) A value :func:`_frozen` does not copy."""
 
 
 def nested_states(value: Any, where: str, allow_pickle: bool = False, _level: int = 0) -> Any:
