@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ import pytest
 import torch
 
 import shardsafe
+from shardsafe.coord.client import StoreClient
+from shardsafe.deadline import Deadline
 
 from harness import check_ok, run_ranks
 
@@ -107,6 +110,41 @@ def test_a_frozen_store_host_is_detected_within_the_timeout_on_the_other_ranks(t
     assert not r1["ok"] and "CheckpointError" in r1["mro"], r1
     assert r1["elapsed"] < 8 + 8, r1  # timeout=8, plus SHARDSAFE_ERROR_REPORT_SECONDS and slack
     assert outs[0].exitcode == -signal.SIGKILL
+
+
+class _FrozenStore:
+    """A store whose host froze: no request is answered until :attr:`thaw` is set."""
+
+    def __init__(self) -> None:
+        self.thaw = threading.Event()
+        self.requests = 0
+
+    def get(self, key: str) -> bytes:
+        self.requests += 1
+        self.thaw.wait(60)
+        raise RuntimeError("thawed")
+
+
+def test_past_the_deadline_a_frozen_store_costs_one_grace_not_one_per_request(monkeypatch: Any) -> None:
+    """On the error path (the operation's deadline has passed) each store request gets the grace to
+    report; when the store answers none in that grace it is lost for the operation, so the next
+    requests raise at once: a frozen host ends a call within its timeout plus one grace, not one per
+    request (the watchdog's ticks and the failure's messages queue up behind each other)."""
+    monkeypatch.setenv("SHARDSAFE_ERROR_REPORT_SECONDS", "0.5")
+    store = _FrozenStore()
+    client = StoreClient(store, "a frozen host")  # type: ignore[arg-type]
+    passed = Deadline.after(0, "test")
+    start = time.monotonic()
+    try:
+        for _ in range(4):
+            with pytest.raises(shardsafe.CheckpointError):
+                client.get("k", passed)
+        elapsed = time.monotonic() - start
+    finally:
+        store.thaw.set()
+        client.close()
+    assert store.requests == 1
+    assert elapsed < 0.5 * 2, elapsed  # one grace, not four
 
 
 # ----------------------------------------------------------------------------- a frozen rank wakes

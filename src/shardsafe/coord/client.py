@@ -196,6 +196,10 @@ class StoreClient:
         conn = self._connection("quick", bound)
 
         def expiry() -> CheckpointError:
+            if bound.budget == "report":  # past the caller's deadline, no answer in the whole grace to report:
+                err = self._lost_error(what, bound.seconds)  # lost for the rest of this operation, so that
+                self.lost = err if reword is None else reword(err)  # the error path gets one grace, not one
+                return self.lost  # per request (a frozen host ends a call within timeout + the grace)
             if bound.budget != "store":  # the caller's own deadline came first: that is all we know
                 return expired(what, self.where, bound)
             err = self._lost_error(what, bound.seconds)
