@@ -50,12 +50,14 @@ _REASONS = {404: "Not Found", 500: "Internal Server Error", 503: "Service Unavai
 @dataclass
 class Rule:
     """Which requests to hit (``method``: exact or ``*``; ``path``: a glob on the path without its
-    query; ``query``: a substring the query must hold) and what to do (see the module docstring)."""
+    query; ``query``: a substring the query must hold; ``body``: bytes the body must hold) and what to
+    do (see the module docstring)."""
 
     action: str
     method: str = "*"
     path: str = "*"
     query: str | None = None
+    body: bytes | None = None
     times: int | None = 1
     skip: int = 0
     window: float | None = None
@@ -92,9 +94,9 @@ class Rule:
             and (self.query is None or self.query in query)
         )
 
-    def take(self, method: str, target: str, now: float) -> bool:
+    def take(self, method: str, target: str, now: float, body: bytes = b"") -> bool:
         """Whether this rule acts on this request (counting it)."""
-        if not self.matches(method, target):
+        if not self.matches(method, target) or (self.body is not None and self.body not in body):
             return False
         self.seen += 1
         if self.seen <= self.skip:
@@ -235,7 +237,7 @@ class FaultProxy:
             loop.run_until_complete(asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5.0))
         loop.close()
 
-    def _rule_for(self, method: str, target: str) -> Rule | None:
+    def _rule_for(self, method: str, target: str, body: bytes) -> Rule | None:
         now = time.monotonic()
         with self._lock:
             for rule in self.rules:
@@ -243,7 +245,7 @@ class FaultProxy:
                     rule.acted += 1
                     return rule
             for rule in self.rules:
-                if rule.take(method, target, now):
+                if rule.take(method, target, now, body):
                     return rule
         return None
 
@@ -253,7 +255,7 @@ class FaultProxy:
             request = await self._read_request(reader, writer)
             if request is None:
                 return
-            rule = self._rule_for(request.method, request.target)
+            rule = self._rule_for(request.method, request.target, request.body)
             action = "pass" if rule is None else rule.action
             with self._lock:
                 self.log.append((request.method, request.target, action))

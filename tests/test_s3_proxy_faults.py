@@ -69,9 +69,17 @@ def _timed(timeout: float, fn: Callable[[], Any]) -> BaseException | None:
 
 
 def _save(url: str, opts: dict[str, Any], value: float, timeout: float = TIMEOUT) -> BaseException | None:
+    """Save ``_state(value)``; its manifest carries ``_tag(value)`` (a proxy rule can pick its requests)."""
     return _timed(
-        timeout, lambda: shardsafe.save(url, _state(value), storage_options=opts, overwrite=True, timeout=timeout)
+        timeout,
+        lambda: shardsafe.save(
+            url, _state(value), storage_options=opts, overwrite=True, timeout=timeout, metadata=_tag(value)
+        ),
     )
+
+
+def _tag(value: float) -> str:
+    return f"the save of {value}"
 
 
 def _committed(root: str, opts: dict[str, Any]) -> list[str]:
@@ -111,12 +119,12 @@ def test_a_manifest_put_held_past_the_timeout_is_refused_after_a_later_overwrite
     root = f"s3://{s3_bucket}/run"
     url = f"{root}/ckpt"
     assert _save(url, opts, 1.0) is None
-    proxy.add("hold", "PUT", MANIFEST, times=None)
+    # every copy of save 2's manifest PUT, the client's retries that come after save 2 gave up included
+    proxy.add("hold", "PUT", MANIFEST, times=None, body=_tag(2.0).encode())
     failed = _save(url, opts, 2.0, SHORT)
     assert isinstance(failed, shardsafe.CheckpointError), failed  # never answered: it did not commit
     assert proxy.held
     _check(root, direct, url, 1.0)
-    proxy.clear()
     assert _save(url, opts, 3.0) is None
     for request in proxy.held:
         assert proxy.release(request).status == 412  # conditional on save 1's manifest, which is gone
