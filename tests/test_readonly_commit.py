@@ -13,7 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,6 +84,18 @@ def _refuse(monkeypatch: pytest.MonkeyPatch, fs: Storage) -> None:
     monkeypatch.setattr(os, "mkdir", fs.wrap(os.mkdir, "mkdir"))
 
 
+def _refused_save(monkeypatch: pytest.MonkeyPatch, fs: Storage, save: Callable[[], Any]) -> shardsafe.CheckpointError:
+    """Run ``save`` with ``fs`` refusing the changes it was made for; the error it must raise. The
+    refusal is lifted before returning (writable again)."""
+    _refuse(monkeypatch, fs)
+    try:
+        with pytest.raises(shardsafe.CheckpointError) as err:
+            save()
+    finally:
+        monkeypatch.undo()
+    return err.value
+
+
 def _pending(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if ".staging-" in p.name)
 
@@ -113,13 +125,10 @@ def test_an_overwrite_refused_at_its_commit_leaves_nothing_and_the_old_checkpoin
     path = tmp_path / "ck"
     shardsafe.save(str(path), _state(1.0))
     fs = Storage(tmp_path, at, code)
-    _refuse(monkeypatch, fs)
-    with pytest.raises(shardsafe.CheckpointError) as err:
-        shardsafe.save(str(path), _state(2.0), overwrite=True)
-    monkeypatch.undo()
+    err = _refused_save(monkeypatch, fs, lambda: shardsafe.save(str(path), _state(2.0), overwrite=True))
     assert fs.refused, "the refusal happened"
-    _check_error(err.value, path)
-    assert isinstance(err.value.__cause__, OSError) and err.value.__cause__.errno == code
+    _check_error(err, path)
+    assert isinstance(err.__cause__, OSError) and err.__cause__.errno == code
     assert _pending(tmp_path) == [] and _unlisted(path) == set()
     _loads(path, 1.0)
 
@@ -130,12 +139,9 @@ def test_a_new_checkpoint_refused_at_its_commit_leaves_nothing(
 ) -> None:
     path = tmp_path / "ck"
     fs = Storage(tmp_path, "folder")
-    _refuse(monkeypatch, fs)
-    with pytest.raises(shardsafe.CheckpointError) as err:
-        shardsafe.save(str(path), _state(2.0))
-    monkeypatch.undo()
+    err = _refused_save(monkeypatch, fs, lambda: shardsafe.save(str(path), _state(2.0)))
     assert fs.refused
-    _check_error(err.value, path)
+    _check_error(err, path)
     assert _pending(tmp_path) == [] and not path.exists()
 
 
@@ -151,12 +157,9 @@ def test_after_a_read_only_remount_the_next_save_of_this_process_removes_what_wa
     path = tmp_path / "ck"
     shardsafe.save(str(path), _state(1.0))
     fs = Storage(tmp_path, at, remount=True)
-    _refuse(monkeypatch, fs)
-    with pytest.raises(shardsafe.CheckpointError) as err:
-        shardsafe.save(str(path), _state(2.0), overwrite=True)
-    monkeypatch.undo()  # writable again
-    _check_error(err.value, path)
-    assert "could not be removed" in str(err.value)
+    err = _refused_save(monkeypatch, fs, lambda: shardsafe.save(str(path), _state(2.0), overwrite=True))
+    _check_error(err, path)  # writable again
+    assert "could not be removed" in str(err)
     assert _pending(tmp_path), "a read-only filesystem refused the removal of the pending directory"
     _loads(path, 1.0)
     if at == "manifest":
@@ -177,10 +180,7 @@ def test_after_a_read_only_remount_the_managers_next_save_removes_what_was_left(
     with shardsafe.CheckpointManager(str(root)) as mgr:
         mgr.save(1, _state(1.0))
         fs = Storage(root, "folder", remount=True)
-        _refuse(monkeypatch, fs)
-        with pytest.raises(shardsafe.CheckpointError):
-            mgr.save(2, _state(2.0))
-        monkeypatch.undo()
+        _refused_save(monkeypatch, fs, lambda: mgr.save(2, _state(2.0)))
         assert _pending(root)
         assert (latest := mgr.latest()) is not None and latest.step == 1
         mgr.save(3, _state(3.0))
@@ -198,10 +198,8 @@ def test_what_another_process_left_goes_once_older_than_the_leftover_age(
     before."""
     path = tmp_path / "ck"
     shardsafe.save(str(path), _state(1.0))
-    _refuse(monkeypatch, Storage(tmp_path, "manifest", remount=True))
-    with pytest.raises(shardsafe.CheckpointError):
-        shardsafe.save(str(path), _state(2.0), overwrite=True)
-    monkeypatch.undo()
+    fs = Storage(tmp_path, "manifest", remount=True)
+    _refused_save(monkeypatch, fs, lambda: shardsafe.save(str(path), _state(2.0), overwrite=True))
     unremoved.forget_all()  # a new process
     left = _pending(tmp_path)
     assert left and _unlisted(path)

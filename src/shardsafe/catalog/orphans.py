@@ -65,11 +65,7 @@ def orphaned_files(storage: Storage, path: str, listed: Iterable[str], *, min_ag
         where = storage.join(path, name)
         if name in named or link_target(where) is not None or storage.is_dir(where):
             continue
-        try:
-            changed = storage.mtime(where)
-        except FileNotFoundError:
-            continue
-        if now - changed >= min_age:
+        if _unchanged_for(storage, where, min_age, now):
             out.append(name)
     if out:
         used = refs.referenced_files(storage, path, tombstones=True)
@@ -105,15 +101,17 @@ def abandoned_pending(storage: Storage, path: str, *, min_age: float, now: float
         if m is None or m["target"] != target or not began_before(m["sid"], now - min_age):
             continue
         pending = storage.join(parent, name)
-        if link_target(pending) is not None:
-            continue
-        try:
-            changed = storage.mtime(pending)
-        except FileNotFoundError:
-            continue
-        if now - changed >= min_age:
+        if link_target(pending) is None and _unchanged_for(storage, pending, min_age, now):
             out.append(pending)
     return out
+
+
+def _unchanged_for(storage: Storage, where: str, min_age: float, now: float) -> bool:
+    """Whether ``where`` is there and last changed at least ``min_age`` seconds before ``now``."""
+    try:
+        return now - storage.mtime(where) >= min_age
+    except FileNotFoundError:
+        return False
 
 
 def began_before(save_id: str, moment: float) -> bool:
