@@ -352,3 +352,38 @@ def test_a_tensor_the_format_cannot_hold_is_refused_at_the_call(tmp_path: Any) -
     with pytest.raises(shardsafe.UnsafeValueError, match="complex32"):
         shardsafe.async_save(str(tmp_path / "c"), {"model": model, "optimizer": opt}, staging="background")
     assert not os.path.exists(tmp_path / "c")
+
+
+def test_a_background_save_writes_the_manifest_a_blocking_save_writes(tmp_path: Any) -> None:
+    """Encoding after the call changes nothing in the checkpoint: the manifest's objects and tensors
+    (names, order, shapes, dtypes, checksums) are those of a blocking save of the same state."""
+    import json
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(8, 6)).sum().backward()
+    opt.step()
+    state = {"model": model, "optimizer": opt, "step": 3, "extra": {"w": torch.ones(2), "name": "x"}}
+    manifests = []
+    for mode in ("blocking", "background"):
+        path = tmp_path / mode
+        shardsafe.async_save(str(path), state, staging=mode).wait()
+        manifests.append(json.loads((path / "MANIFEST.json").read_text()))
+    blocking, background = manifests
+    assert list(background["objects"]) == list(blocking["objects"])
+    assert background["objects"] == blocking["objects"]
+
+    def described(manifest: dict[str, Any]) -> list[Any]:
+        return [
+            (
+                name,
+                t["dtype"],
+                t["shape"],
+                [(c["offsets"], c["sizes"], c["digest"], c["checksums"]) for c in t["chunks"]],
+            )
+            for name, t in manifest["tensors"].items()
+        ]
+
+    assert described(background) == described(blocking)
+    assert len(blocking["tensors"]) == 28  # the model's 9, 3 per parameter of the optimizer's 6, "extra/w"

@@ -328,8 +328,8 @@ class SaveJob:
         assert op is not None
         if self.deferred:
             assert self.background is not None
-            hostmem.current_after(self.background.marks)  # the start reads small tensors (per-rank digests)
             self.tracker.start(op, lambda: self.phase)
+            hostmem.current_after(self.background.marks)  # the start reads small tensors (per-rank digests)
             self._start(op, copy=True, defer=True)
         flat = self.flat
         assert flat is not None
