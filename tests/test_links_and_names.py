@@ -276,3 +276,32 @@ def test_a_saves_sweep_removes_an_abandoned_pending_directory_with_a_dotted_save
     shardsafe.save(str(tmp_path / "ck"), _state(2.0), overwrite=True)
     assert not pending.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_the_delete_rule_never_follows_a_link_nor_removes_recursively(tmp_path: Path) -> None:
+    """Deleting a checkpoint whose listed data files were swapped for a link (to a file outside), a
+    folder (holding a file) and a FIFO removes the rest and leaves those three, and what they hold or
+    point to, in place; the checkpoint's folder stays, not empty."""
+    path = tmp_path / "ck"
+    shardsafe.save(str(path), {f"t{i}": torch.full((4,), float(i)) for i in range(3)})
+    listed = sorted(p.name for p in path.glob("data-*"))
+    assert len(listed) == 1
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"precious")
+    doc = json.loads((path / "MANIFEST.json").read_bytes())
+    entry = doc["files"][listed[0]]
+    names = [data_file(r, "ab12") for r in range(3)]
+    for name in names:
+        doc["files"][name] = entry
+    from shardsafe.format.manifest import seal_manifest
+
+    (path / "MANIFEST.json").write_bytes(json.dumps(seal_manifest(doc)).encode())
+    (path / names[0]).symlink_to(outside)
+    (path / names[1]).mkdir()
+    (path / names[1] / "inside.txt").write_text("kept")
+    os.mkfifo(path / names[2])
+    delete_checkpoint(LocalStorage(), str(path))
+    assert outside.read_bytes() == b"precious" and (path / names[0]).is_symlink()
+    assert (path / names[1] / "inside.txt").read_text() == "kept"
+    assert (path / names[2]).exists() and not (path / listed[0]).exists()
+    assert not (path / "MANIFEST.json").exists()
