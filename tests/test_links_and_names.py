@@ -305,3 +305,18 @@ def test_the_delete_rule_never_follows_a_link_nor_removes_recursively(tmp_path: 
     assert (path / names[1] / "inside.txt").read_text() == "kept"
     assert (path / names[2]).exists() and not (path / listed[0]).exists()
     assert not (path / "MANIFEST.json").exists()
+
+
+def test_a_fifo_named_like_a_pending_directory_stays_and_does_not_stop_the_sweep(tmp_path: Path) -> None:
+    """Found by tests/fuzz_sweep.py: the sweep took a FIFO named ``.ck.staging-<id>`` for an abandoned
+    pending directory, its removal failed (not a directory), and the orphans of the checkpoint stayed."""
+    path = tmp_path / "ck"
+    shardsafe.save(str(path), _state(1.0))
+    fifo = tmp_path / f".ck.staging-{_sid(3 * HOUR)}"
+    os.mkfifo(fifo)
+    _old(fifo)
+    orphan = path / data_file(0, _sid(2 * HOUR))
+    orphan.write_bytes(b"an orphan")
+    _old(orphan)
+    shardsafe.save(str(path), _state(2.0), overwrite=True)
+    assert fifo.exists() and not orphan.exists()

@@ -178,9 +178,9 @@ def abandoned_pending(storage: Storage, path: str, *, min_age: float, clock: Sto
     deleted through one)."""
     parent, target = refs.split(path)
     found = []
-    for name in storage.list_dir(parent):
+    for name, kind in sorted(storage.entries(parent).items()):
         m = PENDING_DIR.match(name)
-        if m is not None and m["target"] == target:
+        if m is not None and m["target"] == target and kind == "dir":  # not a link, a FIFO, a file
             found.append((name, m["sid"]))
     if not found:
         return []

@@ -425,8 +425,11 @@ class Committer:
         # first: a save whose pending directory is gone is no longer in flight, and its files in the
         # checkpoint are orphans
         for pending in abandoned_pending(i.storage, i.path, min_age=age):
-            if remove_pending(i.storage, pending):
-                logger.info("shardsafe: removed %s, left by a failed save of %s", pending, i.path)
+            try:
+                if remove_pending(i.storage, pending):
+                    logger.info("shardsafe: removed %s, left by a failed save of %s", pending, i.path)
+            except (OSError, ValueError) as err:  # one that cannot go does not keep the rest
+                logger.warning("shardsafe: could not remove %s, left by a failed save of %s: %s", pending, i.path, err)
         _, listed = manifest_files(new, where)
         orphans = orphaned_files(i.storage, i.path, listed, min_age=age)
         if orphans:
