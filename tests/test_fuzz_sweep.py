@@ -7,7 +7,7 @@ probes. Every case must keep what is not shardsafe's and what a save in flight s
 what is abandoned, refuse what it must untouched, write nothing outside the root, and leave a
 checkpoint that verifies and loads as the last save that returned.
 
-``SHARDSAFE_FUZZ_SWEEP_CASES`` (default 40 here) and ``SHARDSAFE_FUZZ_SWEEP_SEED`` (default 5) choose
+``SHARDSAFE_FUZZ_SWEEP_CASES`` (default 30 here) and ``SHARDSAFE_FUZZ_SWEEP_SEED`` (default 5) choose
 the run; ``python tests/fuzz_sweep.py --cases 2000`` runs a big one outside pytest.
 """
 
@@ -20,7 +20,7 @@ import pytest
 
 from fuzz_sweep import campaign
 
-CASES = int(os.environ.get("SHARDSAFE_FUZZ_SWEEP_CASES", "40"))
+CASES = int(os.environ.get("SHARDSAFE_FUZZ_SWEEP_CASES", "30"))
 SEED = int(os.environ.get("SHARDSAFE_FUZZ_SWEEP_SEED", "5"))
 
 

@@ -101,11 +101,11 @@ def test_a_save_longer_than_the_leftover_age_fails_and_the_other_stands(
     where: tuple[str, dict[str, Any] | None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url, opts = where
-    monkeypatch.setenv("SHARDSAFE_LEFTOVER_AGE_SECONDS", "1")
+    monkeypatch.setenv("SHARDSAFE_LEFTOVER_AGE_SECONDS", "0.5")
     shardsafe.save(url, _state(1.0), storage_options=opts)
 
     def other_job() -> None:
-        time.sleep(2.2)  # A's files and marker are older than the leftover age, on the storage's clock too
+        time.sleep(1.05)  # A's files, marker and save id are older than the leftover age, on every clock
         shardsafe.save(url, _state(3.0), storage_options=opts, overwrite=True)
 
     _during_commit(monkeypatch, other_job)
