@@ -140,36 +140,49 @@ def remove_leftovers(
                     target,
                 )
             continue
-        if record.status == "incomplete":
-            if record.leftover:
-                pending = PENDING_DIR.match(record.name)
-                assert pending is not None
-                parent = split(record.path)[0]
-                clock = clocks.setdefault(parent, StorageClock(fs, parent))
-                if not is_abandoned(fs, record.path, pending["sid"], min_age=min_age, clock=clock):
-                    continue
-                gone = _remove(partial(remove_pending, storage, record.path), record.path)
-            else:
-                names = orphaned_files(fs, record.path, (), min_age=min_age)
-                if not names and TOMBSTONE not in fs.list_dir(record.path):
-                    continue
-                gone = _remove(partial(_clear, storage, record.path, names), record.path)
-            if gone:
-                removed.append(record.path)
-        elif record.status == "retired":  # its data goes once no checkpoint refers to it any more
-            try:
-                finish_deletion(storage, record.path)
-            except (OSError, ValueError) as err:
-                logger.error("shardsafe: could not finish removing retired checkpoint %s: %s", record.path, err)
-            if not storage.is_dir(record.path):
-                removed.append(record.path)
-        elif record.status == "committed":
-            if TOMBSTONE in fs.list_dir(record.path):
-                _remove(partial(_finish, storage, record.path), fs.join(record.path, TOMBSTONE))
-            for name in orphaned_files(fs, record.path, record.files, min_age=min_age):
-                path = fs.join(record.path, name)
-                if _remove(partial(_clear, storage, record.path, [name], rmdir=False), path):
-                    removed.append(path)
+        parent = split(record.path)[0]
+        clock = clocks.setdefault(parent, StorageClock(fs, parent))
+        try:
+            removed += _clean(fs, storage, record, min_age, clock)
+        except (OSError, ValueError, CorruptCheckpointError) as err:  # one entry that cannot be judged keeps no other
+            logger.error("shardsafe: could not clean up %s: %s. It stays; the next one tries again", record.path, err)
+    return removed
+
+
+def _clean(fs: Storage, storage: Storage, record: CheckpointRecord, min_age: float, clock: StorageClock) -> list[str]:
+    """(rank 0) What :func:`remove_leftovers` removes of one entry (not a link); ``clock`` reads the
+    storage's time beside it."""
+    removed: list[str] = []
+    if record.status == "incomplete":
+        if record.leftover:
+            pending = PENDING_DIR.match(record.name)
+            assert pending is not None
+            if not is_abandoned(fs, record.path, pending["sid"], min_age=min_age, clock=clock):
+                return []
+            gone = _remove(partial(remove_pending, storage, record.path), record.path)
+        else:
+            names = orphaned_files(fs, record.path, (), min_age=min_age)
+            if not names and TOMBSTONE not in fs.list_dir(record.path):
+                age = clock.age(record.path)
+                if fs.list_dir(record.path) or age is None or age < min_age:
+                    return []  # something else, or a folder a save in flight has just made
+            gone = _remove(partial(_clear, storage, record.path, names), record.path)
+        if gone:
+            removed.append(record.path)
+    elif record.status == "retired":  # its data goes once no checkpoint refers to it any more
+        try:
+            finish_deletion(storage, record.path)
+        except (OSError, ValueError) as err:
+            logger.error("shardsafe: could not finish removing retired checkpoint %s: %s", record.path, err)
+        if not storage.is_dir(record.path):
+            removed.append(record.path)
+    elif record.status == "committed":
+        if TOMBSTONE in fs.list_dir(record.path):
+            _remove(partial(_finish, storage, record.path), fs.join(record.path, TOMBSTONE))
+        for name in orphaned_files(fs, record.path, record.files, min_age=min_age):
+            path = fs.join(record.path, name)
+            if _remove(partial(_clear, storage, record.path, [name], rmdir=False), path):
+                removed.append(path)
     return removed
 
 
