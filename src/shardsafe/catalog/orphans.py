@@ -41,7 +41,8 @@ A manifest or tombstone there that does not validate stops the sweep of that fol
 removed), as does a folder that is a symbolic link. The leftover age must exceed the longest save
 (``SHARDSAFE_LEFTOVER_AGE_SECONDS``, 3600 s; a manager's ``leftover_age``). A save that runs longer
 may have its files removed by another process's sweep: its publish then finds them missing, with one
-listing, and fails without committing (the checkpoint there stays as it was).
+listing, and fails without committing (the checkpoint there stays as it was); only a removal landing
+between that listing and the commit step itself would go unseen.
 """
 
 from __future__ import annotations
