@@ -18,7 +18,9 @@ here), and by the first :class:`Rule` that matches its method and path it:
 - ``forward_error``: forwards it, then answers such an error instead of the server's reply (what a
   store answers the later copy of a request it carried out already: ``404 NoSuchUpload`` to a
   repeated multipart completion);
-- ``blackhole``: reads it and never answers, nor closes (until the proxy stops).
+- ``blackhole``: reads it and never answers, nor closes (until the proxy stops);
+- ``strip``: forwards it without the headers named in ``headers`` (case-insensitive) and relays the
+  reply: a store that ignores them (``If-Match``, ``If-None-Match``: one without conditional writes).
 
 A rule acts on ``times`` matching requests (``None``: all) after ``skip`` ones, and, with ``window``,
 only within that many seconds of its first action; with ``spread``, once it acted, on every request.
@@ -39,12 +41,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-ACTIONS = frozenset({"pass", "hold", "delay", "duplicate", "after", "lose", "error", "forward_error", "blackhole"})
+ACTIONS = frozenset(
+    {"pass", "hold", "delay", "duplicate", "after", "lose", "error", "forward_error", "blackhole", "strip"}
+)
 UPSTREAM_TIMEOUT = 30.0
 """Seconds a forwarded request may take at the server (it is on the loopback interface)."""
 HEAD_LIMIT = 64 * 1024
 
-_REASONS = {404: "Not Found", 500: "Internal Server Error", 503: "Service Unavailable"}
+_REASONS = {
+    403: "Forbidden",
+    404: "Not Found",
+    409: "Conflict",
+    500: "Internal Server Error",
+    501: "Not Implemented",
+    503: "Service Unavailable",
+}
 
 
 @dataclass
@@ -73,6 +84,8 @@ class Rule:
     """``after``: the request that must be carried out first (matched as a rule is; its action unused)."""
     max_hold: float = 60.0
     """``after``: forwarded anyway once held this long."""
+    headers: tuple[str, ...] = ()
+    """``strip``: the request headers removed before it is forwarded."""
     spread: bool = False
     """Once this rule acted, it acts on every later request, whatever its method and path (an
     endpoint that goes dark mid-save)."""
@@ -276,6 +289,14 @@ class FaultProxy:
             return reply
         if rule.action == "error":
             return _error_reply(rule.status, rule.code)
+        if rule.action == "strip":
+            drop = {h.lower() for h in rule.headers}
+            lines = request.head.decode("latin-1").split("\r\n")
+            kept = [ln for ln in lines if ln.partition(":")[0].strip().lower() not in drop]
+            stripped = Request(request.method, request.target, "\r\n".join(kept).encode("latin-1"), request.body)
+            reply = await self._forward(stripped)
+            self._carried_out(request)
+            return reply
         if rule.action == "forward_error":
             await self._forward(request)
             self._carried_out(request)

@@ -342,25 +342,31 @@ def test_deleting_a_checkpoint_through_a_symlink_is_refused_by_the_delete_gate(t
 
 
 def test_releasing_the_old_files_of_an_overwritten_base_never_goes_through_a_symlink(tmp_path: Path) -> None:
-    """root/b links to a checkpoint elsewhere; c refers to b's files; b is overwritten (through the
-    link), then c deleted: its release of b's old files would remove them from the folder elsewhere.
-    Fails before: they were removed."""
+    """c refers to b's files; b is then moved elsewhere and root/b made a link to it; c is deleted: its
+    release of b's files would remove them from the folder elsewhere. Fails before: they were removed
+    (b was overwritten through the link first, which a save now refuses, as it refuses a base that is a
+    link out of the folder)."""
     from shardsafe.catalog.delete import delete_checkpoint
     from shardsafe.storage.local import LocalStorage
 
     state = frozen_state(frozen=2, trained=1, rows=8)
-    elsewhere = tmp_path / "elsewhere" / "b"
-    shardsafe.save(elsewhere, state)
-    old = sorted(p.name for p in elsewhere.iterdir() if p.name.startswith("data-"))
     root = tmp_path / "root"
-    root.mkdir()
-    os.symlink(elsewhere, root / "b")
+    shardsafe.save(root / "b", state)
     step(state)
     shardsafe.save(root / "c", state, base=root / "b")
     assert manifest(root / "c")["refs"]
-    shardsafe.save(root / "b", {"other": torch.ones(3)}, overwrite=True)
+    elsewhere = tmp_path / "elsewhere" / "b"
+    elsewhere.parent.mkdir()
+    os.rename(root / "b", elsewhere)
+    os.symlink(elsewhere, root / "b")
+    old = sorted(p.name for p in elsewhere.iterdir() if p.name.startswith("data-"))
+    with pytest.raises(shardsafe.CheckpointExistsError, match="symbolic link"):
+        shardsafe.save(root / "b", {"other": torch.ones(3)}, overwrite=True)
+    with pytest.raises(shardsafe.CheckpointError, match="symbolic link"):
+        shardsafe.save(root / "d", state, base=root / "b")
     delete_checkpoint(LocalStorage(), str(root / "c"))
     assert set(old) <= {p.name for p in elsewhere.iterdir()}
+    shardsafe.verify(elsewhere)
 
 
 # ---------------------------------------------------------- refused by name before anything is written

@@ -118,7 +118,23 @@ def test_the_manager_cleanup_keeps_a_save_in_flight_of_another_process(tmp_path:
     assert in_flight.exists() and not orphan.exists()
 
 
-def test_a_symbolic_link_named_like_a_data_file_stays(tmp_path: Path) -> None:
+def _meanwhile(monkeypatch: pytest.MonkeyPatch, make: Any) -> None:
+    """Run ``make()`` while the next save builds its manifest: a save refuses a target holding names or
+    kinds of entries it does not write (principle 9), so such entries can only appear while one runs
+    (someone else writing there), which is what its sweep then meets."""
+    from shardsafe.engine import commit
+
+    real = commit.fault_point
+
+    def meanwhile(point: str, rank: int | None = None) -> None:
+        if point == "save.commit":
+            make()
+        real(point, rank)
+
+    monkeypatch.setattr(commit, "fault_point", meanwhile)
+
+
+def test_a_symbolic_link_named_like_a_data_file_stays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing is removed through a link, nor the link itself (shardsafe did not write it): a link that
     looks like an old orphan stays, and so does what it points to; a real orphan beside it goes."""
     path = tmp_path / "ck"
@@ -126,24 +142,34 @@ def test_a_symbolic_link_named_like_a_data_file_stays(tmp_path: Path) -> None:
     outside = tmp_path / "kept.bin"
     outside.write_bytes(b"not shardsafe's")
     link = path / data_file(0, _save_id(3 * HOUR))
-    link.symlink_to(outside)
     then = time.time() - 3 * HOUR
     os.utime(outside, (then, then))
-    os.utime(link, (then, then), follow_symlinks=False)
+
+    def make() -> None:
+        link.symlink_to(outside)
+        os.utime(link, (then, then), follow_symlinks=False)
+
+    _meanwhile(monkeypatch, make)
     orphan = _leave(path, _save_id(2 * HOUR), 2 * HOUR)
     _overwrite_and_check(path, 2.0)
     assert link.is_symlink() and outside.read_bytes() == b"not shardsafe's"
     assert not orphan.exists()
 
 
-def test_a_folder_named_like_a_data_file_stays_and_does_not_block_the_rest(tmp_path: Path) -> None:
+def test_a_folder_named_like_a_data_file_stays_and_does_not_block_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "ck"
     shardsafe.save(str(path), _state(1.0))
     orphan = _leave(path, _save_id(2 * HOUR), 2 * HOUR)
     folder = path / data_file(0, _save_id(3 * HOUR))  # sorts before the orphan
-    folder.mkdir()
     then = time.time() - 3 * HOUR
-    os.utime(folder, (then, then))
+
+    def make() -> None:
+        folder.mkdir()
+        os.utime(folder, (then, then))
+
+    _meanwhile(monkeypatch, make)
     _overwrite_and_check(path, 2.0)
     assert folder.is_dir() and not orphan.exists()
 

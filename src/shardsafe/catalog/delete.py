@@ -65,7 +65,6 @@ written before it started.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable
 
 from shardsafe.catalog import refs, unlink
@@ -76,12 +75,12 @@ from shardsafe.catalog.names import (
     TOMBSTONE,
     basename,
     data_file,
+    link_target,
     pending_name,
     temp_manifest,
 )
 from shardsafe.errors import CorruptCheckpointError
 from shardsafe.format.manifest import parse_manifest
-from shardsafe.storage import is_remote
 from shardsafe.storage.base import MANIFEST_NAME, Storage
 
 logger = logging.getLogger(__name__)
@@ -100,16 +99,6 @@ def delete_files(storage: Storage, directory: str, names: Iterable[str]) -> list
             logger.info("shardsafe: keeping %s in %s: other checkpoints refer to them", sorted(kept), directory)
             todo = [n for n in todo if n not in kept]
     return unlink.delete_files(storage, directory, todo)
-
-
-def link_target(path: str) -> str | None:
-    """Where ``path`` (a local path or ``file://`` URL of a folder) leads when its last component is a
-    symbolic link; ``None`` when it is not one (object stores have no links)."""
-    local = path.removeprefix("file://") if path.startswith("file://") else None if is_remote(path) else path
-    if local is None:
-        return None
-    local = local.rstrip("/") or "/"
-    return os.path.realpath(local) if os.path.islink(local) else None
 
 
 def refuse_link(path: str, what: str) -> None:

@@ -1,42 +1,61 @@
-"""The names shardsafe writes, and the rule for where a save may go.
+"""The names shardsafe writes, and the rule for where a save may go: the one grammar of names the
+save's target check, the sweep of leftovers (:mod:`shardsafe.catalog.orphans`), the delete gate
+(:mod:`shardsafe.catalog.unlink`) and the listing (``shardsafe ls``, the manager) all use.
 
 shardsafe deletes only what it wrote (:mod:`shardsafe.catalog.delete`), and it knows what it wrote
 by name: data files ``data-<rank:05d>-<saveid>.safetensors``, hidden pending directories
 ``.<name>.staging-<saveid>`` beside a target, the staged manifest inside one, the temporary manifest
-``.MANIFEST.json.tmp-<saveid>`` of filesystems without an atomic PUT, and the tombstone
-``.MANIFEST.json.deleting`` of a checkpoint being deleted. The save id grammar and the data file name
-are the format's (:mod:`shardsafe.format.names`), used here as they are.
+``.MANIFEST.json.tmp-<saveid>`` (where the manifest is written then renamed, and, empty, the in-flight
+marker of a save whose data files go straight into its target: URL storage), the tombstone
+``.MANIFEST.json.deleting`` of a checkpoint being deleted, and the clock probe
+``.shardsafe-clock-<id>`` a sweep writes for an instant to read the storage's own time. The save id
+grammar and the data file name are the format's (:mod:`shardsafe.format.names`), used here as they
+are; every pattern matches ASCII only.
 
-A save target must be absent, an empty folder, or hold nothing but such names (a committed
-checkpoint, or what a crashed save or delete of one left); anything else is refused untouched.
+A save target must be absent, an empty folder, or hold nothing but such names, each a regular file
+(a committed checkpoint, or what a crashed save or delete of one left); anything else is refused
+untouched, and so is a target that is itself a symbolic link (shardsafe never saves, nor deletes,
+through a link).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable
 
 from shardsafe.format.names import DATA_FILE, SAVE_ID_CHARS, data_file
+from shardsafe.storage import is_remote
 from shardsafe.storage.base import MANIFEST_NAME, Commit, Storage
 
 __all__ = [
+    "CLOCK_PROBE",
     "DATA_FILE",
+    "LITTER_DIR",
     "PENDING_DIR",
     "STAGED_MANIFEST",
     "TEMP_MANIFEST",
     "TOMBSTONE",
     "basename",
+    "clock_probe",
     "commit_of",
     "data_file",
+    "in_flight_marker",
     "is_own",
+    "link_target",
     "pending_name",
     "refusal",
     "save_id_of",
     "temp_manifest",
 ]
 
-PENDING_DIR = re.compile(rf"^\.(?P<target>.+)\.staging-(?P<sid>{SAVE_ID_CHARS})\Z")
-TEMP_MANIFEST = re.compile(rf"^\.MANIFEST\.json\.tmp-(?P<sid>{SAVE_ID_CHARS})\Z")
+PENDING_DIR = re.compile(rf"^\.(?P<target>.+)\.staging-(?P<sid>{SAVE_ID_CHARS})\Z", re.ASCII)
+LITTER_DIR = re.compile(rf"^\.(?P<target>.+)\.litter-(?P<sid>{SAVE_ID_CHARS})\Z", re.ASCII)
+"""What older versions set aside (``.<name>.litter-<id>``): listed, never touched (never checked)."""
+TEMP_MANIFEST = re.compile(rf"^\.MANIFEST\.json\.tmp-(?P<sid>{SAVE_ID_CHARS})\Z", re.ASCII)
+CLOCK_PROBE = re.compile(rf"^\.shardsafe-clock-(?P<sid>{SAVE_ID_CHARS})\Z", re.ASCII)
+"""The empty file a sweep writes, reads the modification time of, and removes: the storage's own
+"now" (:class:`shardsafe.catalog.orphans.StorageClock`)."""
 TOMBSTONE = ".MANIFEST.json.deleting"
 STAGED_MANIFEST = (MANIFEST_NAME, f"{MANIFEST_NAME}.tmp")
 """The manifest and its temporary file inside a pending directory (uncommitted there)."""
@@ -51,6 +70,20 @@ def pending_name(target: str, save_id: str) -> str:
 def temp_manifest(save_id: str) -> str:
     """The temporary manifest of save ``save_id`` where the manifest is written then renamed."""
     return f".{MANIFEST_NAME}.tmp-{save_id}"
+
+
+def in_flight_marker(save_id: str) -> str:
+    """The marker of save ``save_id`` in flight, where its data files go straight into its target
+    (URL storage): its temporary manifest's name, written empty by rank 0 before any data file (then,
+    on filesystems with a rename, filled with the manifest and renamed over ``MANIFEST.json``; on
+    object stores removed after the commit). The sweep of leftovers leaves every file of a save whose
+    marker changed within the leftover age (on the storage's own clock)."""
+    return temp_manifest(save_id)
+
+
+def clock_probe(probe_id: str) -> str:
+    """The name of a sweep's clock probe (:data:`CLOCK_PROBE`)."""
+    return f".shardsafe-clock-{probe_id}"
 
 
 def commit_of(pending: str, target: str, save_id: str, manifest: bytes, files: Iterable[str]) -> Commit:
@@ -77,23 +110,49 @@ def is_own(name: str, *, in_pending: bool = False) -> bool:
     """Whether shardsafe writes files called ``name`` inside a checkpoint (or inside a pending
     directory, where the staged manifest is shardsafe's too). ``MANIFEST.json`` of a checkpoint is not
     in this set: it is never deleted, only renamed to the tombstone."""
-    if DATA_FILE.match(name) or TEMP_MANIFEST.match(name) or name == TOMBSTONE:
+    if DATA_FILE.match(name) or TEMP_MANIFEST.match(name) or CLOCK_PROBE.match(name) or name == TOMBSTONE:
         return True
     return in_pending and name in STAGED_MANIFEST
 
 
+def link_target(path: str) -> str | None:
+    """Where ``path`` (a local path or ``file://`` URL) leads when its last component is a symbolic
+    link (dangling or not); ``None`` when it is not one (object stores have no links)."""
+    local = path.removeprefix("file://") if path.startswith("file://") else None if is_remote(path) else path
+    if local is None:
+        return None
+    local = local.rstrip("/") or "/"
+    return os.path.realpath(local) if os.path.islink(local) else None
+
+
 def refusal(storage: Storage, path: str, *, overwrite: bool) -> str | None:
     """(rank 0, before a save starts) Why ``path`` may not receive a save, or ``None`` if it may:
-    absent, an empty folder, or shardsafe's own names only (with ``MANIFEST.json``: a committed
-    checkpoint, replaced only with ``overwrite``). The message lists a few of the foreign entries."""
+    absent, an empty folder, or shardsafe's own names only, each a regular file (with
+    ``MANIFEST.json``: a committed checkpoint, replaced only with ``overwrite``). A target that is a
+    symbolic link is refused whatever it points to: saving through it would replace (and delete the
+    files of) the checkpoint it points to, which a link's name does not own. The message lists a few
+    of the foreign entries."""
     if not path.strip():
         return "an empty path names no folder; give the checkpoint's folder (e.g. 'checkpoints/step-100')"
+    target = link_target(path)
+    if target is not None:
+        return (
+            f"{path} is a symbolic link to {target}; shardsafe never saves through a link (an overwrite would "
+            "replace the checkpoint it points to and delete that checkpoint's files). Save to the real path "
+            f"({target}) if you mean to replace it, or remove the link (or save to a new path) and point the link "
+            "at the new checkpoint afterwards"
+        )
     if not storage.exists(path):
         return None
     if not storage.is_dir(path):
         return f"{path} exists and is not a directory; save to a new path (shardsafe never replaces other files)"
-    names = storage.list_dir(path)
-    foreign = [n for n in names if n != MANIFEST_NAME and not is_own(n)]
+    kinds = storage.entries(path)
+    foreign = [
+        n if kind == "file" else f"{n} ({_KIND_WORDS.get(kind, kind)})"
+        for n, kind in sorted(kinds.items())
+        if kind != "file" or (n != MANIFEST_NAME and not is_own(n))
+    ]
+    names = sorted(kinds)
     if foreign:
         shown = ", ".join(repr(n) for n in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         return (
@@ -107,3 +166,6 @@ def refusal(storage: Storage, path: str, *, overwrite: bool) -> str | None:
             "to a new path"
         )
     return None
+
+
+_KIND_WORDS = {"dir": "a folder", "link": "a symbolic link", "other": "not a regular file"}

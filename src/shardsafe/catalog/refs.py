@@ -14,7 +14,7 @@ import logging
 import os
 from collections.abc import Iterator, Mapping
 
-from shardsafe.catalog.names import DATA_FILE, PENDING_DIR, STAGED_MANIFEST, TOMBSTONE
+from shardsafe.catalog.names import DATA_FILE, PENDING_DIR, STAGED_MANIFEST, TOMBSTONE, link_target
 from shardsafe.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardsafe.format.manifest import Chunk, Manifest, parse_manifest
 from shardsafe.format.model import FileEntry, RefEntry
@@ -158,7 +158,7 @@ def referenced_files(
     ``tombstones``, retired siblings count too (except the sibling named ``ignore``: the one being
     deleted). A sibling manifest that does not validate is skipped with a WARNING (it is not loadable
     anyway)."""
-    own = split(directory)[1]
+    names = _names_of(storage, directory)
     used: set[str] = set()
     for where, raw in _manifests_beside(storage, directory, tombstones, ignore):
         try:
@@ -166,10 +166,27 @@ def referenced_files(
         except CorruptCheckpointError as err:
             logger.warning("shardsafe: %s does not validate; its references are not counted: %s", where, err)
             continue
-        ref = manifest.refs.get(own)
-        if ref is not None:
-            used.update(n for n in ref.files if DATA_FILE.match(n))
+        for name in names:
+            ref = manifest.refs.get(name)
+            if ref is not None:
+                used.update(n for n in ref.files if DATA_FILE.match(n))
     return used
+
+
+def _names_of(storage: Storage, directory: str) -> set[str]:
+    """The names a sibling's reference may give ``directory`` by: its own, and those of symbolic links
+    beside it that lead to it (``latest -> step-100``: a reference recorded by the link's name, as
+    saves made before bases were resolved recorded it, reads these very files)."""
+    parent, own = split(directory)
+    names = {own}
+    if is_remote(parent) and not parent.startswith("file://"):
+        return names  # object stores have no links
+    real = os.path.realpath(storage.join(parent, own).removeprefix("file://"))
+    for name in storage.list_dir(parent):
+        target = link_target(storage.join(parent, name)) if name != own else None
+        if target is not None and target == real:
+            names.add(name)
+    return names
 
 
 def referrers(storage: Storage, directory: str) -> dict[str, str]:

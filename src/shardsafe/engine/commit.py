@@ -43,7 +43,7 @@ from shardsafe.catalog.delete import (
     remove_pending,
     stale_files,
 )
-from shardsafe.catalog.names import commit_of
+from shardsafe.catalog.names import commit_of, in_flight_marker
 from shardsafe.catalog.orphans import abandoned_pending, orphaned_files
 from shardsafe.catalog.refs import check_ref_files
 from shardsafe.coord import Deadline, Operation, fault_point
@@ -57,6 +57,7 @@ from shardsafe.progress.tracker import Tracker
 from shardsafe.state import per_rank
 from shardsafe.state.flatten import FlatState
 from shardsafe.storage import MANIFEST_NAME, Commit, Storage, is_remote
+from shardsafe.storage.base import PublishRefusedError
 from shardsafe.workers import Lane, run_bounded
 
 logger = logging.getLogger(__name__)
@@ -334,8 +335,8 @@ class Committer:
             if not never and not hung and committed_on_storage(i.storage, i.path, i.save_id):
                 logger.warning("shardsafe: publishing %s raised (%s), but it is committed", i.path, err)
                 return None
-            if not hung and not is_remote(i.path):
-                never = True  # a local rename that raised did not happen
+            if not hung and (not is_remote(i.path) or isinstance(err, PublishRefusedError)):
+                never = True  # a local rename that raised did not happen; nor a PUT the store refused
             if never:
                 message = (
                     f"save of {i.path!r}: rank 0's publish failed ({type(err).__name__}: {err}); nothing was "
@@ -378,9 +379,11 @@ class Committer:
         i = self.inputs
         began = time.monotonic()
         stale = stale_files(old, new, where)
+        # URL storage: the save's in-flight marker goes too, in the same request (its data files are listed)
+        marker = [in_flight_marker(i.save_id)] if i.pending == i.path else []
 
         def remove() -> None:
-            delete_files(i.storage, i.path, stale)
+            delete_files(i.storage, i.path, [*stale, *marker])
             release_references(i.storage, i.path, old, where)
 
         grace = self.op.clock.end.or_grace()
@@ -421,11 +424,14 @@ class Committer:
         age = knobs.leftover_age_seconds()
         # first: a save whose pending directory is gone is no longer in flight, and its files in the
         # checkpoint are orphans
-        for pending in abandoned_pending(i.storage, i.path, min_age=age, now=time.time()):
-            if remove_pending(i.storage, pending):
-                logger.info("shardsafe: removed %s, left by a failed save of %s", pending, i.path)
+        for pending in abandoned_pending(i.storage, i.path, min_age=age):
+            try:
+                if remove_pending(i.storage, pending):
+                    logger.info("shardsafe: removed %s, left by a failed save of %s", pending, i.path)
+            except (OSError, ValueError) as err:  # one that cannot go does not keep the rest
+                logger.warning("shardsafe: could not remove %s, left by a failed save of %s: %s", pending, i.path, err)
         _, listed = manifest_files(new, where)
-        orphans = orphaned_files(i.storage, i.path, listed, min_age=age, now=time.time())
+        orphans = orphaned_files(i.storage, i.path, listed, min_age=age)
         if orphans:
             removed = delete_files(i.storage, i.path, orphans)
             logger.info(

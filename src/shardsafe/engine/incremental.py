@@ -16,7 +16,8 @@ it and why.
 
 Call order within a save (:class:`~shardsafe.engine.save.SaveJob`):
 
-- (rank 0, before the save id is broadcast) :func:`check_base`: BASE is a committed sibling of the
+- (rank 0, before the save id is broadcast) :func:`check_base`: BASE (a symbolic link resolved to
+  the checkpoint it points to, which the new manifest then names) is a committed sibling of the
   target, not the target, and does not refer to the target;
 - (every rank, after planning) :func:`read_base` then :func:`match`: the chunks this rank still
   writes, and the references for the rest (one hop: a chunk BASE itself took from an older
@@ -31,13 +32,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable, Sequence
 
 import torch
 import xxhash
 
 from shardsafe import knobs
-from shardsafe.catalog.names import DATA_FILE
+from shardsafe.catalog.names import DATA_FILE, basename, link_target
 from shardsafe.catalog.refs import sibling, split
 from shardsafe.deadline import Deadline
 from shardsafe.engine.plan import PendingChunk
@@ -60,10 +62,30 @@ def check_base(storage: Storage, target: str, base: str) -> str:
     or ``{"base_error": why}``. Reads only BASE's manifest: its files, and those it refers to, are
     checked chunk by chunk by :func:`match` (what does not verify is written in full)."""
     try:
+        base = _resolved(storage, target, base)
         manifest = _usable(storage, target, base)
     except (CheckpointError, OSError) as err:
         return json.dumps({"base_error": str(err)})
     return json.dumps({"base": base, "base_name": split(base)[1], "base_sid": manifest.save_id})
+
+
+def _resolved(storage: Storage, target: str, base: str) -> str:
+    """``base``, or, when it is a symbolic link (``run/latest``), the sibling checkpoint it points to:
+    the reference the new manifest records, and what the delete rule then sees as referred to (a
+    reference by the link's name would not keep the real checkpoint's files when it is overwritten).
+    A link that leads anywhere but into the target's own folder is refused."""
+    real = link_target(base)
+    if real is None:
+        return base
+    parent = split(target)[0]
+    local_parent = parent.removeprefix("file://")
+    if os.path.dirname(real) != os.path.realpath(local_parent):
+        raise BaseRefusedError(
+            f"save of {target!r}: base {base!r} is a symbolic link to {real}, which is not a sibling of the target "
+            f"(a reference may only point into a checkpoint under the same parent folder, {parent!r}); pass base= "
+            "the path of a committed checkpoint in the same folder as the target, or no base"
+        )
+    return storage.join(parent, basename(real))
 
 
 def _usable(storage: Storage, target: str, base: str) -> Manifest:

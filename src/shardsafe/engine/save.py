@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from shardsafe import knobs
-from shardsafe.catalog.names import refusal
+from shardsafe.catalog.names import in_flight_marker, refusal
 from shardsafe.coord import Clock, Operation, fault_point
 from shardsafe.coord.messages import PerRankNodes, PerRankPaths, SaveArrival, SaveStart, WriteReport
 from shardsafe.engine import commit, hostmem, incremental, snapshot, staging
@@ -260,7 +260,7 @@ class SaveJob:
             self._base = checked
         self.save_id = f"{int(time.time())}{uuid.uuid4().hex[:10]}"
         self.pending = self.storage.pending_dir(self.path, self.save_id)
-        self.storage.prepare_pending(self.pending)
+        self.storage.prepare_pending(self.pending, in_flight_marker(self.save_id))
         self._prepared = True
         self.block_bytes = knobs.checksum_block_bytes()
 

@@ -9,9 +9,10 @@ import re
 
 SAVE_ID_CHARS = r"[A-Za-z0-9._-]{1,128}"
 """A save id: 1 to 128 of ``A-Z a-z 0-9 . _ -``."""
-SAVE_ID = re.compile(rf"^{SAVE_ID_CHARS}\Z")
-DATA_FILE = re.compile(rf"^data-(?P<rank>\d{{5}})-(?P<sid>{SAVE_ID_CHARS})\.safetensors\Z")
-"""``data-<rank:05d>-<saveid>.safetensors``; ``rank`` and ``sid`` are its groups."""
+SAVE_ID = re.compile(rf"^{SAVE_ID_CHARS}\Z", re.ASCII)
+DATA_FILE = re.compile(rf"^data-(?P<rank>[0-9]{{5}})-(?P<sid>{SAVE_ID_CHARS})\.safetensors\Z", re.ASCII)
+"""``data-<rank:05d>-<saveid>.safetensors``; ``rank`` and ``sid`` are its groups. ASCII digits only: a
+name with other Unicode digits (Arabic-Indic zeros, say) is no data file, so never shardsafe's to delete."""
 
 
 def data_file(rank: int, save_id: str) -> str:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Sequence
 
-from shardsafe.catalog.names import TOMBSTONE
+from shardsafe.catalog.names import TOMBSTONE, link_target
 from shardsafe.catalog.refs import check_own_files, check_ref_files, sibling, split
 from shardsafe.engine.guard import mapped_errors
 from shardsafe.engine.read import read_manifest
@@ -76,6 +76,8 @@ def choose_base(
     for record in reversed(records):
         if record.status != "committed" or record.name == target or record.name in exclude:
             continue
+        if link_target(record.path) is not None:
+            continue  # a link to a checkpoint elsewhere is no base: a reference may only name a sibling
         try:
             with mapped_errors("choose a base", record.path):
                 manifest = read_manifest(fs, record.path)

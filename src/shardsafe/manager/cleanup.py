@@ -15,16 +15,16 @@ it), with a WARNING each time retention would have deleted it. Remove such a lin
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from shardsafe.catalog.delete import delete_checkpoint as _delete_checkpoint
-from shardsafe.catalog.delete import delete_files, finish_deletion, link_target, remove_pending
-from shardsafe.catalog.names import DATA_FILE, PENDING_DIR, TOMBSTONE
-from shardsafe.catalog.orphans import orphaned_files
+from shardsafe.catalog.delete import delete_files, finish_deletion, remove_pending
+from shardsafe.catalog.names import PENDING_DIR, TOMBSTONE, link_target
+from shardsafe.catalog.orphans import StorageClock, is_abandoned, orphaned_files
+from shardsafe.catalog.refs import split
 from shardsafe.errors import CorruptCheckpointError
 from shardsafe.manager.listing import CheckpointRecord
 from shardsafe.manager.retention import RetentionPolicy
@@ -102,14 +102,14 @@ def remove_leftovers(
     *,
     min_age: float,
     busy: Collection[str] = (),
-    now: float | None = None,
 ) -> list[str]:
     """(rank 0) Remove what crashed saves and deletes left, where shardsafe can tell it wrote it:
 
     - a pending directory: the data files of the save id in its name and its staged manifest, then
       the directory if that empties it;
     - a checkpoint folder without a manifest: the data files its tombstone lists (an interrupted
-      delete), and data files by name (a crashed save on an object store), then the folder if empty;
+      delete), and the data files and in-flight marker of abandoned saves (a crashed save on URL
+      storage: :func:`~shardsafe.catalog.orphans.orphaned_files`), then the folder if empty;
     - in a committed checkpoint: data files its manifest does not list (an interrupted overwrite),
       and what a tombstone beside it lists that the manifest does not;
     - a retired checkpoint (deleted, data kept for incremental checkpoints that refer to it): its
@@ -119,9 +119,12 @@ def remove_leftovers(
 
     Litter directories of older versions (``.<name>.litter-*``) are never touched: what they hold was
     not checked; nor is an entry that is a symbolic link (a WARNING when it looks like a leftover).
-    Only what has not changed for ``min_age`` seconds goes; entries for a checkpoint name in ``busy``
-    (a save of this run in flight) are never touched. Returns the paths removed."""
-    now = time.time() if now is None else now
+    Only what has not changed for ``min_age`` seconds goes, on the storage's own clock (never this
+    host's: :class:`~shardsafe.catalog.orphans.StorageClock`); entries for a checkpoint name in
+    ``busy`` (a save of this run in flight) are never touched, nor the files of a save in flight of
+    another process (its pending directory or in-flight marker changed within ``min_age``). Returns
+    the paths removed."""
+    clocks: dict[str, StorageClock] = {}
     removed: list[str] = []
     for record in records:
         if record.target in busy or (record.leftover and not PENDING_DIR.match(record.name)):
@@ -137,30 +140,49 @@ def remove_leftovers(
                     target,
                 )
             continue
-        if record.status == "incomplete":
-            if record.created is None or now - record.created < min_age:
-                continue
-            if record.leftover:
-                gone = _remove(partial(remove_pending, storage, record.path), record.path)
-            else:
-                names = [n for n in fs.list_dir(record.path) if DATA_FILE.match(n)]
-                gone = _remove(partial(_clear, storage, record.path, names), record.path)
-            if gone:
-                removed.append(record.path)
-        elif record.status == "retired":  # its data goes once no checkpoint refers to it any more
-            try:
-                finish_deletion(storage, record.path)
-            except (OSError, ValueError) as err:
-                logger.error("shardsafe: could not finish removing retired checkpoint %s: %s", record.path, err)
-            if not storage.is_dir(record.path):
-                removed.append(record.path)
-        elif record.status == "committed":
-            if TOMBSTONE in fs.list_dir(record.path):
-                _remove(partial(_finish, storage, record.path), fs.join(record.path, TOMBSTONE))
-            for name in orphaned_files(fs, record.path, record.files, min_age=min_age, now=now):
-                path = fs.join(record.path, name)
-                if _remove(partial(_clear, storage, record.path, [name], rmdir=False), path):
-                    removed.append(path)
+        parent = split(record.path)[0]
+        clock = clocks.setdefault(parent, StorageClock(fs, parent))
+        try:
+            removed += _clean(fs, storage, record, min_age, clock)
+        except (OSError, ValueError, CorruptCheckpointError) as err:  # one entry that cannot be judged keeps no other
+            logger.error("shardsafe: could not clean up %s: %s. It stays; the next one tries again", record.path, err)
+    return removed
+
+
+def _clean(fs: Storage, storage: Storage, record: CheckpointRecord, min_age: float, clock: StorageClock) -> list[str]:
+    """(rank 0) What :func:`remove_leftovers` removes of one entry (not a link); ``clock`` reads the
+    storage's time beside it."""
+    removed: list[str] = []
+    if record.status == "incomplete":
+        if record.leftover:
+            pending = PENDING_DIR.match(record.name)
+            assert pending is not None
+            if not is_abandoned(fs, record.path, pending["sid"], min_age=min_age, clock=clock):
+                return []
+            gone = _remove(partial(remove_pending, storage, record.path), record.path)
+        else:
+            names = orphaned_files(fs, record.path, (), min_age=min_age)
+            if not names and TOMBSTONE not in fs.list_dir(record.path):
+                age = clock.age(record.path)
+                if fs.list_dir(record.path) or age is None or age < min_age:
+                    return []  # something else, or a folder a save in flight has just made
+            gone = _remove(partial(_clear, storage, record.path, names), record.path)
+        if gone:
+            removed.append(record.path)
+    elif record.status == "retired":  # its data goes once no checkpoint refers to it any more
+        try:
+            finish_deletion(storage, record.path)
+        except (OSError, ValueError) as err:
+            logger.error("shardsafe: could not finish removing retired checkpoint %s: %s", record.path, err)
+        if not storage.is_dir(record.path):
+            removed.append(record.path)
+    elif record.status == "committed":
+        if TOMBSTONE in fs.list_dir(record.path):
+            _remove(partial(_finish, storage, record.path), fs.join(record.path, TOMBSTONE))
+        for name in orphaned_files(fs, record.path, record.files, min_age=min_age):
+            path = fs.join(record.path, name)
+            if _remove(partial(_clear, storage, record.path, [name], rmdir=False), path):
+                removed.append(path)
     return removed
 
 

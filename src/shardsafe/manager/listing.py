@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-from shardsafe.catalog.names import TOMBSTONE
+from shardsafe.catalog.names import DATA_FILE, LITTER_DIR, PENDING_DIR, TOMBSTONE
 from shardsafe.catalog.refs import referenced_files
 from shardsafe.engine import api
 from shardsafe.errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -25,8 +25,6 @@ from shardsafe.storage.base import MANIFEST_NAME
 
 Status = Literal["committed", "incomplete", "corrupt", "retired"]
 
-_LEFTOVER = re.compile(r"^\.(?P<target>.+)\.(?P<kind>staging|litter)-(?P<id>[^./]+)$")
-_DATA_FILE = re.compile(r"^data-\d+-.+\.safetensors$")
 _STEP_WORD = re.compile(r"(?:^|[^a-z0-9])(?:global_)?steps?[-_=]?(\d+)(?![0-9])", re.IGNORECASE)
 _NUMBERED = re.compile(r"(?:(?:checkpoint|ckpt|iter|iteration)[-_=.]?)?(\d+)", re.IGNORECASE)
 
@@ -126,7 +124,9 @@ def scan(
 def _leftover(
     fs: Storage, name: str, path: str, template: NameTemplate | None, others: bool
 ) -> CheckpointRecord | None:
-    m = _LEFTOVER.match(name)
+    m, staging = PENDING_DIR.match(name), True  # the catalog's names: what the sweep and the gate see too
+    if m is None:
+        m, staging = LITTER_DIR.match(name), False
     if m is None or not fs.is_dir(path):
         return None
     target = m.group("target")
@@ -141,7 +141,7 @@ def _leftover(
         return None
     reason = (
         f"pending directory of a save of {target!r} that has not committed (still running, or crashed)"
-        if m.group("kind") == "staging"
+        if staging
         else f"remains of an earlier crashed save of {target!r}, set aside by a later save"
     )
     return CheckpointRecord(name, path, "incomplete", step, created, size, reason=reason, target=target)
@@ -183,7 +183,7 @@ def _checkpoint(
             target=name,
         )
     names = fs.list_dir(path)
-    if template is None and not any(_DATA_FILE.match(n) for n in names):
+    if template is None and not any(DATA_FILE.match(n) for n in names):
         return None  # some other directory, not a checkpoint
     try:
         created, size = fs.mtime(path), fs.total_size(path)

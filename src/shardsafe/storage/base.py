@@ -10,6 +10,7 @@ overwritten (their names carry the save id).
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -17,6 +18,26 @@ from typing import Protocol
 from shardsafe.deadline import Deadline
 
 MANIFEST_NAME = "MANIFEST.json"
+
+
+class PublishRefusedError(OSError):
+    """Raised by :meth:`Storage.publish` when the storage definitely did not make the manifest visible
+    and never will: it answered every attempt of the request with a refusal (an HTTP 4xx or 501 of an
+    object store), so nothing of it can land later. The original error is its cause."""
+
+
+def missing_files(where: str, missing: list[str]) -> FileNotFoundError:
+    """The error of a publish that found data files of its save gone from ``where`` (raised before the
+    commit point: nothing is committed)."""
+    shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+    return FileNotFoundError(
+        errno.ENOENT,
+        f"{len(missing)} data file(s) of this save are no longer in {where} ({shown}), so its manifest is not "
+        "committed: something removed them while the save ran, most likely another process's sweep of leftovers "
+        "(a save there that commits, or a CheckpointManager's cleanup) because this save took longer than the "
+        "leftover age (SHARDSAFE_LEFTOVER_AGE_SECONDS, a manager's leftover_age); raise it above the longest save",
+        where,
+    )
 
 
 @dataclass(frozen=True)
@@ -70,8 +91,13 @@ class Storage(Protocol):
         directory of ``target``; object stores: ``target`` itself (unique names make that safe)."""
         ...
 
-    def prepare_pending(self, pending: str) -> None:
-        """(rank 0, before writers start) Create the pending directory (and durably, its parents)."""
+    def prepare_pending(self, pending: str, marker: str = "") -> None:
+        """(rank 0, before writers start) Create the pending directory (and durably, its parents).
+        Where the pending directory is the target itself (URL storage: data files go straight in),
+        also write the empty file ``marker`` there (a plain name from :mod:`shardsafe.catalog.names`),
+        the sign that a save is in flight that the sweep of leftovers respects; on S3, with
+        ``If-None-Match: *``, and the store's conditional writes are checked once per process and
+        bucket (:mod:`shardsafe.storage.conditional`)."""
         ...
 
     def open_writer(self, path: str) -> Writer:
@@ -85,9 +111,12 @@ class Storage(Protocol):
 
     def publish(self, commit: Commit, *, overwrite: bool, at_commit: Callable[[], None]) -> bytes | None:
         """(rank 0, after it won the "commit" decision) Commit: make the staged manifest visible at
-        the target in one atomic step, after the data files. ``at_commit()`` is called right before
-        that step and may raise to prevent it. Returns the bytes of the manifest it replaced (for
-        the removal of old data files), or ``None``."""
+        the target in one atomic step, after the data files. First it checks, with one listing (no
+        byte is read), that every one of ``commit.data_files`` is there: a file another process
+        removed meanwhile raises ``FileNotFoundError`` naming it, and nothing is committed.
+        ``at_commit()`` is called right before that step and may raise to prevent it. Returns the
+        bytes of the manifest it replaced (for the removal of old data files), or ``None``. Raises
+        :class:`PublishRefusedError` when the storage surely refused the commit step."""
         ...
 
     def read_bytes(self, path: str, limit: int | None = None) -> bytes:
@@ -127,10 +156,24 @@ class Storage(Protocol):
         """Names (not paths) directly inside ``path``; empty when it does not exist."""
         ...
 
+    def entries(self, path: str) -> dict[str, str]:
+        """What :meth:`list_dir` lists, each with its kind, from the same listing: ``"file"`` (a regular
+        file; an object), ``"dir"`` (a folder; a prefix), ``"link"`` (a symbolic link, never
+        followed) or ``"other"`` (a FIFO, a socket, a device)."""
+        ...
+
+    def stamp(self, path: str) -> float:
+        """Create the empty file ``path`` (it must not exist) and return its modification time as the
+        storage records it: the storage's own clock, which the sweep of leftovers compares other
+        modification times with (never the host's). The caller removes it (through the gate)."""
+        ...
+
     # Primitives of :mod:`shardsafe.catalog.delete`; nothing else calls them.
 
-    def unlink_names(self, directory: str, names: list[str]) -> None:
-        """Remove the files ``names`` (plain names) in ``directory``; missing ones are fine."""
+    def unlink_names(self, directory: str, names: list[str]) -> list[str]:
+        """Remove the regular files ``names`` (plain names) in ``directory``; missing ones are fine.
+        Returns the names left in place because they are not regular files (a folder, a symbolic link,
+        a FIFO, a socket: shardsafe writes none of these, and removes none)."""
         ...
 
     def sync_dir(self, directory: str) -> None:

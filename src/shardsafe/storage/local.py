@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -23,7 +24,7 @@ from shardsafe import knobs
 from shardsafe.coord.faults import fault_point
 from shardsafe.deadline import NEVER, Deadline
 from shardsafe.storage import regular
-from shardsafe.storage.base import MANIFEST_NAME, Commit
+from shardsafe.storage.base import MANIFEST_NAME, Commit, missing_files
 from shardsafe.workers import Lane, run_bounded
 
 T = TypeVar("T")
@@ -133,6 +134,32 @@ class LocalWriter:
             self.lane.close()
 
 
+def _kind(entry: os.DirEntry[str]) -> str:
+    """The kind of a directory entry (:meth:`Storage.entries`), symbolic links never followed."""
+    if entry.is_symlink():
+        return "link"
+    if entry.is_dir(follow_symlinks=False):
+        return "dir"
+    return "file" if entry.is_file(follow_symlinks=False) else "other"
+
+
+def unlink_regular(directory: str, names: list[str]) -> list[str]:
+    """Remove the regular files ``names`` in ``directory`` (missing ones are fine); returns those
+    left in place because they are something else (a folder, a link, a FIFO, a socket)."""
+    kept = []
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(mode):
+            kept.append(name)
+            continue
+        _unlink(path)
+    return kept
+
+
 def _unlink(path: str) -> None:
     try:
         os.unlink(path)
@@ -156,7 +183,10 @@ class LocalStorage:
         parent, name = os.path.split(os.path.abspath(target))
         return os.path.join(parent, f".{name}.staging-{save_id}")
 
-    def prepare_pending(self, pending: str) -> None:
+    def prepare_pending(self, pending: str, marker: str = "") -> None:
+        """Create the pending directory (beside the target: it is the mark of the save in flight, so
+        ``marker`` is not written)."""
+
         def make() -> None:
             make_dirs(os.path.dirname(pending))
             os.mkdir(pending)
@@ -173,7 +203,13 @@ class LocalStorage:
         tmp = staged + ".tmp"
 
         def write() -> None:
-            with open(tmp, "xb") as f:
+            try:
+                f = open(tmp, "xb")  # noqa: SIM115  (closed by the with below; the open's own error told apart)
+            except FileNotFoundError:
+                if os.path.isdir(pending):
+                    raise
+                raise missing_files(pending, sorted(commit.data_files)) from None  # the whole pending directory
+            with f:
                 f.write(commit.manifest)
                 f.flush()
                 os.fsync(f.fileno())
@@ -186,6 +222,13 @@ class LocalStorage:
         pending, target = commit.pending, commit.target
         parent = os.path.dirname(os.path.abspath(target))
         committed = os.path.join(target, MANIFEST_NAME)
+        try:
+            staged = os.listdir(pending)
+        except FileNotFoundError:
+            staged = []
+        missing = sorted(commit.data_files.difference(staged))
+        if missing:  # removed meanwhile: never commit a manifest that names them
+            raise missing_files(pending, missing)
         if not os.path.lexists(target) or (os.path.isdir(target) and not os.listdir(target)):
             at_commit()
             os.rename(pending, target)  # the commit point (an empty folder is replaced atomically)
@@ -196,7 +239,7 @@ class LocalStorage:
         old = _read_or_none(committed)
         if old is not None and not overwrite:
             raise FileExistsError(errno.EEXIST, "a checkpoint was committed there meanwhile", committed)
-        for name in os.listdir(pending):
+        for name in staged:
             if name in commit.data_files:
                 os.rename(os.path.join(pending, name), os.path.join(target, name))
         fsync_dir(target)
@@ -270,11 +313,27 @@ class LocalStorage:
         except (FileNotFoundError, NotADirectoryError):
             return []
 
+    def entries(self, path: str) -> dict[str, str]:
+        try:
+            with os.scandir(path) as it:
+                return {e.name: _kind(e) for e in it}
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+
+    def stamp(self, path: str) -> float:
+        def make() -> float:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                return os.fstat(fd).st_mtime
+            finally:
+                os.close(fd)
+
+        return run_bounded("reading the storage's clock", path, self.deadline or NEVER, make)
+
     # -- primitives of shardsafe.catalog.delete ---------------------------------------------------
 
-    def unlink_names(self, directory: str, names: list[str]) -> None:
-        for name in names:
-            _unlink(os.path.join(directory, name))
+    def unlink_names(self, directory: str, names: list[str]) -> list[str]:
+        return unlink_regular(directory, names)
 
     def sync_dir(self, directory: str) -> None:
         fsync_dir(directory)

@@ -28,8 +28,8 @@ from typing import Any, TypeVar
 from shardsafe import knobs
 from shardsafe.deadline import NEVER, Deadline
 from shardsafe.errors import CorruptCheckpointError, InvalidArgumentError, RemoteIOError
-from shardsafe.storage import regular, retry
-from shardsafe.storage.base import MANIFEST_NAME, Commit, Writer
+from shardsafe.storage import conditional, regular, retry
+from shardsafe.storage.base import MANIFEST_NAME, Commit, PublishRefusedError, Writer, missing_files
 from shardsafe.storage.fsspec_util import (
     bound_s3_retries,
     check_name,
@@ -38,7 +38,7 @@ from shardsafe.storage.fsspec_util import (
     mtime_of,
     s3_client_options,
 )
-from shardsafe.storage.local import fsync_dir, make_dirs
+from shardsafe.storage.local import LocalStorage, fsync_dir, make_dirs, unlink_regular
 from shardsafe.storage.uploads import (
     PartWriter,
     StreamWriter,
@@ -147,15 +147,26 @@ class FsspecStorage:
         """(rank 0 and writers) ``target`` itself: data object names carry the save id."""
         return target
 
-    def prepare_pending(self, pending: str) -> None:
-        """(rank 0) Nothing on an object store; directories elsewhere (``file://``: made durable)."""
-        if self.object_store:
-            return
-        local = local_dir(self.fs, self._p(pending))
+    def prepare_pending(self, pending: str, marker: str = "") -> None:
+        """(rank 0) Directories where there are any (``file://``: made durable); then the empty in-flight
+        ``marker`` in the target (on S3 with ``If-None-Match: *``, the store's conditional writes
+        checked the first time: :func:`~shardsafe.storage.conditional.put_marker`)."""
+        local = None if self.object_store else local_dir(self.fs, self._p(pending))
         if local:
             run_bounded("creating the target directory", pending, self.deadline or NEVER, lambda: make_dirs(local))
+        elif not self.object_store:
+            self._retry("create directory", pending, lambda: self.fs.makedirs(self._p(pending), exist_ok=True))
+        if not marker:
             return
-        self._retry("create directory", pending, lambda: self.fs.makedirs(self._p(pending), exist_ok=True))
+        url = self.join(pending, marker)
+        if self.s3:
+            bucket, key, _ = self.fs.split_path(self._p(url))
+            conditional.put_marker(self.fs, bucket, key, url, self.policy, self.deadline)
+            self.fs.invalidate_cache(self._p(pending))
+        elif local:
+            self._local().stamp(self._p(url))
+        else:
+            self._retry("write the in-flight marker", url, lambda: self.fs.pipe_file(self._p(url), b""))
 
     def open_writer(self, path: str) -> Writer:
         """(writing ranks) A new data object; ``FileExistsError`` if one is there already."""
@@ -196,6 +207,7 @@ class FsspecStorage:
         local = local_dir(self.fs, self._p(target))
         if local:
             fsync_dir(local)  # the data files' entries are durable before the manifest names them
+        self._check_files(commit)
         at_commit()
         if self.object_store:
             self._retry("upload manifest", url, lambda: self.fs.pipe_file(p, commit.manifest))
@@ -221,15 +233,31 @@ class FsspecStorage:
         old, etag = self._manifest_and_etag(url, bucket, key)
         if old is not None and not overwrite:
             raise FileExistsError(f"{url} exists: {commit.target} holds a committed checkpoint; pass overwrite=True")
+        self._check_files(commit)
         at_commit()
         condition = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
-        put = functools.partial(
-            s3_call, self.fs, "put_object", Bucket=bucket, Key=key, Body=commit.manifest, **condition
-        )
+        attempts: list[BaseException | None] = []
+
+        def put() -> Any:
+            attempts.append(None)  # until it ends: an attempt abandoned at the deadline may still land
+            try:
+                return s3_call(self.fs, "put_object", Bucket=bucket, Key=key, Body=commit.manifest, **condition)
+            except BaseException as failed:
+                attempts[-1] = failed
+                raise
+
         try:
             self._retry("upload manifest", url, put)
         except OSError as err:
             if not precondition_failed(err):
+                if conditional.definite_refusal(attempts, err):
+                    status, code = retry.http_answer(err)
+                    raise PublishRefusedError(
+                        err.errno or errno.EIO,
+                        f"the store refused the manifest PUT of {url} (HTTP {status} {code}: {err}) on every attempt, "
+                        "so it was not written and no copy of it can land later",
+                        url,
+                    ) from err
                 raise
             now, _ = self._manifest_and_etag(url, bucket, key)  # 412: whose manifest is there?
             if now != commit.manifest:
@@ -243,6 +271,20 @@ class FsspecStorage:
         self.fs.invalidate_cache(p)
         return old
 
+    def _local(self) -> LocalStorage:
+        """The local backend under this one's deadline, for what ``file://`` does with ``os`` calls."""
+        local = LocalStorage()
+        local.set_deadline(self.deadline)
+        return local
+
+    def _check_files(self, commit: Commit) -> None:
+        """(rank 0, publishing) Every data file of ``commit`` is in its target (one listing, no byte
+        read): one removed meanwhile (a sweep of leftovers by another process, for a save that ran past
+        the leftover age) raises ``FileNotFoundError`` before the commit point."""
+        missing = sorted(commit.data_files.difference(self.list_dir(commit.target)))
+        if missing:
+            raise missing_files(commit.target, missing)
+
     def _manifest_and_etag(self, url: str, bucket: str, key: str) -> tuple[bytes | None, str | None]:
         """The manifest at ``url`` and its ETag, read in one GET (``None, None`` where there is none)."""
         try:
@@ -252,9 +294,19 @@ class FsspecStorage:
 
     # -- primitives of shardsafe.catalog.delete ----------------------------------------------------
 
-    def unlink_names(self, directory: str, names: list[str]) -> None:
-        """Delete ``names`` under ``directory``; missing ones are fine, any other failure raises."""
+    def unlink_names(self, directory: str, names: list[str]) -> list[str]:
+        """Delete ``names`` under ``directory``; missing ones are fine, any other failure raises. On a
+        local disk (``file://``) only regular files go (the others are returned); an object store holds
+        nothing else."""
+        for n in names:
+            check_name(n, directory)
+        local = local_dir(self.fs, self._p(directory))
+        if local:
+            kept = unlink_regular(local, list(names))
+            self.fs.invalidate_cache(self._p(directory))
+            return kept
         self._remove_paths(directory, [self._p(self.join(directory, n)) for n in names])
+        return []
 
     def sync_dir(self, directory: str) -> None:
         local = local_dir(self.fs, self._p(directory))
@@ -451,3 +503,25 @@ class FsspecStorage:
     def list_dir(self, path: str) -> list[str]:
         """Names of the objects and sub-prefixes directly under ``path``; empty when there are none."""
         return sorted({str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in self._entries(path)})
+
+    def entries(self, path: str) -> dict[str, str]:
+        """As :meth:`list_dir`, each name with its kind: objects are files, sub-prefixes folders; on a
+        local disk (``file://``) links, FIFOs and sockets are told apart too, links never followed."""
+        local = local_dir(self.fs, self._p(path))
+        if local:
+            return LocalStorage().entries(local)
+        out: dict[str, str] = {}
+        for e in self._entries(path):
+            name = str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
+            kind = "dir" if e.get("type") == "directory" else "file" if e.get("type") == "file" else "other"
+            if out.get(name) != "dir":  # an object and a prefix of one name: the prefix is what shows
+                out[name] = kind
+        return out
+
+    def stamp(self, path: str) -> float:
+        """Create the empty object or file ``path``; its modification time as the store records it."""
+        local = local_dir(self.fs, self._p(path))
+        if local:
+            return self._local().stamp(local)
+        self._retry("write a clock probe", path, lambda: self.fs.pipe_file(self._p(path), b""))
+        return self.mtime(path)

@@ -60,8 +60,13 @@ _TRANSIENT_CODES = frozenset(
         "InternalError",
         "ServiceUnavailable",
         "OperationAborted",
+        "ConditionalRequestConflict",  # 409: another conditional write of the key was in progress
     }
 )
+# Answers that say the store will never carry the request out, however often it is sent: a 501 is a
+# 5xx, but it means the store does not implement something the request asks for (a header, say).
+_NEVER_CODES = frozenset({"NotImplemented"})
+_NEVER_STATUS = frozenset({501})
 # errno values s3fs and the OS use for the same (s3fs maps 503 SlowDown to EBUSY, 500 to EREMOTEIO).
 _TRANSIENT_ERRNOS = frozenset(
     {
@@ -112,6 +117,32 @@ class RetryPolicy:
         return cap / 2 + random.uniform(0, cap / 2)
 
 
+def http_answer(err: BaseException) -> tuple[int | None, str]:
+    """(HTTP status, error code) of the store's answer that ``err`` (or an error it was raised from)
+    carries; ``(None, "")`` when no answer came (a reset, a timeout: the request may have landed)."""
+    seen: set[int] = set()
+    cur: BaseException | None = err
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        response = getattr(cur, "response", None)  # botocore's ClientError
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return (status if isinstance(status, int) else None), str(response.get("Error", {}).get("Code", ""))
+        cur = cur.__cause__ or cur.__context__
+    return None, ""
+
+
+def is_refusal(err: BaseException) -> bool:
+    """Whether ``err`` is the store's definite refusal of the request: an answer (4xx, or 501) that
+    neither a repeat (as throttling, a timeout or a conflict would) nor a late copy can turn into a
+    success. A 412 is a refusal too; callers tell it apart
+    (:func:`~shardsafe.storage.uploads.precondition_failed`)."""
+    status, code = http_answer(err)
+    if status is None or code in _TRANSIENT_CODES:
+        return False
+    return (400 <= status < 500 and status not in (408, 409, 429)) or status in _NEVER_STATUS or code in _NEVER_CODES
+
+
 def is_transient(err: BaseException) -> bool:
     """Whether ``err`` (or an error it was raised from) says the request may succeed if repeated."""
     seen: set[int] = set()
@@ -120,10 +151,20 @@ def is_transient(err: BaseException) -> bool:
         seen.add(id(cur))
         if isinstance(cur, _PERMANENT):
             return False
+        if _never_one(cur):
+            return False
         if _transient_one(cur):
             return True
         cur = cur.__cause__ or cur.__context__
     return False
+
+
+def _never_one(err: BaseException) -> bool:
+    response = getattr(err, "response", None)
+    if not isinstance(response, dict):
+        return False
+    code = str(response.get("Error", {}).get("Code", ""))
+    return response.get("ResponseMetadata", {}).get("HTTPStatusCode") in _NEVER_STATUS or code in _NEVER_CODES
 
 
 def _transient_one(err: BaseException) -> bool:
