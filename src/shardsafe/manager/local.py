@@ -19,19 +19,31 @@ agreement ``load.<n>``. The first candidate every rank loaded wins; none: the du
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
 from typing import Any
 
 from shardsafe.coord import Deadline, Deadlines, Operation
-from shardsafe.coord.messages import Attempt, Attempts, Decision
 from shardsafe.coord.resolve import SOLO
 from shardsafe.engine import api
 from shardsafe.errors import CheckpointError, CorruptCheckpointError, RemoteRankError
 from shardsafe.manager import replica
+from shardsafe.manager.messages import (
+    TIER_ARRIVE,
+    TIER_DONE,
+    TIER_FETCH,
+    TIER_LOAD,
+    TIER_SCAN,
+    Held,
+    Holdings,
+    Peer,
+    Table,
+    TierCandidate,
+    TierPlan,
+    collect,
+    peer_table,
+)
 from shardsafe.manager.resume import _attempt, _outcome
 from shardsafe.manager.tiers import (
     REPLICA_RE,
@@ -40,33 +52,12 @@ from shardsafe.manager.tiers import (
     drop_newer,
     drop_old,
     node_identity,
-    peers,
     share_name,
     step_name,
     steps_in,
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Table:
-    """Every rank's node, replica-server address and that server's token, in rank order."""
-
-    nodes: list[str]
-    addresses: list[str]
-    tokens: list[str]
-
-    def peers(self, rank: int, replicas: int) -> list[int]:
-        return peers(self.nodes, rank, replicas)
-
-    def senders(self, rank: int, replicas: int) -> list[int]:
-        """The ranks whose replicas ``rank`` receives."""
-        return [r for r in range(len(self.nodes)) if rank in self.peers(r, replicas)]
-
-
-def _collect(envelopes: dict[int, Any]) -> Decision:
-    return Decision(json.dumps([envelopes[r].body["value"] for r in range(len(envelopes))]))
 
 
 class LocalTierRuntime:
@@ -87,12 +78,8 @@ class LocalTierRuntime:
     def close(self) -> None:
         self.server.close()
 
-    def _me(self) -> str:
-        return json.dumps({"node": self.node, "address": self.server.address, "token": self.server.token})
-
-    def _table(self, values: list[str]) -> Table:
-        docs = [json.loads(v) for v in values]
-        return Table([d["node"] for d in docs], [d["address"] for d in docs], [d["token"] for d in docs])
+    def _me(self) -> Peer:
+        return Peer(self.node, self.server.address, self.server.token)
 
     # ------------------------------------------------------------------------------------ save
 
@@ -103,8 +90,7 @@ class LocalTierRuntime:
         op = Operation.begin("tier.save", self.tier.path_template, self.deadlines.start())
 
         def agree_on_the_step() -> Table:
-            decided = op.agree("arrive", Decision(self._me()), _collect if op.rank == 0 else None)
-            table = self.table = self._table(json.loads(Decision.from_json(decided).value))
+            table = self.table = op.agree(TIER_ARRIVE, self._me(), peer_table)
             error: Exception | None = None
             try:
                 path = os.path.join(self.folder, step_name(step), share_name(self.rank))
@@ -116,11 +102,7 @@ class LocalTierRuntime:
             except Exception as err:  # shared with every rank below
                 error = err
 
-            def collect(envelopes: dict[int, Any]) -> Attempts:
-                return Attempts([envelopes[r].body for r in range(len(envelopes))])
-
-            result = op.agree("done", _outcome(error), collect if op.rank == 0 else None)
-            outcomes = [Attempt.from_json(o) for o in Attempts.from_json(result).attempts]
+            outcomes = op.agree(TIER_DONE, _outcome(error), collect).attempts
             failed = [(r, o) for r, o in enumerate(outcomes) if not o.ok]
             if failed:
                 if error is not None:
@@ -147,10 +129,10 @@ class LocalTierRuntime:
 
     # ---------------------------------------------------------------------------------- resume
 
-    def _report(self, senders: list[int]) -> dict[str, Any]:
-        """This rank's verified entries: ``{step: {"own": bool, "replicas": [rank...]}}``: its own share
-        and the replicas of ``senders`` (the ranks whose replicas it receives), each read whole."""
-        out: dict[str, Any] = {}
+    def _report(self, senders: list[int]) -> Holdings:
+        """This rank's verified entries, by step: its own share and the replicas of ``senders`` (the
+        ranks whose replicas it receives), each read whole."""
+        out: dict[str, Held] = {}
         for step in steps_in(self.folder):
             where = os.path.join(self.folder, step_name(step))
             own = False
@@ -165,8 +147,8 @@ class LocalTierRuntime:
                     own = _verifies(os.path.join(where, n), step, self.rank, self.world_size)
                 elif rep and (sender := int(rep.group(1))) in senders:
                     held += [sender] if _verifies(os.path.join(where, n), step, sender, self.world_size) else []
-            out[str(step)] = {"own": own, "replicas": held}
-        return out
+            out[str(step)] = Held(own, held)
+        return Holdings(out)
 
     def resume(self, state: MutableMapping[str, Any], durable: int | None) -> int | None:
         """(every rank) Load the newest local step newer than ``durable`` that is complete across the
@@ -176,18 +158,17 @@ class LocalTierRuntime:
         return op.conclude(lambda: self._resume(op, state, durable))
 
     def _resume(self, op: Operation, state: MutableMapping[str, Any], durable: int | None) -> int | None:
-        decided = op.agree("arrive", Decision(self._me()), _collect if op.rank == 0 else None)
-        table = self.table = self._table(json.loads(Decision.from_json(decided).value))
+        table = self.table = op.agree(TIER_ARRIVE, self._me(), peer_table)
         senders = table.senders(self.rank, self.tier.replicas)
-        mine = Decision(json.dumps(self._report(senders)))
+        mine = self._report(senders)
 
-        def plan(envelopes: dict[int, Any]) -> Decision:
-            reports = [json.loads(envelopes[r].body["value"]) for r in range(len(envelopes))]
-            return Decision(json.dumps(_plan(reports, durable)))
+        def plan(holdings: dict[int, Holdings]) -> TierPlan:
+            return TierPlan(_plan([holdings[r] for r in range(len(holdings))], durable))
 
-        candidates = json.loads(Decision.from_json(op.agree("scan", mine, plan if op.rank == 0 else None)).value)
+        candidates = op.agree(TIER_SCAN, mine, plan).candidates
         deadlines = self.deadlines
-        for n, (step, sources) in enumerate(candidates):
+        for n, candidate in enumerate(candidates):
+            step, sources = candidate.step, candidate.sources
             source = sources[self.rank]
             path = os.path.join(self.folder, step_name(step), share_name(self.rank))
 
@@ -212,9 +193,9 @@ class LocalTierRuntime:
             def load(path: str = path) -> None:
                 api.load(path, state, group=SOLO, timeout=self.timeout, rest="none")
 
-            why = _attempt(op, f"fetch.{n}", "fetch", fetch, path, deadlines)
+            why = _attempt(op, TIER_FETCH.nth(n), "fetch", fetch, path, deadlines)
             if why is None:
-                why = _attempt(op, f"load.{n}", "load", load, path, deadlines)
+                why = _attempt(op, TIER_LOAD.nth(n), "load", load, path, deadlines)
             if why is None:
                 if op.rank == 0:
                     moved = sorted({r for r, s in enumerate(sources) if s != r})
@@ -252,25 +233,31 @@ def _verifies(path: str, step: int, rank: int, world_size: int) -> bool:
     return True
 
 
-def _plan(reports: list[dict[str, Any]], durable: int | None) -> list[list[Any]]:
+def _plan(reports: list[Holdings], durable: int | None) -> list[TierCandidate]:
     """(rank 0) The steps newer than ``durable`` (newest first) for which every rank's share verifies
     on its own node or as a replica, each with the rank that provides each rank's share."""
     world = len(reports)
-    steps = sorted({int(s) for rep in reports for s in rep}, reverse=True)
-    out: list[list[Any]] = []
+    steps = sorted({int(s) for rep in reports for s in rep.steps}, reverse=True)
+    out: list[TierCandidate] = []
     for step in steps:
         if durable is not None and step <= durable:
             continue
         sources: list[int] = []
         for r in range(world):
-            entry = reports[r].get(str(step))
-            if entry is not None and entry["own"]:
+            entry = reports[r].steps.get(str(step))
+            if entry is not None and entry.own:
                 sources.append(r)
                 continue
-            holder = next((p for p in range(world) if r in (reports[p].get(str(step)) or {}).get("replicas", [])), None)
+            holder = next((p for p in range(world) if r in _held(reports[p], step)), None)
             if holder is None:
                 break
             sources.append(holder)
         if len(sources) == world:
-            out.append([step, sources])
+            out.append(TierCandidate(step, sources))
     return out
+
+
+def _held(report: Holdings, step: int) -> list[int]:
+    """The ranks whose replicas of ``step`` the rank of ``report`` holds, verified."""
+    entry = report.steps.get(str(step))
+    return [] if entry is None else entry.replicas
