@@ -53,6 +53,7 @@ if TYPE_CHECKING:
         async_save,
         inspect,
         load,
+        read_file,
         save,
         verify,
     )
@@ -71,6 +72,7 @@ _LAZY: dict[str, str] = {
     "async_save": "shardsafe.engine.api",
     "inspect": "shardsafe.engine.api",
     "load": "shardsafe.engine.api",
+    "read_file": "shardsafe.engine.api",
     "save": "shardsafe.engine.api",
     "verify": "shardsafe.engine.api",
     "Progress": "shardsafe.progress.record",
@@ -131,6 +133,7 @@ __all__ = [
     "inspect",
     "load",
     "per_rank",
+    "read_file",
     "save",
     "verify",
 ]

@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+from shardsafe.errors import CorruptCheckpointError
+from shardsafe.format.manifest import parse_manifest
 from shardsafe.format.names import DATA_FILE, SAVE_ID_CHARS, data_file
 from shardsafe.storage.base import MANIFEST_NAME, Commit, Storage
 
@@ -29,6 +31,7 @@ __all__ = [
     "commit_of",
     "data_file",
     "is_own",
+    "listed_side_files",
     "pending_name",
     "refusal",
     "save_id_of",
@@ -76,16 +79,32 @@ def basename(path: str) -> str:
 def is_own(name: str, *, in_pending: bool = False) -> bool:
     """Whether shardsafe writes files called ``name`` inside a checkpoint (or inside a pending
     directory, where the staged manifest is shardsafe's too). ``MANIFEST.json`` of a checkpoint is not
-    in this set: it is never deleted, only renamed to the tombstone."""
+    in this set: it is never deleted, only renamed to the tombstone. A side file (format v3) is shardsafe's
+    only where a validated manifest lists it (:func:`listed_side_files`) or the save that wrote it names it."""
     if DATA_FILE.match(name) or TEMP_MANIFEST.match(name) or name == TOMBSTONE:
         return True
     return in_pending and name in STAGED_MANIFEST
 
 
-def refusal(storage: Storage, path: str, *, overwrite: bool) -> str | None:
+def listed_side_files(storage: Storage, path: str) -> set[str]:
+    """The side files (format v3) that the manifest and the tombstone in ``path`` list, each of them that
+    validates (one that does not lists nothing: its names stay foreign)."""
+    out: set[str] = set()
+    for name in (MANIFEST_NAME, TOMBSTONE):
+        where = storage.join(path, name)
+        try:
+            out.update(parse_manifest(storage.read_bytes(where), where).side_files)
+        except (FileNotFoundError, NotADirectoryError, CorruptCheckpointError):
+            continue
+    return out
+
+
+def refusal(storage: Storage, path: str, *, overwrite: bool, side_files: bool = False) -> str | None:
     """(rank 0, before a save starts) Why ``path`` may not receive a save, or ``None`` if it may:
     absent, an empty folder, or shardsafe's own names only (with ``MANIFEST.json``: a committed
-    checkpoint, replaced only with ``overwrite``). The message lists a few of the foreign entries."""
+    checkpoint, replaced only with ``overwrite``, and only by a save without ``side_files``, whose fixed
+    names could not be replaced in the one atomic step of the commit). The side files a manifest or
+    tombstone there lists are shardsafe's. The message lists a few of the foreign entries."""
     if not path.strip():
         return "an empty path names no folder; give the checkpoint's folder (e.g. 'checkpoints/step-100')"
     if not storage.exists(path):
@@ -94,6 +113,9 @@ def refusal(storage: Storage, path: str, *, overwrite: bool) -> str | None:
         return f"{path} exists and is not a directory; save to a new path (shardsafe never replaces other files)"
     names = storage.list_dir(path)
     foreign = [n for n in names if n != MANIFEST_NAME and not is_own(n)]
+    if foreign:
+        listed = listed_side_files(storage, path)
+        foreign = [n for n in foreign if n not in listed]
     if foreign:
         shown = ", ".join(repr(n) for n in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         return (
@@ -105,5 +127,12 @@ def refusal(storage: Storage, path: str, *, overwrite: bool) -> str | None:
         return (
             f"{path} already holds a committed checkpoint; pass overwrite=True to replace it atomically, or save "
             "to a new path"
+        )
+    if MANIFEST_NAME in names and side_files:
+        return (
+            f"{path} holds a committed checkpoint, and this save carries side files (files=/write_files=), whose "
+            "fixed names cannot be replaced in the commit's one atomic step (the old checkpoint would not stay "
+            "whole until the new one is committed); save to a new path, or delete the old one first "
+            "(shardsafe.delete)"
         )
     return None
