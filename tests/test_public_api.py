@@ -9,7 +9,7 @@ import sys
 
 import shardsafe
 
-API = {"save", "async_save", "load", "verify", "inspect", "export_hf", "export_torch", "import_checkpoint"}
+API = {"save", "async_save", "load", "verify", "inspect", "delete", "export_hf", "export_torch", "import_checkpoint"}
 TYPES = {
     "SaveHandle",
     "SaveOptions",

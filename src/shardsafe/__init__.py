@@ -3,7 +3,7 @@ pickle-free and never hang.
 
 Every rank calls the same functions; the library decides which rank writes which bytes.
 
-The top level is the checkpoint API (save, async_save, load, verify, inspect, export and import), the
+The top level is the checkpoint API (save, async_save, load, verify, inspect, delete, export and import), the
 types it returns, its errors and the checkpoint manager. The training runtime (``shardsafe.runtime``)
 and the Lightning Fabric strategies (``shardsafe.fabric``) are subpackages a program imports itself.
 
@@ -56,6 +56,7 @@ if TYPE_CHECKING:
         save,
         verify,
     )
+    from shardsafe.engine.remove import delete
     from shardsafe.interop import ExportResult, ImportResult, export_hf, export_torch, import_checkpoint
     from shardsafe.manager import CheckpointManager, CheckpointRecord, LocalTier, ManagerConfig
     from shardsafe.progress.bar import ProgressBar
@@ -73,6 +74,7 @@ _LAZY: dict[str, str] = {
     "load": "shardsafe.engine.api",
     "save": "shardsafe.engine.api",
     "verify": "shardsafe.engine.api",
+    "delete": "shardsafe.engine.remove",
     "Progress": "shardsafe.progress.record",
     "ProgressBar": "shardsafe.progress.bar",
     "ExportResult": "shardsafe.interop",
@@ -125,6 +127,7 @@ __all__ = [
     "VerifySummary",
     "__version__",
     "async_save",
+    "delete",
     "export_hf",
     "export_torch",
     "import_checkpoint",
