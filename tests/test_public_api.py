@@ -21,6 +21,7 @@ TYPES = {
     "ExportResult",
     "ImportResult",
     "per_rank",
+    "RNGState",
 }
 MANAGER = {"CheckpointManager", "CheckpointRecord", "LocalTier", "ManagerConfig"}
 

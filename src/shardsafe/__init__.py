@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from shardsafe.progress.bar import ProgressBar
     from shardsafe.progress.record import Progress
     from shardsafe.state.per_rank import per_rank
+    from shardsafe.state.rng import RNGState
 
 _LAZY: dict[str, str] = {
     "CheckpointInfo": "shardsafe.engine.api",
@@ -87,6 +88,7 @@ _LAZY: dict[str, str] = {
     "ManagerConfig": "shardsafe.manager",
     "LocalTier": "shardsafe.manager",
     "per_rank": "shardsafe.state.per_rank",
+    "RNGState": "shardsafe.state.rng",
 }
 """Each public name imported on first use, and the module it comes from."""
 
@@ -113,6 +115,7 @@ __all__ = [
     "OperationTimeoutError",
     "Progress",
     "ProgressBar",
+    "RNGState",
     "RankDeadError",
     "RankDesyncError",
     "RankTimeoutError",
