@@ -13,7 +13,8 @@ Layers, lowest first (the real graph; docs/architecture.md explains each):
   4  format                         (manifest, typed values, data files, the save id and data file names)
   5  catalog                        (what a checkpoint is on storage: names, references, the delete rule)
   7  state                          (user state <-> flat tensors and values, both directions)
-  8  engine                         (save, load, commit, read, verify, inspect)
+  8  engine                         (save, load, commit, read, verify, inspect, delete)
+8.5 integration                    (what the Lightning integrations share: their strategies' options)
   9  manager, interop, runtime, fabric
  10  shardsafe (__init__: the public API)
  11  cli
@@ -42,6 +43,7 @@ LAYERS: dict[str, float] = {
     "shardsafe.state": 7,
     "shardsafe.progress": 7.5,
     "shardsafe.engine": 8,
+    "shardsafe.integration": 8.5,
     "shardsafe.manager": 9,
     "shardsafe.interop": 9,
     "shardsafe.runtime": 9,

@@ -54,7 +54,10 @@ Nothing is deleted or retired through a symbolic link: a checkpoint folder (or a
 to, or a pending directory) that is a link is refused by :func:`delete_checkpoint`,
 :func:`finish_deletion`, :func:`remove_pending` and the release of referenced files
 (:func:`link_target`), so that a root entry linking to a checkpoint elsewhere (another run's, a
-kept copy) never costs that checkpoint its files. The link itself stays: shardsafe did not write it.
+kept copy) never costs that checkpoint its files. The link itself stays there: shardsafe did not write
+it. Only an explicit ``shardsafe.delete(link)`` removes a link, the link alone (:func:`remove_link`:
+one that leads to a checkpoint of shardsafe, or to nothing), as a framework replaces its ``last``
+link to a checkpoint.
 
 On object stores (and ``file://``) a save's data files go straight into its target, with nothing
 beside them until its manifest commits: a save in flight there is told from a replaced one only by
@@ -83,6 +86,7 @@ from shardsafe.errors import CorruptCheckpointError
 from shardsafe.format.manifest import parse_manifest
 from shardsafe.storage import is_remote
 from shardsafe.storage.base import MANIFEST_NAME, Storage
+from shardsafe.storage.local import fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +125,28 @@ def refuse_link(path: str, what: str) -> None:
             f"refusing to {what} {path}: it is a symbolic link to {target}, and shardsafe deletes nothing through "
             "a link (what it points to is not this folder's to delete). Remove the link by hand if it should go."
         )
+
+
+def remove_link(path: str) -> str:
+    """(one process: :func:`shardsafe.delete` of a path that is a symbolic link) Remove the link
+    ``path`` (a local path or ``file://`` URL) itself, never what it leads to, when it leads to a
+    checkpoint folder of shardsafe (committed, or with a delete's tombstone) or to nothing (its
+    checkpoint is gone); returns where it led. Raises ``ValueError``, removing nothing, when ``path`` is
+    not a link or leads to anything else: shardsafe removes links to its checkpoints only."""
+    target = link_target(path)
+    if target is None:
+        raise ValueError(f"{path} is not a symbolic link")
+    local = (path.removeprefix("file://") if path.startswith("file://") else path).rstrip("/") or "/"
+    ours = os.path.isdir(target) and any(os.path.isfile(os.path.join(target, n)) for n in (MANIFEST_NAME, TOMBSTONE))
+    if os.path.lexists(target) and not ours:
+        raise ValueError(
+            f"refusing to remove the symbolic link {path}: it leads to {target}, which is not a shardsafe checkpoint "
+            "(no MANIFEST.json there); shardsafe removes only links to its own checkpoints. Remove it by hand if it "
+            "should go."
+        )
+    os.unlink(local)  # the link, not its target
+    fsync_dir(os.path.dirname(os.path.abspath(local)))
+    return target
 
 
 def manifest_files(raw: bytes, where: str) -> tuple[str, list[str]]:
