@@ -17,6 +17,7 @@ Layers, lowest first (the real graph; docs/architecture.md explains each):
 8.5 integration                    (what the Lightning integrations share: their strategies' options)
   9  manager, interop, runtime, fabric
  10  shardsafe (__init__: the public API)
+10.5 accelerate, transformers      (Hugging Face integrations: the public API only)
  11  cli
  12  __main__                       (``python -m shardsafe``)
 """
@@ -49,6 +50,8 @@ LAYERS: dict[str, float] = {
     "shardsafe.runtime": 9,
     "shardsafe.fabric": 9,
     "shardsafe": 10,
+    "shardsafe.accelerate": 10.5,
+    "shardsafe.transformers": 10.5,
     "shardsafe.cli": 11,
     "shardsafe.__main__": 12,
 }
