@@ -49,6 +49,8 @@ __all__ = ["Accelerator"]
 logger = logging.getLogger(__name__)
 
 CHECKPOINT = re.compile(r"^checkpoint_(\d+)$")
+_TOMBSTONE = ".MANIFEST.json.deleting"
+"""The manifest of a checkpoint being deleted, set aside (docs/format.md, section 7)."""
 """The folders automatic checkpoint naming makes under ``<project_dir>/checkpoints``."""
 
 _REFUSED = {
@@ -125,8 +127,10 @@ class Accelerator(accelerate.Accelerator):  # type: ignore[misc]  # (Accelerate 
     def _run_save_hooks(self) -> _HookOutput:
         """(every rank) Call the save-state pre-hooks as Accelerate does, ``hook(models, weights, folder)``,
         with a fresh local folder of this rank's own; which models they left in ``weights`` are saved."""
-        fsdp = self.distributed_type == DistributedType.FSDP
-        weights = [] if fsdp else [self.get_state_dict(m, unwrap=False) for m in self._models]
+        fsdp = self.distributed_type == DistributedType.FSDP or self.is_fsdp2
+        # As Accelerate: FSDP models are not in ``weights``; the others' state dicts are, taken as they are
+        # (references, never a gathered copy: Accelerate's get_state_dict would gather an FSDP2 model).
+        weights = [] if fsdp else [m.state_dict() for m in self._models]
         before = list(weights)
         folder = tempfile.mkdtemp(prefix="shardsafe-accelerate-hook-")
         out = _HookOutput(folder, list(enumerate(self._models)))
@@ -343,9 +347,12 @@ def _numbered(root: str) -> list[str]:
 def _rotate(root: str, limit: int) -> None:
     """(main process, after a commit) Delete the oldest committed ``checkpoint_<N>`` under ``root`` until
     ``limit`` are left, each through :func:`shardsafe.delete` (the newest one, just committed, is never among
-    them); what is not a committed checkpoint is left alone (logged)."""
-    committed = [n for n in _numbered(root) if os.path.exists(os.path.join(root, n, "MANIFEST.json"))]
+    them), and finish the deletions a crash interrupted (a tombstone, no manifest); anything else is left alone."""
+    numbered = _numbered(root)
+    committed = [n for n in numbered if os.path.exists(os.path.join(root, n, "MANIFEST.json"))]
     doomed = committed[: max(0, len(committed) - max(limit, 1))]
+    # a deletion a crash interrupted (its tombstone, docs/format.md section 7) is finished the same way
+    doomed += [n for n in numbered if n not in committed and os.path.exists(os.path.join(root, n, _TOMBSTONE))]
     if doomed:
         logger.warning("Deleting %d checkpoints to make room for new checkpoint.", len(doomed))
     for name in doomed:
