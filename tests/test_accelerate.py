@@ -132,7 +132,7 @@ def _resume_bitwise(rank: int, world: int, root: str) -> dict[str, Any]:
     torch.distributed.barrier()
     again = _setup(root, seed=123)
     loads: list[str] = []
-    again[0].register_load_state_pre_hook(lambda models, folder: loads.append(open(f"{folder}/data.json").read()))
+    again[0].register_load_state_pre_hook(lambda models, folder: loads.append(Path(folder, "data.json").read_text()))
     again[0].load_state()
     out["loaded_hook"] = loads
     out["resumed_at"] = (again[5].epoch, again[5].batch)
