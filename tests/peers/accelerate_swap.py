@@ -27,10 +27,18 @@ SELECTION = [
 ]
 
 
-def run(peer: Path, swapped: bool, timeout: float) -> dict[str, tuple[str, str]]:
-    """{test id: (outcome, message)} of one pytest run over the selection, in ``peer``'s tests folder."""
+def run(
+    peer: Path,
+    swapped: bool,
+    timeout: float,
+    selection: list[tuple[str, str | None]] = SELECTION,
+    plugin: str = "swap_accelerate",
+    path_add: tuple[str, ...] = (),
+) -> dict[str, tuple[str, str]]:
+    """{test id: (outcome, message)} of one pytest run per file of ``selection`` (path under ``peer``, ``-k``
+    expression), stock or with ``plugin`` (``-p``) swapping the class; ``path_add`` goes on ``PYTHONPATH``."""
     out: dict[str, tuple[str, str]] = {}
-    for path, keyword in SELECTION:
+    for path, keyword in selection:
         with tempfile.TemporaryDirectory() as tmp:
             xml = os.path.join(tmp, "report.xml")
             cmd = [
@@ -47,9 +55,10 @@ def run(peer: Path, swapped: bool, timeout: float) -> dict[str, tuple[str, str]]
             if keyword:
                 cmd += ["-k", keyword]
             env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join([*path_add, env.get("PYTHONPATH", "")])
             if swapped:
-                cmd += ["-p", "swap_accelerate"]
-                env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+                cmd += ["-p", plugin]
+                env["PYTHONPATH"] = os.pathsep.join([str(HERE), env["PYTHONPATH"]])
             subprocess.run(cmd, cwd=tmp, env=env, timeout=timeout, capture_output=True, check=False)
             for case in ET.parse(xml).getroot().iter("testcase"):
                 name = f"{path}::{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
@@ -64,13 +73,8 @@ def run(peer: Path, swapped: bool, timeout: float) -> dict[str, tuple[str, str]]
     return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--peer", type=Path, required=True, help="Accelerate's source tree (its tests/ folder)")
-    parser.add_argument("--timeout", type=float, default=1800.0)
-    args = parser.parse_args()
-    stock = run(args.peer, False, args.timeout)
-    swapped = run(args.peer, True, args.timeout)
+def report(stock: dict[str, tuple[str, str]], swapped: dict[str, tuple[str, str]]) -> None:
+    """Print the counts of both runs and every test that fails only with the swap, with its message."""
     for label, result in (("stock", stock), ("swapped", swapped)):
         counts: dict[str, int] = {}
         for outcome, _ in result.values():
@@ -82,6 +86,14 @@ def main() -> int:
     print(f"failing only with the swap: {len(only)}")
     for t in only:
         print(f"  {t}: {swapped[t][1]}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peer", type=Path, required=True, help="Accelerate's source tree (its tests/ folder)")
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    args = parser.parse_args()
+    report(run(args.peer, False, args.timeout), run(args.peer, True, args.timeout))
     return 0
 
 
