@@ -62,27 +62,16 @@ class CheckpointMixin:
     not sharded; False: the shardsafe checkpoint only)."""
 
     def __init__(self, *args: Any, checkpoint_timeout: float | None = None, hf_weights: bool = True, **kwargs: Any):
+        given = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if given is not None:  # before the Trainer's own set-up (push_to_hub would reach the Hub at once)
+            _refuse(given)
         super().__init__(*args, **kwargs)
         self.checkpoint_timeout = checkpoint_timeout
         self.hf_weights = bool(hf_weights)
         trainer: Any = self
+        _refuse(trainer.args)
         if trainer.is_deepspeed_enabled:
-            raise InvalidArgumentError(
-                "shardsafe.transformers does not support DeepSpeed: its engine writes and reads its own checkpoints "
-                "(model_wrapped.save_checkpoint), which shardsafe cannot make all-or-nothing or verify; use FSDP "
-                "(fsdp=..., FSDP2 with fsdp_config={'fsdp_version': 2}) or transformers.Trainer"
-            )
-        if trainer.args.push_to_hub:
-            raise InvalidArgumentError(
-                "shardsafe.transformers does not support push_to_hub=True: it uploads the stock files of each "
-                "checkpoint folder; export a checkpoint (shardsafe.export_hf) and push that, or use "
-                "transformers.Trainer"
-            )
-        if trainer.args.save_on_each_node:
-            raise InvalidArgumentError(
-                "shardsafe.transformers does not support save_on_each_node=True: a shardsafe checkpoint is one folder "
-                "that every rank writes its share to (a shared filesystem or an object store)"
-            )
+            raise InvalidArgumentError(_DEEPSPEED)
 
     # ------------------------------------------------------------------------------------ save
 
@@ -195,6 +184,29 @@ class CheckpointMixin:
             return
         logger.info("Loading best model from %s (score: %s).", best, t.state.best_metric)
         shardsafe.load(best, {"model": t.model_wrapped if t.is_fsdp_enabled else t.model}, rest="none")
+
+
+_DEEPSPEED = (
+    "shardsafe.transformers does not support DeepSpeed: its engine writes and reads its own checkpoints "
+    "(model_wrapped.save_checkpoint), which shardsafe cannot make all-or-nothing or verify; use FSDP "
+    "(fsdp=..., FSDP2 with fsdp_config={'fsdp_version': 2}) or transformers.Trainer"
+)
+
+
+def _refuse(args: Any) -> None:
+    """Raise :class:`InvalidArgumentError` for the training arguments this Trainer cannot honour."""
+    if getattr(args, "deepspeed", None):
+        raise InvalidArgumentError(_DEEPSPEED)
+    if getattr(args, "push_to_hub", False):
+        raise InvalidArgumentError(
+            "shardsafe.transformers does not support push_to_hub=True: it uploads the stock files of each "
+            "checkpoint folder; export a checkpoint (shardsafe.export_hf) and push that, or use transformers.Trainer"
+        )
+    if getattr(args, "save_on_each_node", False):
+        raise InvalidArgumentError(
+            "shardsafe.transformers does not support save_on_each_node=True: a shardsafe checkpoint is one folder "
+            "that every rank writes its share to (a shared filesystem or an object store)"
+        )
 
 
 class Trainer(CheckpointMixin, transformers.Trainer):
