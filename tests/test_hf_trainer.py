@@ -18,9 +18,9 @@ from torch import nn
 pytest.importorskip("transformers", reason="transformers is needed (requirements-dev.txt)")
 pytest.importorskip("accelerate", reason="accelerate is needed (requirements-dev.txt)")
 
-import shardsafe  # noqa: E402
+import shardsafe
 
-from harness import check_ok, run_ranks  # noqa: E402
+from harness import check_ok, run_ranks
 
 
 class Data(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -138,7 +138,7 @@ def test_one_process_files_damage_save_only_model_best_model_and_refusals(tmp_pa
     from shardsafe.transformers import last_checkpoint
 
     assert last_checkpoint(str(tmp_path / "a")) == str(tmp_path / "a" / "checkpoint-4")
-    with pytest.raises(shardsafe.CorruptCheckpointError, match="trainer_state.json"):
+    with pytest.raises(shardsafe.CorruptCheckpointError, match=r"trainer_state\.json"):
         _trainer(str(tmp_path / "a"), num_train_epochs=1, samples=12).train(resume_from_checkpoint=str(ckpt))
     # save_only_model: the model alone, no optimizer or generators.
     only = _trainer(str(tmp_path / "b"), num_train_epochs=1, samples=6, save_only_model=True, hf_weights=False)
