@@ -41,6 +41,7 @@ from shardsafe import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     InvalidArgumentError,
+    InvalidTypeError,
     MissingKeysError,
 )
 
@@ -98,7 +99,7 @@ class Accelerator(accelerate.Accelerator):  # type: ignore[misc]  # (Accelerate 
         if root is not None:
             output_dir = os.path.join(root, f"checkpoint_{self.save_iteration}")
             if os.path.exists(output_dir):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"Checkpoint directory {output_dir} ({self.save_iteration}) already exists. Please manually "
                     "override `self.save_iteration` with what iteration to start with."
                 )
@@ -178,7 +179,7 @@ class Accelerator(accelerate.Accelerator):  # type: ignore[misc]  # (Accelerate 
         the prepared objects where they are. ``strict`` (default True) applies to every entry."""
         map_location = load_model_func_kwargs.pop("map_location", None)
         if map_location not in (None, "cpu", "on_device"):
-            raise TypeError(
+            raise InvalidTypeError(
                 "Unsupported optimizer map location passed, please choose one of `None`, `'cpu'`, or `'on_device'`"
             )
         strict = bool(load_model_func_kwargs.pop("strict", True))
@@ -192,7 +193,7 @@ class Accelerator(accelerate.Accelerator):  # type: ignore[misc]  # (Accelerate 
             self._load_from(os.fspath(os.path.expanduser(input_dir)), strict)
             return
         if not self.project_configuration.automatic_checkpoint_naming:
-            raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+            raise InvalidArgumentError("No input_dir provided and automatic checkpoint naming is disabled.")
         root = os.path.join(self.project_dir, "checkpoints")
         candidates = _numbered(root)
         for name in reversed(candidates):

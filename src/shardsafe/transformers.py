@@ -130,7 +130,7 @@ class CheckpointMixin:
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_checkpoint(t.args.output_dir)
             if resume_from_checkpoint is None:
-                raise ValueError(f"No valid checkpoint found in output directory ({t.args.output_dir})")
+                raise InvalidArgumentError(f"No valid checkpoint found in output directory ({t.args.output_dir})")
         if isinstance(resume_from_checkpoint, (str, os.PathLike)) and is_checkpoint(os.fspath(resume_from_checkpoint)):
             shardsafe.read_file(resume_from_checkpoint, TRAINER_STATE)
         return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
