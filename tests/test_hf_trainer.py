@@ -174,3 +174,38 @@ def test_one_process_files_damage_save_only_model_best_model_and_refusals(tmp_pa
     for bad, match in (({"push_to_hub": True}, "push_to_hub"), ({"save_on_each_node": True}, "save_on_each_node")):
         with pytest.raises(shardsafe.InvalidArgumentError, match=match):
             Trainer(Net(), TrainingArguments(str(tmp_path / "e"), use_cpu=True, report_to=[], **bad))
+
+
+class Growing(Net):
+    """Records the samples it saw in a buffer that grows, resized by its own load_state_dict (as the stock
+    Trainer's resume calls it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("order", torch.zeros(0))
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        self.order = state_dict["order"].clone()
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        self.order = torch.cat([self.order, x[:, 0]])
+        return super().forward(x, labels)
+
+
+def test_a_model_whose_buffer_grows_resumes_through_its_own_load_state_dict(tmp_path: Path) -> None:
+    from transformers import TrainingArguments
+
+    from shardsafe.transformers import Trainer
+
+    def trainer(out: Path) -> Any:
+        torch.manual_seed(0)
+        args = TrainingArguments(str(out), max_steps=4, save_steps=2, per_device_train_batch_size=2, use_cpu=True)
+        args.report_to = []
+        return Trainer(Growing(), args, train_dataset=Data(8), hf_weights=False)
+
+    whole = trainer(tmp_path / "a")
+    whole.train()
+    resumed = trainer(tmp_path / "b")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))  # StateMismatchError before
+    assert torch.equal(resumed.model.order, whole.model.order)

@@ -36,7 +36,7 @@ import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
 import shardsafe
-from shardsafe import CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError
+from shardsafe import CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError, StateMismatchError
 
 __all__ = ["CheckpointMixin", "Trainer"]
 
@@ -159,7 +159,17 @@ class CheckpointMixin:
             state["scaler"] = scaler
         if "optimizer" not in saved:
             logger.warning("shardsafe: %s holds no optimizer (save_only_model): the model alone is loaded", checkpoint)
-        shardsafe.load(checkpoint, state, timeout=self.checkpoint_timeout, rest="none")
+        try:
+            shardsafe.load(checkpoint, state, timeout=self.checkpoint_timeout, rest="none")
+        except StateMismatchError as err:  # refused before anything changed
+            if t.is_fsdp_enabled or not hasattr(t.model, "load_state_dict"):
+                raise
+            # A model whose tensors change shape as it trains (a buffer that grows): its own load_state_dict,
+            # as the stock Trainer calls it, gets the saved tensors (read whole, verified), then the in-place load.
+            logger.warning("shardsafe: %s: %s; the model loads through its own load_state_dict first", checkpoint, err)
+            saved_model = shardsafe.load(checkpoint, {}, timeout=self.checkpoint_timeout, rest="all")["model"]
+            t.model.load_state_dict(saved_model)
+            shardsafe.load(checkpoint, state, timeout=self.checkpoint_timeout, rest="none")
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         if checkpoint is None or not is_checkpoint(checkpoint):
