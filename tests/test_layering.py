@@ -15,7 +15,7 @@ Layers, lowest first (the real graph; docs/architecture.md explains each):
   7  state                          (user state <-> flat tensors and values, both directions)
   8  engine                         (save, load, commit, read, verify, inspect, delete)
 8.5 integration                    (what the Lightning integrations share: their strategies' options)
-  9  manager, interop, runtime, fabric
+  9  manager, interop, runtime, fabric, lightning
  10  shardsafe (__init__: the public API)
  11  cli
  12  __main__                       (``python -m shardsafe``)
@@ -48,6 +48,7 @@ LAYERS: dict[str, float] = {
     "shardsafe.interop": 9,
     "shardsafe.runtime": 9,
     "shardsafe.fabric": 9,
+    "shardsafe.lightning": 9,
     "shardsafe": 10,
     "shardsafe.cli": 11,
     "shardsafe.__main__": 12,
