@@ -235,6 +235,17 @@ def test_refusals_name_the_path_or_key(tmp_path: Path) -> None:
     t.fit(Odd(Namespace(a=1)), data())
     with pytest.raises(shardsafe.UnsafeValueError, match=r"'hyper_parameters/opts'.*Namespace"):
         t.save_checkpoint(tmp_path / "odd")
+    t = trainer(tmp_path, 1, ModelCheckpoint(tmp_path / "mc"))  # checked at setup, before any training
+    with pytest.raises(shardsafe.UnsafeValueError, match=r"'hyper_parameters/opts'.*Namespace"):
+        t.fit(Odd(Namespace(a=1)), data())
+    assert t.global_step == 0
+    t = trainer(tmp_path, 1, strategy=sl.SingleDeviceStrategy(checkpoint_allow_pickle=True))  # both sides opt in
+    t.fit(Odd(Namespace(a=1)), data())
+    assert shardsafe.inspect(tmp_path / "checkpoints" / "epoch=0-step=4.ckpt").metadata["step"] == 4
+    with pytest.raises(shardsafe.CorruptCheckpointError, match=r"hyper_parameters/opts: .*pickled value.*allow_pickle"):
+        sl.load_from_checkpoint(Odd, tmp_path / "checkpoints" / "epoch=0-step=4.ckpt")
+    odd = sl.load_from_checkpoint(Odd, tmp_path / "checkpoints" / "epoch=0-step=4.ckpt", allow_pickle=True)
+    assert odd.hparams.opts == Namespace(a=1)
 
     class Slash(Net):
         def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from shardsafe.errors import InvalidTypeError, MissingKeysError
+from shardsafe.format.values import encode
 from shardsafe.state.flatten import Filtered, module_state
 from shardsafe.state.rng import Policy, RNGState
 
@@ -36,6 +37,7 @@ __all__ = [
     "LoadPlan",
     "ModuleState",
     "OptimizerState",
+    "check_hparams",
     "load_plan",
     "loaded_checkpoint",
     "to_state",
@@ -199,3 +201,12 @@ def _view(loaded: Any) -> Any:
     if isinstance(loaded, torch.optim.Optimizer):
         return MappingProxyType(loaded.state_dict())
     return loaded  # a hook's own value, as saved: Lightning's load_optimizer_state_dict loads it
+
+
+def check_hparams(trainer: Any, *, allow_pickle: bool) -> None:
+    """(every rank, at the strategy's setup) Raise :class:`UnsafeValueError` naming the hyperparameter of the
+    module or datamodule that a checkpoint could not hold (without ``allow_pickle``), as the first save would."""
+    for obj in (trainer.lightning_module, trainer.datamodule):
+        hparams = getattr(obj, "hparams", None) if obj is not None else None
+        if hparams:
+            encode(dict(hparams), obj.CHECKPOINT_HYPER_PARAMS_KEY, lambda path, _t: path, allow_pickle=allow_pickle)

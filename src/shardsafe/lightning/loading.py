@@ -41,13 +41,15 @@ def load_from_checkpoint(
     strict: bool | None = None,
     *,
     storage_options: dict[str, Any] | None = None,
+    allow_pickle: bool = False,
     **kwargs: Any,
 ) -> T:
     """(one process, no rendezvous, also inside a distributed job) ``cls`` built from the shardsafe checkpoint at
     ``checkpoint_path`` and its weights loaded in place (module docstring), as Lightning's
     ``cls.load_from_checkpoint`` does for a ``torch.save`` file. ``kwargs`` override saved hyperparameters;
     ``hparams_file`` (``.yaml``/``.csv``) replaces them; ``strict`` (default: the module's ``strict_loading``)
-    as in :func:`shardsafe.load`; ``map_location``: a device the module is moved to after the load."""
+    as in :func:`shardsafe.load`; ``map_location``: a device the module is moved to after the load;
+    ``allow_pickle``: accept values a save with ``checkpoint_allow_pickle=True`` pickled."""
     path = os.fspath(checkpoint_path)
     refuse_pickle_file(path)
     if map_location is not None and not isinstance(map_location, (str, torch.device)):
@@ -58,7 +60,7 @@ def load_from_checkpoint(
     info = api.inspect(path, storage_options=storage_options)
     kinds = {e.name: e.kind for e in info.entries if e.kind != "tensor"}
     # the small entries, read whole: a value some ranks kept per rank comes back as {rank: value}
-    rest = api.load(path, {}, group=SOLO, storage_options=storage_options, rest="values")
+    rest = api.load(path, {}, group=SOLO, storage_options=storage_options, allow_pickle=allow_pickle, rest="values")
     checkpoint: dict[str, Any] = {k: rest[k] for k in rest if k != RNG_KEY}
     if hparams_file is not None:
         checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = _hparams_from(hparams_file)
@@ -88,7 +90,15 @@ def load_from_checkpoint(
     if type(obj).configure_model is not pl.LightningModule.configure_model:
         obj.configure_model()
     obj.on_load_checkpoint(checkpoint)
-    api.load(path, {MODULE_KEY: obj}, strict=strict, group=SOLO, storage_options=storage_options, rest="none")
+    api.load(
+        path,
+        {MODULE_KEY: obj},
+        strict=strict,
+        group=SOLO,
+        storage_options=storage_options,
+        allow_pickle=allow_pickle,
+        rest="none",
+    )
     return obj.to(map_location) if map_location is not None else obj
 
 

@@ -50,6 +50,7 @@ from shardsafe.lightning.checkpoint import (
     MODULE_KEY,
     ModuleState,
     OptimizerState,
+    check_hparams,
     load_plan,
     loaded_checkpoint,
     to_state,
@@ -80,13 +81,16 @@ class _TrainerCheckpoints(StrategyCheckpoints):
         checkpoint_overwrite: bool = True,
         checkpoint_async: Async = False,
         checkpoint_rng: Policy = "drop",
+        checkpoint_allow_pickle: bool = False,
         **kwargs: Any,
     ) -> None:
         """``checkpoint_async``: ``False`` (default) saves before returning; ``True`` or ``"blocking"``:
         ``shardsafe.async_save`` (returns once this rank's share is copied; Lightning's ``AsyncCheckpointIO``
         plugin asks for this); ``"background"``: returns before copying (``staging="background"``).
         ``checkpoint_rng``: :class:`~shardsafe.RNGState`'s ``per_rank`` policy for a resume on another
-        world size (``"drop"`` or ``"error"``)."""
+        world size (``"drop"`` or ``"error"``). ``checkpoint_allow_pickle``: values only pickle can hold (an
+        ``argparse.Namespace`` in the hyperparameters) are saved pickled, and loads accept them (both sides
+        opt in, as ``shardsafe.save``/``load(allow_pickle=True)``); default False refuses them by name."""
         if checkpoint_async not in (False, True, "blocking", "background"):
             raise InvalidArgumentError(
                 f"checkpoint_async={checkpoint_async!r}: give False, True ('blocking') or 'background'"
@@ -97,6 +101,9 @@ class _TrainerCheckpoints(StrategyCheckpoints):
             None if checkpoint_async is False else "blocking" if checkpoint_async is True else (checkpoint_async)
         )
         self._checkpoint_rng = checkpoint_rng
+        if not isinstance(checkpoint_allow_pickle, bool):
+            raise InvalidArgumentError(f"checkpoint_allow_pickle must be a bool, not {checkpoint_allow_pickle!r}")
+        self._checkpoint_allow_pickle = checkpoint_allow_pickle
         self._in_flight: SaveHandle | None = None
         self._removals: list[str] = []  # rank 0: paths to delete once the save in flight has committed
         self._storage_options: dict[str, Any] | None = None
@@ -126,6 +133,14 @@ class _TrainerCheckpoints(StrategyCheckpoints):
     def restore_checkpoint_after_setup(self) -> bool:
         """True: a checkpoint is loaded once the model is wrapped and the optimizers exist, in one load."""
         return True
+
+    def setup(self, trainer: Any) -> None:
+        """Lightning's setup; then, when the run will save checkpoints (fitting, with a ``ModelCheckpoint``),
+        the hyperparameters are checked against what a checkpoint can hold, so that one the format refuses
+        stops the run now, not at its first checkpoint."""
+        super().setup(trainer)  # type: ignore[misc]
+        if trainer.state.fn == TrainerFn.FITTING and trainer.checkpoint_callbacks:
+            check_hparams(trainer, allow_pickle=self._checkpoint_allow_pickle)
 
     # ------------------------------------------------------------------------------- save
 
@@ -164,6 +179,7 @@ class _TrainerCheckpoints(StrategyCheckpoints):
         }
         self._storage_options = storage_options
         options: dict[str, Any] = {
+            "allow_pickle": self._checkpoint_allow_pickle,
             "overwrite": self._checkpoint_overwrite,
             "timeout": self._checkpoint_timeout,
             "storage_options": storage_options,
@@ -258,6 +274,7 @@ class _TrainerCheckpoints(StrategyCheckpoints):
                 strict=strict,
                 timeout=self._checkpoint_timeout,
                 storage_options=self._storage_options,
+                allow_pickle=self._checkpoint_allow_pickle,
                 rest="none",
             )
         except MissingKeysError as err:
