@@ -27,6 +27,7 @@ import shardsafe
 L = pytest.importorskip("lightning")
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins.io.async_plugin import AsyncCheckpointIO  # noqa: E402
+from lightning.pytorch.strategies import FSDPStrategy as FSDP  # noqa: E402
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
@@ -127,6 +128,28 @@ def test_registry_and_plugins() -> None:
         sl.DDPStrategy(checkpoint_async="later")  # type: ignore[arg-type]
     with pytest.raises(shardsafe.InvalidArgumentError, match=r"state_dict_type='fulll'"):
         sl.FSDPStrategy(state_dict_type="fulll")
+
+
+def test_the_signature_is_lightnings_plus_the_checkpoint_options() -> None:
+    """LightningCLI and jsonargparse read a strategy's arguments from its signature."""
+    import inspect
+
+    import shardsafe.fabric as sf
+
+    params = inspect.signature(sl.FSDPStrategy).parameters
+    assert params["device_mesh"].annotation == inspect.signature(FSDP).parameters["device_mesh"].annotation
+    assert params["checkpoint_async"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert list(params)[-1] == "kwargs"
+    assert {"start_method", "checkpoint_timeout", "checkpoint_overwrite"} <= set(
+        inspect.signature(sf.DDPStrategy).parameters
+    )
+    assert list(inspect.signature(sl.ModelParallelStrategy.__init__).parameters)[:3] == [
+        "self",
+        "data_parallel_size",
+        "tensor_parallel_size",
+    ]
+    strategy = sl.DDPStrategy(find_unused_parameters=True, checkpoint_async="background")
+    assert strategy._ddp_kwargs == {"find_unused_parameters": True} and strategy.checkpoint_async == "background"
 
 
 def test_model_checkpoint_rotation_resume_bitwise_and_load(tmp_path: Path) -> None:

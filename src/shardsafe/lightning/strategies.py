@@ -45,7 +45,7 @@ from shardsafe.errors import (
     InvalidArgumentError,
     MissingKeysError,
 )
-from shardsafe.integration import StrategyCheckpoints, check_state_dict_type, refuse_pickle_file
+from shardsafe.integration import StrategyCheckpoints, check_state_dict_type, expose_signature, refuse_pickle_file
 from shardsafe.lightning.checkpoint import (
     MODULE_KEY,
     ModuleState,
@@ -306,10 +306,12 @@ class _TrainerCheckpoints(StrategyCheckpoints):
                 opt.load_state_dict(saved)
 
 
+@expose_signature
 class DDPStrategy(_TrainerCheckpoints, _DDPStrategy):
     """Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy`, checkpoints through shardsafe."""
 
 
+@expose_signature
 class FSDPStrategy(_TrainerCheckpoints, _FSDPStrategy):
     """Lightning's :class:`~lightning.pytorch.strategies.FSDPStrategy` (FSDP1), checkpoints through shardsafe:
     each rank writes its own flat shard, nothing is gathered, whatever ``state_dict_type`` says (``"full"`` or
@@ -320,6 +322,7 @@ class FSDPStrategy(_TrainerCheckpoints, _FSDPStrategy):
         check_state_dict_type(getattr(self, "_state_dict_type", None))
 
 
+@expose_signature
 class ModelParallelStrategy(_TrainerCheckpoints, _ModelParallelStrategy):
     """Lightning's :class:`~lightning.pytorch.strategies.ModelParallelStrategy` (FSDP2 and tensor parallelism),
     checkpoints through shardsafe whatever ``save_distributed_checkpoint`` says."""
@@ -336,6 +339,7 @@ class ModelParallelStrategy(_TrainerCheckpoints, _ModelParallelStrategy):
         )
 
 
+@expose_signature
 class SingleDeviceStrategy(_TrainerCheckpoints, _SingleDeviceStrategy):
     """Lightning's :class:`~lightning.pytorch.strategies.SingleDeviceStrategy` (one process, one device),
     checkpoints through shardsafe."""
