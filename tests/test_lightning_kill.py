@@ -73,11 +73,12 @@ def _train(root: str, resume: bool, out: Any) -> None:
 
 
 def _committed(root: Path) -> dict[str, int]:
-    """name -> step of every checkpoint folder there (links and leftovers left out), each verified."""
+    """name -> step of every checkpoint folder there, each verified; links and leftovers (a hidden pending
+    directory, whose staged MANIFEST.json never committed; a folder without a manifest) left out."""
     found = {}
     for name in sorted(os.listdir(root)):
         path = root / name
-        if path.is_symlink() or not (path / "MANIFEST.json").exists():
+        if name.startswith(".") or path.is_symlink() or not (path / "MANIFEST.json").exists():
             continue
         shardsafe.verify(path)  # raises if anything of it is damaged or missing
         found[name] = shardsafe.inspect(path).metadata["step"]
