@@ -335,3 +335,39 @@ def test_rotation_leaves_what_is_not_a_checkpoint(tmp_path: Path) -> None:
         f"{tmp_path / 'notes'}: no checkpoint at {tmp_path / 'notes'}: the folder holds no MANIFEST.json and no file "
         "shardsafe writes ('a.txt'); check the path"
     ]
+
+
+class Positioned:
+    """An iterable of batches that keeps its position (Lightning saves the state of such a loader in the fit
+    loop's and gives it back on resume)."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(24, 4, generator=g), torch.randn(24, 1, generator=g)
+        self.pos = 0
+        self.loaded: dict[str, Any] | None = None
+
+    def __iter__(self) -> Any:
+        while self.pos < 4:
+            i = self.pos
+            self.pos += 1
+            yield self.x[6 * i : 6 * i + 6], self.y[6 * i : 6 * i + 6]
+        self.pos = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded = dict(state)
+        self.pos = state["pos"]
+
+
+def test_the_data_position_lightning_tracks_comes_back(tmp_path: Path) -> None:
+    mc = ModelCheckpoint(tmp_path / "c", "{step}", every_n_train_steps=1, save_top_k=-1)
+    trainer(tmp_path, 1, mc, max_steps=3).fit(Net(), Positioned())
+    saved = shardsafe.load(tmp_path / "c" / "step=2.ckpt")["loops"]["fit_loop"]["state_dict"]
+    assert saved["combined_loader"] == [{"pos": 3}]  # Lightning's fetcher had taken the next batch already
+    loader = Positioned()
+    t = trainer(tmp_path, 1, max_steps=4, enable_checkpointing=False)
+    t.fit(Net(), loader, ckpt_path=str(tmp_path / "c" / "step=2.ckpt"))
+    assert loader.loaded == {"pos": 3} and t.global_step == 3  # the one batch left in the epoch
