@@ -188,9 +188,10 @@ def test_model_checkpoint_rotation_resume_bitwise_and_load(tmp_path: Path) -> No
     assert os.readlink(root / "last.ckpt") == "epoch=3-step=16.ckpt"
     assert sorted(os.listdir(root)) == ["epoch=2-step=12.ckpt", "epoch=3-step=16.ckpt", "last.ckpt"]
 
-    # "best", and validation from a checkpoint
+    # "best" (the highest score: the newest), and validation from a checkpoint
     best = Net()
-    trainer(tmp_path / "b", 4, mc2).validate(best, data(), ckpt_path=str(root / "epoch=3-step=16.ckpt"))
+    t.validate(best, data(), ckpt_path="best")
+    assert t.ckpt_path == str(root / "epoch=3-step=16.ckpt")
     for k, v in weights(straight).items():
         assert torch.equal(v, best.state_dict()[k]), k
 

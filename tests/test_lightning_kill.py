@@ -1,8 +1,8 @@
 """kill -9 at random instants of ``ModelCheckpoint``'s saves and rotation (``save_top_k=2``, every step,
-``save_last=True``) on 2 DDP ranks through ``shardsafe.lightning``: both ranks are killed (in a random
-order, the second up to 0.3 s after the first, unless it ended on its own when it found its peer dead), and what is left is only checkpoints that verify (or
-leftovers that are no checkpoint at all); 2 new ranks resume from the newest intact one
-(``shardsafe.lightning.latest_checkpoint``) at its step, then train and rotate on.
+``save_last=True``) on 2 DDP ranks through ``shardsafe.lightning``: both ranks are killed in a random order,
+the second up to 0.3 s after the first (unless it ended on its own when it found its peer dead). What is left
+is only checkpoints that verify, or leftovers that are no checkpoint at all; 2 new ranks resume from the
+newest intact one (``shardsafe.lightning.latest_checkpoint``) at its step, then train and rotate on.
 
 ``SHARDSAFE_LIGHTNING_KILL_ROUNDS`` rounds (default 2 in the suite; docs/lightning.md gives the figures of a
 larger run of this file).

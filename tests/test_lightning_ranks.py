@@ -41,8 +41,8 @@ def _net() -> Any:
         def configure_model(self) -> None:  # FSDP2 under ModelParallelStrategy; nothing otherwise
             from lightning.pytorch.strategies import ModelParallelStrategy
 
-            if not isinstance(self.trainer.strategy, ModelParallelStrategy):
-                return
+            if self._trainer is None or not isinstance(self.trainer.strategy, ModelParallelStrategy):
+                return  # load_from_checkpoint in one plain process: no mesh, a plain module
             from torch.distributed.fsdp import fully_shard
 
             mesh = self.device_mesh["data_parallel"]
@@ -109,9 +109,19 @@ def _ddp(rank: int, world: int, root: str) -> dict[str, Any]:
         t.fit(resumed, _data(), ckpt_path=os.path.join(root, name, "epoch=0.ckpt"))
         out[name] = all(torch.equal(v, resumed.state_dict()[k]) for k, v in straight.state_dict().items())
         out["seconds"][name] = time.monotonic() - clock
-    # the mistake: a save on rank 0 alone (the shardsafe trainer; the stock one's strategy is Lightning's)
+    # a weights-only checkpoint cannot resume a fit: refused on every rank before anything changes
     t = _trainer(ours(), world, 2)
     t.fit(resumed, _data(), ckpt_path=os.path.join(root, "shardsafe", "epoch=0.ckpt"))
+    t.save_checkpoint(os.path.join(root, "weights"), weights_only=True)
+    torch.manual_seed(5)
+    fresh = _net()
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    try:
+        _trainer(ours(), world, 3).fit(fresh, _data(), ckpt_path=os.path.join(root, "weights"))
+    except shardsafe.MissingKeysError as err:
+        out["weights_only"] = (type(err).__name__, str(err)[:300])
+    out["untouched"] = all(torch.equal(v, fresh.state_dict()[k]) for k, v in before.items())
+    # the mistake: a save on rank 0 alone (the shardsafe trainer; the stock one's strategy is Lightning's)
     t.strategy.checkpoint_timeout = 3
     if t.is_global_zero:
         start = time.monotonic()
@@ -128,6 +138,8 @@ def test_ddp_resumes_bitwise_and_a_guarded_save_fails_in_time(tmp_path: Path) ->
     for rank, r in enumerate(results):
         assert r["shardsafe"], f"rank {rank}: the resume through shardsafe did not continue bit for bit"
         assert not r["stock"], f"rank {rank}: Lightning's own strategy resumed bitwise: the test shows nothing"
+    for r in results:
+        assert "weights-only checkpoint" in r["weights_only"][1] and r["untouched"], r
     missing, seconds, message = results[0]["guard"]
     assert missing == [1] and seconds < 30, results[0]["guard"]
     assert "rank 1" in message or "[1]" in message, message
@@ -173,6 +185,11 @@ def test_fsdp2_saved_on_two_ranks_resumes_on_one_and_three(tmp_path: Path) -> No
     whole = shardsafe.load(tmp_path / "fsdp.ckpt")
     for k, v in saved[0]["model"].items():
         assert torch.equal(whole["state_dict"][k], v), k
+    import shardsafe.lightning as sl
+
+    plain = sl.load_from_checkpoint(type(_net()), tmp_path / "fsdp.ckpt")  # one plain process, whole tensors
+    for k, v in saved[0]["model"].items():
+        assert torch.equal(plain.state_dict()[k], v), k
     for world in (1, 3):
         loaded = check_ok(run_ranks(_fsdp, world, str(tmp_path), True, timeout=200, store="env"))
         for rank, r in enumerate(loaded):
