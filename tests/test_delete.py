@@ -230,3 +230,14 @@ def test_on_an_object_store(s3_server: S3Server, s3_bucket: str) -> None:
     assert [p.rsplit("/", 1)[1] for p in fs.ls(f"{s3_bucket}/run")] == ["other", "step-2"]
     assert fs.cat(f"{s3_bucket}/run/other/notes.txt") == b"mine"
     assert shardsafe.load(f"s3://{s3_bucket}/run/step-2", storage_options=opts)["step"] == 2
+
+
+def test_no_thread_outlives_the_call(tmp_path: Path) -> None:
+    """Lightning's test suite fails a test that leaves a thread running: delete joins the one it starts."""
+    for i in range(20):
+        _save(tmp_path / f"c{i}")
+    before = set(threading.enumerate())
+    for i in range(20):
+        shardsafe.delete(tmp_path / f"c{i}")
+        left = set(threading.enumerate()) - before
+        assert not left, left

@@ -15,7 +15,7 @@ Layers, lowest first (the real graph; docs/architecture.md explains each):
   7  state                          (user state <-> flat tensors and values, both directions)
   8  engine                         (save, load, commit, read, verify, inspect, delete)
 8.5 integration                    (what the Lightning integrations share: their strategies' options)
-  9  manager, interop, runtime, fabric
+  9  manager, interop, runtime, fabric, lightning
  10  shardsafe (__init__: the public API)
 10.5 accelerate, transformers      (Hugging Face integrations: the public API only)
  11  cli
@@ -49,6 +49,7 @@ LAYERS: dict[str, float] = {
     "shardsafe.interop": 9,
     "shardsafe.runtime": 9,
     "shardsafe.fabric": 9,
+    "shardsafe.lightning": 9,
     "shardsafe": 10,
     "shardsafe.accelerate": 10.5,
     "shardsafe.transformers": 10.5,

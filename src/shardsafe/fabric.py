@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 
 from shardsafe.engine import api
 from shardsafe.errors import CheckpointError, InvalidTypeError
-from shardsafe.integration import StrategyCheckpoints, check_state_dict_type, refuse_pickle_file
+from shardsafe.integration import StrategyCheckpoints, check_state_dict_type, expose_signature, refuse_pickle_file
 from shardsafe.state.flatten import Filtered
 
 __all__ = ["DDPStrategy", "FSDPStrategy", "ModelParallelStrategy"]
@@ -132,10 +132,12 @@ class _ShardsafeCheckpoints(StrategyCheckpoints):
         api.load(path, wanted, strict=strict, timeout=self._checkpoint_timeout)
 
 
+@expose_signature
 class DDPStrategy(_ShardsafeCheckpoints, _FabricDDPStrategy):
     """Fabric's :class:`~lightning.fabric.strategies.DDPStrategy`, checkpoints through shardsafe."""
 
 
+@expose_signature
 class FSDPStrategy(_ShardsafeCheckpoints, _FabricFSDPStrategy):
     """Fabric's :class:`~lightning.fabric.strategies.FSDPStrategy` (FSDP1), checkpoints through shardsafe:
     each rank writes its own flat shard, no state is gathered, whatever ``state_dict_type`` says (which
@@ -146,6 +148,7 @@ class FSDPStrategy(_ShardsafeCheckpoints, _FabricFSDPStrategy):
         check_state_dict_type(getattr(self, "_state_dict_type", None))
 
 
+@expose_signature
 class ModelParallelStrategy(_ShardsafeCheckpoints, _FabricModelParallelStrategy):
     """Fabric's :class:`~lightning.fabric.strategies.ModelParallelStrategy` (FSDP2 and tensor parallelism on
     a 2-D mesh), checkpoints through shardsafe, whatever ``save_distributed_checkpoint`` says."""

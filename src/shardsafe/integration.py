@@ -19,13 +19,16 @@ Layer: above the engine (it calls nothing of it), below ``fabric`` and ``lightni
 
 from __future__ import annotations
 
+import inspect
 import os
-from typing import Any
+from typing import Any, TypeVar
 
 from shardsafe.deadline import Deadlines
 from shardsafe.errors import CheckpointNotFoundError, InvalidArgumentError, InvalidTypeError
 
-__all__ = ["StrategyCheckpoints", "check_state_dict_type", "refuse_pickle_file"]
+__all__ = ["StrategyCheckpoints", "check_state_dict_type", "expose_signature", "refuse_pickle_file"]
+
+S = TypeVar("S", bound=type)
 
 
 class StrategyCheckpoints:
@@ -127,3 +130,31 @@ def check_state_dict_type(kind: Any) -> None:
             "writes each rank's shard either way (no gather), and the checkpoint loads into any strategy and "
             "world size"
         )
+
+
+def expose_signature(cls: S) -> S:
+    """Give a shardsafe strategy class the signature of the Lightning strategy it extends plus the mixins'
+    keyword-only options (``inspect.signature(cls)``, ``cls.__init__``), so that tools that read it
+    (LightningCLI, jsonargparse) see ``find_unused_parameters``, ``device_mesh``... and not ``*args, **kwargs``."""
+    mixins = [c for c in cls.__mro__ if issubclass(c, StrategyCheckpoints) and "__init__" in vars(c)]
+    base = next(c for c in cls.__mro__[1:] if not issubclass(c, StrategyCheckpoints) and "__init__" in vars(c))
+    theirs = list(inspect.signature(base.__init__).parameters.values())
+    ours: dict[str, inspect.Parameter] = {}
+    for mixin in mixins:
+        for p in inspect.signature(vars(mixin)["__init__"], eval_str=True).parameters.values():
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in ours:
+                ours[p.name] = p
+    head = [p for p in theirs if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    tail = [p for p in theirs if p.kind is inspect.Parameter.VAR_KEYWORD]
+    params = [*head, *(p for n, p in ours.items() if n not in {q.name for q in head}), *tail]
+    mixin_init = vars(mixins[0])["__init__"]  # the most derived mixin's
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        mixin_init(self, *args, **kwargs)
+
+    __init__.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    __init__.__doc__ = mixin_init.__doc__
+    __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+    cls.__init__ = __init__  # type: ignore[misc]
+    cls.__signature__ = inspect.Signature(params[1:])  # type: ignore[attr-defined]  # without self
+    return cls
