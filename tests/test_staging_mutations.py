@@ -62,6 +62,7 @@ class Ctx:
     state: dict[str, Any]
     extra: dict[str, Any] = field(default_factory=dict)
     release: Callable[[], None] = lambda: None  # lets the copies go
+    copying: threading.Event = field(default_factory=threading.Event)  # set as the first copy begins
 
 
 def _net() -> nn.Sequential:
@@ -260,6 +261,20 @@ def _reallocate(ctx: Ctx) -> None:
     storage.resize_(n)  # as FSDP-style code gathers into it again: new memory, other bytes
 
 
+def _big() -> Ctx:
+    ctx = _ctx()
+    ctx.extra["t"] = torch.randn(16 << 20)  # 64 MiB: its own mapping, unmapped when freed
+    ctx.state = {"t": ctx.extra["t"]}
+    return ctx
+
+
+def _free_under_the_copy(ctx: Ctx) -> None:
+    ctx.release()
+    ctx.copying.wait(30)
+    time.sleep(0.005)  # its copy (tens of ms) has begun
+    ctx.extra["t"].untyped_storage().resize_(0)
+
+
 def _weight(ctx: Ctx) -> nn.Parameter:
     return ctx.model[0].weight  # type: ignore[return-value]
 
@@ -361,6 +376,7 @@ CASES: list[Case] = [
         child=True,
     ),
     Case("storage freed and allocated again (FSDP-style)", _with_tensor, _reallocate, "torn", child=True),
+    Case("storage of 64 MiB freed while its copy runs", _big, _free_under_the_copy, "torn", child=True),
     Case(
         "plain tensor .data = a smaller tensor",
         _with_tensor,
@@ -447,6 +463,7 @@ def run_case(case: Case, where: Path, *, hold: bool = True, rng: random.Random |
             released.wait(30)
             if case.keep and name.startswith(case.keep):
                 changed.wait(30)
+        ctx.copying.set()
         time.sleep(delay)
 
     staging.before_background_copy = before_copy

@@ -22,20 +22,22 @@ before anything else of the save (rendezvous, plan and staging memory come later
 
 On the save's thread (:meth:`BackgroundStaging.plan`, then :meth:`BackgroundStaging.run`): the chunks
 are copied into the slab in that order, then the rest in file order; CPU sources by single-threaded
-``memmove`` pieces (with every intra-op thread while a step waits for them), accelerator sources on
-the device's side stream. Before any byte of a tensor is read (its copy, each piece, the incremental
-comparison, the per-rank digests) its memory is checked against the call's record: a tensor freed or
-replaced since (``untyped_storage().resize_(0)``, ``set_``, ``resize_``, ``.data =``) fails the save
-instead of crashing the process. After each copy, its version and first bytes are compared with the
+pieces read with :func:`~shardsafe.engine.hostmem.read_memory` (with every intra-op thread while a step
+waits for them), accelerator sources on the device's side stream. Before any byte of a tensor is read
+(its copy, each piece, the incremental comparison, the per-rank digests), and once its copy landed,
+its memory is checked against the call's record: a tensor freed or replaced since
+(``untyped_storage().resize_(0)``, ``set_``, ``resize_``, ``.data =``) fails the save instead of crashing
+the process. After each copy, its version and first bytes are compared with the
 call's; a change fails the save on every rank with :class:`TornSnapshotError` naming the tensor (through
 the commit round), nothing is committed, and the previous checkpoint at the path stays loadable. Chunks
 an incremental save refers to instead of writing are checked once compared
 (:meth:`BackgroundStaging.check_unchanged`).
 
 What it cannot see (docs/async.md): outside an optimizer step, a write that moves no version counter
-and leaves the tensor's first bytes as they were (or any such write to an accelerator tensor), and an
+and leaves the tensor's first bytes as they were (or any such write to an accelerator tensor), an
 operation on another thread still running when the tensor's copy ends (the counter moves when the
-operation ends).
+operation ends), and a storage freed under a copy that cannot guard its read (another thread's, while
+a step waits; or where ``process_vm_readv`` is refused).
 """
 
 from __future__ import annotations
@@ -370,6 +372,7 @@ class BackgroundStaging:
         with self._lock:
             if self._breach:  # a step ran ahead of the copies: what it wrote may have left no trace
                 raise self._stepped()
+        self._readable(i)  # freed under the copy (an accelerator's, or a heap block the CPU read): not its bytes
         c = self.chunks[i]
         records, self.sources[i] = self.sources[i], []
         for t, version, _, _ in records:

@@ -26,7 +26,6 @@ window's memory is reused as soon as the writer asks for the next one.
 from __future__ import annotations
 
 import collections
-import ctypes
 import threading
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -146,10 +145,13 @@ def fill(
     are in host memory, before the next is copied; what ``landed`` raises stops the staging. A CPU chunk
     is copied by one thread in ``memmove`` pieces of ``SHARDSAFE_WRITE_PIECE_BYTES`` (the intra-op
     threads left to the training) while ``gentle()`` says so, else with every intra-op thread (the
-    training waits for it). Before any byte of chunk ``i`` is read (and before each ``memmove`` piece),
-    ``check(i)`` may refuse it by raising, then :func:`check_memory` does (a raw copy of freed memory
-    would crash the process). On return the chunks hold only metadata, not the caller's tensors; on a
-    failure the staging is released."""
+    training waits for it). Before any byte of chunk ``i`` is read (and before each piece), ``check(i)``
+    may refuse it by raising, then :func:`check_memory` does (a raw copy of freed memory would crash the
+    process). The single-threaded pieces, which run beside the training, read through
+    :func:`hostmem.read_memory`, so a tensor freed by the training under its copy fails the staging
+    instead of the process; the copy with every thread runs while the training waits in a step.
+    On return the chunks hold only metadata, not the caller's tensors; on a failure the staging is
+    released."""
     try:
         _fill_slab(staged, order, landed, gentle, check)
     except BaseException:
@@ -267,12 +269,16 @@ def _fill_slab(
                 borrowed = len(keep) == made  # the caller's memory, not a contiguous copy made here
                 if gentle is not None and stream is None and src.device.type == "cpu" and gentle():
                     dst, at = slab.view(pos, pos + n).data_ptr(), src.data_ptr()
-                    for off in range(0, n, piece):  # ctypes releases the GIL: the training thread runs on
+                    for off in range(0, n, piece):  # the GIL is released: the training thread runs on...
                         if off and borrowed:  # ... and may have freed the memory since the last piece
                             if check is not None:
                                 check(i)
                             check_memory(c)
-                        ctypes.memmove(dst + off, at + off, min(piece, n - off))
+                        if not hostmem.read_memory(dst + off, at + off, min(piece, n - off)):  # ... or under it
+                            if check is not None:
+                                check(i)
+                            check_memory(c)
+                            raise CheckpointError(f"tensor {c.name!r}: its memory could not be read (EFAULT)")
                 else:
                     copy_piece(slab.view(pos, pos + n), src, stream)
                 if stream is None:
