@@ -43,7 +43,6 @@ a step waits; or where ``process_vm_readv`` is refused).
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import threading
 import time
@@ -137,7 +136,7 @@ class BackgroundStaging:
         self.order: list[int] = []
         self._chunk_keys: list[StorageKey | None] = []
         self._expect: list[int] = []  # per chunk: its data pointer at the call (0: unknown)
-        self._heads: list[bytes] = []  # per chunk: the first bytes its copy must start with (b"": none known)
+        self._heads: list[tuple[int, int]] = []  # per chunk: the first bytes its copy must start with (width 0: none)
         self._starts: list[int] = []  # per chunk: where its copy lands in the slab
         self._staged: staging.Staged | None = None
         self._planned = False
@@ -208,7 +207,7 @@ class BackgroundStaging:
         whose memory was freed or replaced since the call (reading it would crash the process, or read
         another tensor's bytes)."""
         for item in (*flat.items, *flat.per_rank):
-            for t, _, ptr, _ in self._recorded.get(id(item.local), []):
+            for t, _, ptr, *_ in self._recorded.get(id(item.local), []):
                 if ptr and not sources.same_memory(t, ptr):
                     raise self._moved(self._names.get(id(item.local), item.name))
 
@@ -225,9 +224,9 @@ class BackgroundStaging:
         self.sources = [recorded.get(c.name, []) for c in self.chunks]
         self._expect, self._heads, self._starts, pos = [], [], [], 0
         for c, src in zip(self.chunks, self.sources, strict=True):
-            expect, head = sources.expected(c.data, src)
+            expect, width, head = sources.expected(c.data, src)
             self._expect.append(expect)
-            self._heads.append(head)
+            self._heads.append((width, head))
             self._starts.append(pos)
             pos += c.nbytes
         keys = [sources.storage_key(c.data) if src else None for c, src in zip(self.chunks, self.sources, strict=True)]
@@ -255,11 +254,11 @@ class BackgroundStaging:
         base's equal chunks, compared after the call): raise :class:`TornSnapshotError` if one changed
         since the call."""
         for name in names:
-            for t, version, ptr, head in self._recorded_by_name.get(name, []):
+            for t, version, ptr, width, head in self._recorded_by_name.get(name, []):
                 self._check(name, t, version)
                 if ptr and not sources.same_memory(t, ptr):
                     raise self._moved(self._called.get(name, name))
-                if head and ctypes.string_at(ptr, len(head)) != head:
+                if width and sources.first_bytes(ptr, width) != head:
                     raise self._written(self._called.get(name, name))
 
     # ------------------------------------------------------------------ the step gate
@@ -375,13 +374,12 @@ class BackgroundStaging:
         self._readable(i)  # freed under the copy (an accelerator's, or a heap block the CPU read): not its bytes
         c = self.chunks[i]
         records, self.sources[i] = self.sources[i], []
-        for t, version, _, _ in records:
+        for t, version, *_ in records:
             self._check(c.name, t, version)
-        head = self._heads[i]
-        if head and self._staged is not None and self._staged.slab is not None:
-            pos = self._starts[i]
-            if bytes(self._staged.slab.memory(pos, pos + len(head))) != head:
-                raise self._written(self._called.get(c.name, c.name))
+        width, head = self._heads[i]
+        slab = self._staged.slab if self._staged is not None else None
+        if width and slab is not None and sources.first_bytes(slab.tensor.data_ptr() + self._starts[i], width) != head:
+            raise self._written(self._called.get(c.name, c.name))
         with self._lock:
             self._copied.add(i)
             for g in self.guards.values():

@@ -29,11 +29,20 @@ except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
 StorageKey = tuple[str, int | None, int]
-Record = tuple[torch.Tensor, int, int, bytes]
-"""A tensor of the save as the call found it: the tensor, its version, its data pointer, its first bytes."""
+Record = tuple[torch.Tensor, int, int, int, int]
+"""A tensor of the save as the call found it: the tensor, its version, its data pointer, and its first
+bytes as a width (0: none read) and their value (:func:`first_bytes`)."""
 
 HEAD = 8
 """Bytes of each CPU tensor read at the call (its first element only, for a strided view)."""
+
+_WORDS = {1: ctypes.c_uint8, 2: ctypes.c_uint16, 4: ctypes.c_uint32, 8: ctypes.c_uint64}
+
+
+def first_bytes(address: int, width: int) -> int:
+    """The ``width`` bytes (1, 2, 4 or 8) at ``address`` as an integer: one load, a few times cheaper
+    than copying them out as ``bytes``."""
+    return int(_WORDS[width].from_address(address).value)
 
 
 def storage_key(t: torch.Tensor) -> StorageKey | None:
@@ -58,20 +67,21 @@ def version_of(t: torch.Tensor) -> int | None:
 
 def record(t: torch.Tensor, version: int) -> Record:
     """(the call) ``t`` as it is now: version, data pointer and, for a CPU tensor with memory, its first
-    bytes (the one read of its memory at the call: a few hundred nanoseconds)."""
+    bytes (the one read of its memory at the call: well under a microsecond)."""
     try:
         ptr = t.data_ptr()
     except RuntimeError:  # no plain memory (sparse and the like): the copy refuses it by name
-        return (t, version, 0, b"")
-    if not t.is_cpu or not ptr:
-        return (t, version, ptr, b"")
-    n = t.nbytes
+        return (t, version, 0, 0, 0)
+    if not ptr or not t.is_cpu:
+        return (t, version, ptr, 0, 0)
     size = t.element_size()
+    n = t.nbytes
     if not n or ptr == t.storage_offset() * size:  # empty, or its storage was freed (no memory at all)
-        return (t, version, ptr, b"")
+        return (t, version, ptr, 0, 0)
     if not t.is_contiguous():
         n = size  # its first element is at ``ptr``; the bytes after it may belong to others
-    return (t, version, ptr, ctypes.string_at(ptr, n if n < HEAD else HEAD))
+    width = HEAD if n >= HEAD else 4 if n >= 4 else 2 if n >= 2 else 1
+    return (t, version, ptr, width, first_bytes(ptr, width))
 
 
 def optimizers_of(state: Mapping[str, Any]) -> list[tuple[str, torch.optim.Optimizer]]:
@@ -109,19 +119,19 @@ def same_memory(t: torch.Tensor, ptr: int) -> bool:
         return False
 
 
-def expected(data: torch.Tensor, records: Sequence[Record]) -> tuple[int, bytes]:
+def expected(data: torch.Tensor, records: Sequence[Record]) -> tuple[int, int, int]:
     """(the plan) For a chunk whose bytes are ``data`` (a tensor of the state, or rows of one), made from
     the tensors ``records``: its data pointer at the call (0: unknown), and the first bytes its copy must
-    start with (those recorded, when the chunk starts where its tensor does; ``b""``: none)."""
-    for t, _, ptr, head in records:
+    start with (those recorded, when the chunk starts where its tensor does), as width and value."""
+    for t, _, ptr, width, head in records:
         if t is data:
-            return ptr, head
-    for t, _, ptr, head in records:  # rows of one (a replicated tensor split between ranks): a view made at the plan
+            return ptr, width, head
+    for t, _, ptr, width, head in records:  # rows of one (a replicated tensor split between ranks): a view
         try:
             delta = data.data_ptr() - t.data_ptr()
             same = data.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
         except RuntimeError:
             continue
         if ptr and same and delta >= 0:
-            return ptr + delta, head if delta == 0 else b""
-    return 0, b""
+            return (ptr + delta, width, head) if delta == 0 else (ptr + delta, 0, 0)
+    return 0, 0, 0
