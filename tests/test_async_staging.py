@@ -152,6 +152,27 @@ def test_a_step_past_the_deadline_fails_the_save_naming_the_optimizer(tmp_path: 
     shardsafe.verify(path)
 
 
+def test_a_failing_step_gate_fails_the_save_not_the_step(tmp_path: Any, monkeypatch: Any) -> None:
+    """The gate runs in every optimizer's step: if it cannot match an optimizer to the save's tensors,
+    the training step goes on and the save (which can no longer know what the step wrote) fails."""
+    from shardsafe.engine import sources
+
+    model, opt = _fused()
+
+    def broken(_opt: Any) -> Any:
+        raise ValueError("odd optimizer state")
+
+    monkeypatch.setattr(sources, "optimizer_keys", broken)
+    go = threading.Event()
+    monkeypatch.setattr(staging, "before_background_copy", lambda _name: go.wait(20))
+    handle = shardsafe.async_save(str(tmp_path / "c"), {"model": model}, staging="background")
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()  # does not raise
+    go.set()
+    with pytest.raises(shardsafe.TornSnapshotError, match=r"could not match an optimizer \(AdamW\).*odd optimizer"):
+        handle.wait()
+
+
 _FREED = """
 import sys, tempfile, torch, shardsafe
 for mode in ("save", "blocking", "background"):

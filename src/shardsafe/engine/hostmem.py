@@ -161,6 +161,7 @@ def read_memory(dst: int, src: int, nbytes: int) -> bool:
     ``memmove`` would kill the process with SIGSEGV. Through ``process_vm_readv`` on this process (the
     kernel copies, and reports an unmapped page as EFAULT); where that is refused (a seccomp profile, no
     such call), through ``memmove``. Releases the GIL while copying."""
+    global _readv
     fn = _process_vm_readv()
     done = 0
     while fn and done < nbytes:
@@ -174,7 +175,6 @@ def read_memory(dst: int, src: int, nbytes: int) -> bool:
         if got == 0 or err == errno.EFAULT:
             return False
         if err != errno.EINTR:  # EPERM, ENOSYS: not allowed here; the plain copy is all there is
-            global _readv
             _readv = fn = False
             logger.debug("shardsafe: process_vm_readv unavailable (%s); copying with memmove", os.strerror(err))
     if done < nbytes:

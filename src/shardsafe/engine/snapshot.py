@@ -142,7 +142,7 @@ class BackgroundStaging:
         self._planned = False
         self._copied: set[int] = set()
         self._urgent: collections.deque[int] = collections.deque()  # chunks a waiting step needs, copied next
-        self._breach = ""  # an optimizer that stepped before its chunks were copied (gave up waiting)
+        self._breach = ""  # why a step may have run ahead of the copies (it gave up waiting; the gate failed)
         self._lock = threading.Lock()
         self._closed = False
         self.deadline: Deadline | None = None
@@ -274,7 +274,16 @@ class BackgroundStaging:
         rank's chunks of ``opt``'s tensors are copied (at once if it has none), until the deadline."""
         if self.done.is_set():
             return
-        g = self._guard(opt)
+        try:
+            g = self._guard(opt)
+        except Exception as err:  # the save fails, not the training step: it cannot know what the step writes
+            logger.exception("shardsafe: rank %d: the step gate of %s failed", self.rank, self.path)
+            with self._lock:
+                self._breach = self._breach or (
+                    f"the step gate could not match an optimizer ({type(opt).__name__}) to the save's tensors "
+                    f"({err!r}), so its step may have run ahead of their copies"
+                )
+            return
         if g is None or g.ready.is_set():
             return
         assert self.deadline is not None
@@ -288,7 +297,10 @@ class BackgroundStaging:
                 self._waiting -= 1
                 self.waited += time.monotonic() - start
                 if not ok and not g.ready.is_set():
-                    self._breach = g.name
+                    self._breach = self._breach or (
+                        f"optimizer {g.name!r} stepped before its tensors were copied (its step waited until the "
+                        "save's deadline)"
+                    )
         if not ok:
             logger.warning(
                 "shardsafe: rank %d: optimizer %r stepped before the background staging of %s copied its tensors "
@@ -419,8 +431,7 @@ class BackgroundStaging:
 
     def _stepped(self) -> TornSnapshotError:
         return TornSnapshotError(
-            f"async_save of {self.path!r} (staging='background'): optimizer {self._breach!r} stepped on rank "
-            f"{self.rank} before its tensors were copied (its step waited until the save's deadline); nothing was "
+            f"async_save of {self.path!r} (staging='background'): on rank {self.rank}, {self._breach}; nothing was "
             "committed and the previous checkpoint at the path is untouched. Give the save a longer timeout, or "
             "save with staging='blocking'"
         )

@@ -143,13 +143,14 @@ def fill(
     caller's training goes on; an iterable, read one index at a time, so the caller may choose the next
     chunk while copying): chunks in that order, and ``landed(i)`` called once chunk ``i``'s bytes
     are in host memory, before the next is copied; what ``landed`` raises stops the staging. A CPU chunk
-    is copied by one thread in ``memmove`` pieces of ``SHARDSAFE_WRITE_PIECE_BYTES`` (the intra-op
+    is copied by one thread in pieces of ``SHARDSAFE_WRITE_PIECE_BYTES`` (the intra-op
     threads left to the training) while ``gentle()`` says so, else with every intra-op thread (the
     training waits for it). Before any byte of chunk ``i`` is read (and before each piece), ``check(i)``
     may refuse it by raising, then :func:`check_memory` does (a raw copy of freed memory would crash the
     process). The single-threaded pieces, which run beside the training, read through
     :func:`hostmem.read_memory`, so a tensor freed by the training under its copy fails the staging
-    instead of the process; the copy with every thread runs while the training waits in a step.
+    instead of the process; the copy with every thread runs while the training waits in a step. (A
+    strided CPU chunk is first made contiguous by torch, a read that is not guarded so.)
     On return the chunks hold only metadata, not the caller's tensors; on a failure the staging is
     released."""
     try:
