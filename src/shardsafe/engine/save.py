@@ -163,6 +163,8 @@ class SaveJob:
                 self.metadata_json = encode(self.options["metadata"], "metadata", _no_tensors)
             self.chunks = plan_writes(self.flat.items, op.rank, op.world_size) + own_chunks(self.flat)
             if self.base_manifest is not None:
+                if self.background is not None:
+                    self.background.check_memory(self.flat)  # before the comparison reads its tensors
                 self.chunks, self.ref_chunks = incremental.match(
                     self.chunks,
                     self.base_manifest,
@@ -212,6 +214,7 @@ class SaveJob:
             assert self.background is not None
             try:
                 self.flat = self.captured.finish(self.background.substitutes)
+                self.background.check_memory(self.flat)  # before the digests read its tensors
             except Exception as err:  # sent to every rank in the agreement; raised on every rank
                 failure = err
             self.captured = None
