@@ -24,7 +24,11 @@ on a batch of 32) without a save (``--steps`` of them before each run, all runs'
 a save is in flight (``async_save`` called just before the first of the steps, steps run until the
 save is done), for ``background`` and ``blocking`` staging; also the first step after the call (in
 background mode it waits in the optimizer's step pre-hook for its tensors to be copied) and the call
-plus that first step, which is the training stall a save causes. Results:
+plus that first step, which is the training stall a save causes; and the same with the optimizer saved
+as ``opt.state_dict()`` (outside the state: the step gate matches it at its first step). Before all
+that, the step gate's own cost on a step (``gate_cost``: its hook timed alone, idle and with a save
+in flight that does not hold the optimizer's tensors; and matching an optimizer's tensors at its
+first step). Results:
 ``<out>/async_staging.json`` and ``async_staging.md``, as ratios against the peers measured in the
 same run. Peak memory stays near 3.5x the largest state (state, gradients freed, the copy floor's
 buffers, one staging slab or DCP's copy at a time).
@@ -40,6 +44,8 @@ import platform
 import shutil
 import statistics
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -57,6 +63,8 @@ from shardsafe.engine import staging  # noqa: E402
 MIB = 1 << 20
 WIDTH = 1024  # layer width: 4 MiB of weights per layer
 MODES = ("background", "blocking", "dcp")
+OUTSIDE = "background, opt.state_dict()"
+TRAINING_MODES = ("background", OUTSIDE, "blocking")
 
 
 def _model(size_mib: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -100,9 +108,13 @@ def _on_gc(phase: str, info: dict[str, Any]) -> None:
 gc.callbacks.append(_on_gc)
 
 
+_CPU: list[float] = []  # the caller's CPU seconds (thread time) of each background call, in order
+
+
 def _call(mode: str, model: nn.Module, opt: torch.optim.Optimizer, path: Path) -> tuple[float, Any, int]:
     """One call of ``mode``: the seconds it blocked, what waits for its save, and how many full garbage
-    collections began while it blocked."""
+    collections began while it blocked. A background call's CPU time on the caller's thread goes to
+    ``_CPU``: on a shared machine it is the steadier figure (no time spent descheduled)."""
     os.sync()  # no call pays for the write-back of the one before
     target = _fresh(path)
     before = len(_FULL_COLLECTIONS)
@@ -111,9 +123,13 @@ def _call(mode: str, model: nn.Module, opt: torch.optim.Optimizer, path: Path) -
         t0 = time.perf_counter()
         fut = dcp.async_save(flat, checkpoint_id=target)
         return time.perf_counter() - t0, fut.result, len(_FULL_COLLECTIONS) - before
+    c0 = time.thread_time()
     t0 = time.perf_counter()
     handle = shardsafe.async_save(target, {"model": model, "optimizer": opt}, staging=mode)
-    return time.perf_counter() - t0, handle.wait, len(_FULL_COLLECTIONS) - before
+    seconds = time.perf_counter() - t0
+    if mode == "background":
+        _CPU.append(time.thread_time() - c0)
+    return seconds, handle.wait, len(_FULL_COLLECTIONS) - before
 
 
 def _copy(bufs: list[torch.Tensor], tensors: list[torch.Tensor]) -> float:
@@ -137,6 +153,7 @@ def blocking(size_mib: int, reps: int, scratch: Path) -> dict[str, Any]:
     floor = []  # the copy once more in each rotation, right before the background call: the same conditions
     first: dict[str, float] = {}
     steady: dict[str, list[float]] = {m: [] for m in MODES}
+    _CPU.clear()
     collected: list[int] = []  # per steady background call: full collections that began during it
     for rep in range(reps + 1):
         for mode in MODES:
@@ -167,6 +184,7 @@ def blocking(size_mib: int, reps: int, scratch: Path) -> dict[str, Any]:
         "copy_rotation_all_s": floor[1:],
         "copy_quiet_s": statistics.median(quiet_floor),
         "background_full_collections": collected,
+        "background_cpu_s": statistics.median(_CPU[1:]),  # the caller's thread time, steady calls
         "first_s": first,
         "blocked_s": med,
         "blocked_all_s": steady,
@@ -202,14 +220,17 @@ def _training(size_mib: int, steps: int, scratch: Path, threads: int) -> dict[st
             quiet.append(time.perf_counter() - t0)
 
     out: dict[str, Any] = {"size_mib": size_mib, "threads": threads}
-    for mode in ("background", "blocking"):
+    for mode in TRAINING_MODES:
         rows: list[dict[str, Any]] = []
         for _ in range(3):
             target = _fresh(scratch / mode)  # removing the previous save is not the call's
             os.sync()
             quiet_steps(steps)  # the quiet steps are taken beside the runs: the machine's state drifts
+            state: dict[str, Any] = {"model": model, "optimizer": opt}
+            if mode == OUTSIDE:  # the optimizer outside the state: its first step is matched by storage
+                state["optimizer"] = opt.state_dict()
             t0 = time.perf_counter()
-            handle = shardsafe.async_save(target, {"model": model, "optimizer": opt}, staging=mode)
+            handle = shardsafe.async_save(target, state, staging="blocking" if mode == "blocking" else "background")
             call = time.perf_counter() - t0
             times = []
             while not handle.done() or len(times) < 2:
@@ -230,11 +251,11 @@ def _training(size_mib: int, steps: int, scratch: Path, threads: int) -> dict[st
             "runs": rows,
         }
         staging.free_idle()
-    _fresh(scratch / "background")
-    _fresh(scratch / "blocking")
+    for mode in TRAINING_MODES:
+        _fresh(scratch / mode)
     out["quiet_step_s"] = quiet_s = statistics.median(quiet)
     out["quiet_steps"] = len(quiet)
-    for mode in ("background", "blocking"):
+    for mode in TRAINING_MODES:
         m = out[mode]
         m["step_in_flight_over_quiet"] = m["step_in_flight_s"] / quiet_s
         m["stall_over_quiet_step"] = m["stall_s"] / quiet_s
@@ -243,6 +264,54 @@ def _training(size_mib: int, steps: int, scratch: Path, threads: int) -> dict[st
     out["extra_stall_background_over_blocking"] = (
         out["background"]["extra_stall_s"] / blocking_extra if blocking_extra > 0.05 * quiet_s else None
     )
+    return out
+
+
+def gate_cost(model_mib: int, calls: int = 100_000) -> dict[str, Any]:
+    """What the step gate (engine/stepgate.py) adds to every ``optimizer.step()``: the gate's hook timed
+    alone (it runs before every step of every optimizer), with no save in flight and while a background
+    save of other tensors is staging (held: its copies wait; the optimizer, whose tensors the save does
+    not hold, was matched at its first step), medians of 5 batches of ``calls``; beside it, the step of
+    a one-element SGD it is added to. Then the matching of an optimizer outside the state at its first
+    step (its tensors' storages), for the ``model_mib`` model, once per save."""
+    from shardsafe.engine import sources, stepgate
+
+    p = nn.Parameter(torch.zeros(1))
+    p.grad = torch.zeros(1)
+    tiny = torch.optim.SGD([p], lr=0.1)
+
+    def per_call(fn: Any, n: int) -> float:
+        batches = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            batches.append((time.perf_counter() - t0) / n)
+        return statistics.median(batches)
+
+    out = {"step_s": per_call(tiny.step, calls // 10)}
+    out["hook_idle_s"] = per_call(lambda: stepgate._hook(tiny, (), {}), calls)
+    held = threading.Event()
+    staging.before_background_copy = lambda _name: held.wait(60)
+    try:
+        with tempfile.TemporaryDirectory() as where:
+            handle = shardsafe.async_save(f"{where}/c", {"w": torch.zeros(1 << 16)}, staging="background")
+            tiny.step()  # its first step: matched (none of its tensors is the save's)
+            out["hook_in_flight_s"] = per_call(lambda: stepgate._hook(tiny, (), {}), calls)
+            held.set()
+            handle.wait()
+    finally:
+        held.set()
+        staging.before_background_copy = None
+    _, opt = _model(model_mib)
+    tensors = sum(len(g["params"]) for g in opt.param_groups) + sum(len(v) for v in opt.state.values())
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        sources.optimizer_keys(opt)
+        times.append(time.perf_counter() - t0)
+    out["match_s"] = statistics.median(times)
+    out["match_tensors"] = tensors
     return out
 
 
@@ -285,6 +354,9 @@ def markdown(report: dict[str, Any]) -> str:
             f"{r['copy_rotation_s'] * 1e3:.1f} ms in the rotation"
             for r in report["blocking"]
         )
+        + ". The background call's CPU time on the caller's thread (steadier than its wall time on a shared "
+        "machine, where the caller may wait descheduled): "
+        + "; ".join(f"{r['bytes'] / MIB:.0f} MiB: {r['background_cpu_s'] * 1e3:.2f} ms" for r in report["blocking"])
         + ". Full collections of Python's garbage collector (a pause of tens of ms with torch loaded) that began "
         "while a background call blocked, per call: "
         + "; ".join(f"{r['bytes'] / MIB:.0f} MiB: {r['background_full_collections']}" for r in report["blocking"])
@@ -301,7 +373,7 @@ def markdown(report: dict[str, Any]) -> str:
         "/ quiet step |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for mode in ("background", "blocking"):
+    for mode in TRAINING_MODES:
         m = t[mode]
         lines.append(
             f"| {mode} | {m['call_s'] * 1e3:.1f} ms | {m['first_step_s'] * 1e3:.0f} ms | {m['stall_s'] * 1e3:.0f} ms | "
@@ -320,7 +392,20 @@ def markdown(report: dict[str, Any]) -> str:
         "optimizer's step pre-hook until its parameters and moments are copied, so the call plus that step "
         "costs about one copy of the optimizer's tensors (made by every core once a step waits); in blocking "
         "mode the call itself makes the copy. Steps after it run beside the write, which competes with them "
-        "for the cores on this machine.",
+        "for the cores on this machine. With the optimizer saved as `opt.state_dict()` (outside the state), "
+        "its first step is matched to the save's tensors by storage, then waits the same way.",
+    ]
+    g = report["gate"]
+    lines += [
+        "",
+        "## The step gate's cost on a step",
+        "",
+        f"The gate's hook, which runs before every step of every optimizer once a background save has installed "
+        f"it: {g['hook_idle_s'] * 1e9:.0f} ns a step with no save in flight, {g['hook_in_flight_s'] * 1e9:.0f} ns "
+        f"while a save that does not hold the optimizer's tensors is staging (a one-element SGD's step takes "
+        f"{g['step_s'] * 1e6:.1f} µs here; medians of 5 batches). Matching an optimizer outside the state at its "
+        f"first step: {g['match_s'] * 1e3:.2f} ms for its {g['match_tensors']} tensors "
+        f"({g['match_s'] / g['match_tensors'] * 1e6:.2f} µs a tensor), once per save.",
         "",
     ]
     return "\n".join(lines)
@@ -343,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     scratch = out / f"async-staging-{os.getpid()}.tmp"
     scratch.mkdir(parents=True)
     try:
+        gate = gate_cost(min(args.sizes_mib))
         rows = [blocking(size, args.reps, scratch) for size in args.sizes_mib]
         train = training(min(args.sizes_mib), args.steps, scratch, args.train_threads)
     finally:
@@ -359,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "blocking": rows,
         "training": train,
+        "gate": gate,
     }
     (out / "async_staging.json").write_text(json.dumps(report, indent=1))
     text = markdown(report)

@@ -123,10 +123,10 @@ def _entry(
 
 
 # Ranks fork from a server process that has imported torch already: a fraction of a second per rank
-# instead of seconds. A rank's environment goes through ``env``/``rank_env`` (the server keeps the
-# environment it started with).
+# instead of seconds (Lightning too, where installed: the Trainer tests' ranks). A rank's environment goes
+# through ``env``/``rank_env`` (the server keeps the environment it started with).
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed.fsdp", "shardsafe", "harness", "models"])
+_CTX.set_forkserver_preload(["torch", "torch.distributed.fsdp", "shardsafe", "harness", "models", "lightning.pytorch"])
 
 
 def run_ranks(

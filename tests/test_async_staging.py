@@ -16,7 +16,7 @@ from torch import nn
 
 import shardsafe
 from shardsafe.engine import save as save_module
-from shardsafe.engine import staging
+from shardsafe.engine import staging, stepgate
 from shardsafe.state import flatten as flatten_module
 
 from harness import check_ok, run_ranks
@@ -79,7 +79,10 @@ def test_forward_through_batchnorm_right_after_the_call_keeps_the_buffers(tmp_pa
 
 def test_the_gate_is_installed_once_and_never_removed_under_a_running_step(tmp_path: Any, monkeypatch: Any) -> None:
     """Removing a step pre-hook from the staging thread while ``step()`` iterates the hooks would raise
-    "OrderedDict mutated during iteration" in the training thread: one gate per optimizer, kept."""
+    "OrderedDict mutated during iteration" in the training thread: one gate common to every optimizer,
+    kept, asking no staging once the saves are over; the user's own hooks still run."""
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
     model, opt = build("plain")
     train(model, opt, 1)
     seen: list[int] = []
@@ -90,7 +93,117 @@ def test_the_gate_is_installed_once_and_never_removed_under_a_running_step(tmp_p
             opt.register_step_pre_hook(lambda *_: seen.append(1))  # a hook of the user's, after the gate
         train(model, opt, 2, start=2 * i)
         handle.wait()
-    assert len(opt._optimizer_step_pre_hooks) == 2 and len(seen) == 6
+    assert sum(hook is stepgate._hook for hook in _global_optimizer_pre_hooks.values()) == 1
+    assert len(opt._optimizer_step_pre_hooks) == 1 and len(seen) == 6
+    assert stepgate.armed() == 0
+
+
+def _fused(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_a_fused_optimizer_outside_the_state_waits_for_its_tensors(tmp_path: Any, monkeypatch: Any) -> None:
+    """A fused step moves no version counter: outside the state (the model saved alone, or with
+    ``opt.state_dict()``) it went unseen and the checkpoint held the parameters after the step. The
+    step gate common to every optimizer holds it until its tensors are copied; an optimizer whose
+    tensors the save does not hold is not held at all."""
+    model, opt = _fused()
+    other, other_opt = _fused(seed=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = {k: v.clone() for k, v in opt.state[model[0].weight].items()}
+    go = threading.Event()
+    monkeypatch.setattr(staging, "before_background_copy", lambda _name: (go.wait(20), time.sleep(0.005)))
+    path = str(tmp_path / "c")
+    handle = shardsafe.async_save(path, {"model": model, "optimizer": opt.state_dict()}, staging="background")
+    other(torch.randn(4, 8)).sum().backward()
+    other_opt.step()  # its tensors are not the save's: not held (the copies are, until go)
+    assert not handle.staged()
+    model(torch.randn(4, 8)).sum().backward()
+    go.set()
+    opt.step()
+    handle.wait()
+    assert handle.job.background is not None and handle.job.background.waited > 0
+    loaded = shardsafe.load(path)
+    for k, v in before.items():
+        assert torch.equal(loaded["model"][k], v), k
+    for k, v in moments.items():
+        assert torch.equal(loaded["optimizer"]["state"][0][k], v), k
+
+
+def test_a_step_past_the_deadline_fails_the_save_naming_the_optimizer(tmp_path: Any, monkeypatch: Any) -> None:
+    """The gate waits until the save's deadline; a step that then goes on may change what is not copied
+    yet without a trace (fused): the save fails with TornSnapshotError, and the committed checkpoint stays."""
+    model, opt = _fused()
+    path = str(tmp_path / "c")
+    shardsafe.save(path, {"model": model})
+    go = threading.Event()
+    monkeypatch.setattr(staging, "before_background_copy", lambda _name: go.wait(20))
+    handle = shardsafe.async_save(path, {"model": model}, staging="background", timeout=2, overwrite=True)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()  # waits about 2 s, then goes on
+    go.set()
+    with pytest.raises(shardsafe.TornSnapshotError, match="optimizer 'AdamW outside the state' stepped"):
+        handle.wait()
+    shardsafe.verify(path)
+
+
+def test_a_failing_step_gate_fails_the_save_not_the_step(tmp_path: Any, monkeypatch: Any) -> None:
+    """The gate runs in every optimizer's step: if it cannot match an optimizer to the save's tensors,
+    the training step goes on and the save (which can no longer know what the step wrote) fails."""
+    from shardsafe.engine import sources
+
+    model, opt = _fused()
+
+    def broken(_opt: Any) -> Any:
+        raise ValueError("odd optimizer state")
+
+    monkeypatch.setattr(sources, "optimizer_keys", broken)
+    go = threading.Event()
+    monkeypatch.setattr(staging, "before_background_copy", lambda _name: go.wait(20))
+    handle = shardsafe.async_save(str(tmp_path / "c"), {"model": model}, staging="background")
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()  # does not raise
+    go.set()
+    with pytest.raises(shardsafe.TornSnapshotError, match=r"could not match an optimizer \(AdamW\).*odd optimizer"):
+        handle.wait()
+
+
+_FREED = """
+import sys, tempfile, torch, shardsafe
+for mode in ("save", "blocking", "background"):
+    t = torch.randn(1 << 20)
+    t.untyped_storage().resize_(0)  # as FSDP-style code frees what it will gather again
+    path = tempfile.mkdtemp() + "/c"
+    try:
+        if mode == "save":
+            shardsafe.save(path, {"t": t})
+        else:
+            shardsafe.async_save(path, {"t": t}, staging=mode).wait()
+        print(mode, "committed", flush=True)
+    except shardsafe.CheckpointError as err:
+        print(mode, type(err).__name__, str(err).splitlines()[0], flush=True)
+"""
+
+
+def test_a_tensor_without_memory_is_refused_by_name_on_every_path(tmp_path: Any) -> None:
+    """A tensor whose storage was freed has no bytes to save: a synchronous save wrote whatever lay at
+    its null pointer and committed it, an asynchronous one crashed the process (SIGSEGV) reading it. In
+    a child process, so that a crash fails this test and not the run."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(shardsafe.__file__)), "TMPDIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", _FREED], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-2000:])
+    lines = out.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["save", "blocking", "background"], out.stdout
+    for line in lines:
+        assert "CheckpointError tensor 't' has no memory" in line, line
 
 
 # ------------------------------------------------------------------ the call returns before the start

@@ -108,10 +108,10 @@ def test_missing_or_not_a_directory(tmp_path: Path, command: str, capsys: pytest
 
 
 def test_inspect_bad_manifest(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    (root / "step-12" / "MANIFEST.json").write_text('{"format_version": 3}')
+    (root / "step-12" / "MANIFEST.json").write_text('{"format_version": 4}')
     assert main(["inspect", str(root / "step-12")]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("shardsafe inspect: CORRUPT: ") and "format_version 3" in err
+    assert err.startswith("shardsafe inspect: CORRUPT: ") and "format_version 4" in err
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,7 @@ _MARK = re.compile(r"^<!--\s*snippet:\s*(?P<body>.*?)\s*-->$")
 SKIPPED = {
     ("docs/fabric.md", "import lightning as L"): "8 GPUs",
     ("docs/fabric.md", "if fabric.global_rank == 0:"): "the mistake",
+    ("docs/lightning.md", "import lightning as L"): "8 GPUs",
     ("docs/object-storage.md", "import shardsafe"): "S3",
     ("docs/runtime.md", 'fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp")'): "Fabric",
 }

@@ -279,7 +279,7 @@ def test_build_header_pads_to_eight_bytes(name_len: int) -> None:
     assert json.loads(text)["n" * name_len] == {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]}
 
 
-@pytest.mark.parametrize("version", [3, 0, "1", 1.0, True, None])
+@pytest.mark.parametrize("version", [4, 0, "1", 1.0, True, None])
 def test_unknown_format_version_rejected(golden: Path, version: Any) -> None:
     manifest = golden / "MANIFEST.json"
     doc = json.loads(manifest.read_text())

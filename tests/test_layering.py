@@ -13,9 +13,11 @@ Layers, lowest first (the real graph; docs/architecture.md explains each):
   4  format                         (manifest, typed values, data files, the save id and data file names)
   5  catalog                        (what a checkpoint is on storage: names, references, the delete rule)
   7  state                          (user state <-> flat tensors and values, both directions)
-  8  engine                         (save, load, commit, read, verify, inspect)
-  9  manager, interop, runtime, fabric
+  8  engine                         (save, load, commit, read, verify, inspect, delete)
+8.5 integration                    (what the Lightning integrations share: their strategies' options)
+  9  manager, interop, runtime, fabric, lightning
  10  shardsafe (__init__: the public API)
+10.5 accelerate, transformers      (Hugging Face integrations: the public API only)
  11  cli
  12  __main__                       (``python -m shardsafe``)
 """
@@ -42,11 +44,15 @@ LAYERS: dict[str, float] = {
     "shardsafe.state": 7,
     "shardsafe.progress": 7.5,
     "shardsafe.engine": 8,
+    "shardsafe.integration": 8.5,
     "shardsafe.manager": 9,
     "shardsafe.interop": 9,
     "shardsafe.runtime": 9,
     "shardsafe.fabric": 9,
+    "shardsafe.lightning": 9,
     "shardsafe": 10,
+    "shardsafe.accelerate": 10.5,
+    "shardsafe.transformers": 10.5,
     "shardsafe.cli": 11,
     "shardsafe.__main__": 12,
 }

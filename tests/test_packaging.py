@@ -77,7 +77,7 @@ def test_the_wheel_declares_pythons_torch_and_extras(wheel: Path) -> None:
     assert "Typing :: Typed" in classifiers
     requires = doc.get_all("Requires-Dist") or []
     assert "torch>=2.6" in requires, requires
-    assert set(doc.get_all("Provides-Extra") or []) >= {"fabric", "s3", "remote", "hf"}
+    assert set(doc.get_all("Provides-Extra") or []) >= {"fabric", "lightning", "s3", "remote", "hf"}
 
 
 def test_the_readme_says_how_to_install() -> None:

@@ -9,7 +9,18 @@ import sys
 
 import shardsafe
 
-API = {"save", "async_save", "load", "verify", "inspect", "export_hf", "export_torch", "import_checkpoint"}
+API = {
+    "save",
+    "async_save",
+    "load",
+    "verify",
+    "inspect",
+    "read_file",
+    "delete",
+    "export_hf",
+    "export_torch",
+    "import_checkpoint",
+}
 TYPES = {
     "SaveHandle",
     "SaveOptions",
@@ -21,6 +32,7 @@ TYPES = {
     "ExportResult",
     "ImportResult",
     "per_rank",
+    "RNGState",
 }
 MANAGER = {"CheckpointManager", "CheckpointRecord", "LocalTier", "ManagerConfig"}
 

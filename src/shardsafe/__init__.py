@@ -3,7 +3,7 @@ pickle-free and never hang.
 
 Every rank calls the same functions; the library decides which rank writes which bytes.
 
-The top level is the checkpoint API (save, async_save, load, verify, inspect, export and import), the
+The top level is the checkpoint API (save, async_save, load, verify, inspect, delete, export and import), the
 types it returns, its errors and the checkpoint manager. The training runtime (``shardsafe.runtime``)
 and the Lightning Fabric strategies (``shardsafe.fabric``) are subpackages a program imports itself.
 
@@ -53,14 +53,17 @@ if TYPE_CHECKING:
         async_save,
         inspect,
         load,
+        read_file,
         save,
         verify,
     )
+    from shardsafe.engine.remove import delete
     from shardsafe.interop import ExportResult, ImportResult, export_hf, export_torch, import_checkpoint
     from shardsafe.manager import CheckpointManager, CheckpointRecord, LocalTier, ManagerConfig
     from shardsafe.progress.bar import ProgressBar
     from shardsafe.progress.record import Progress
     from shardsafe.state.per_rank import per_rank
+    from shardsafe.state.rng import RNGState
 
 _LAZY: dict[str, str] = {
     "CheckpointInfo": "shardsafe.engine.api",
@@ -71,8 +74,10 @@ _LAZY: dict[str, str] = {
     "async_save": "shardsafe.engine.api",
     "inspect": "shardsafe.engine.api",
     "load": "shardsafe.engine.api",
+    "read_file": "shardsafe.engine.api",
     "save": "shardsafe.engine.api",
     "verify": "shardsafe.engine.api",
+    "delete": "shardsafe.engine.remove",
     "Progress": "shardsafe.progress.record",
     "ProgressBar": "shardsafe.progress.bar",
     "ExportResult": "shardsafe.interop",
@@ -85,6 +90,7 @@ _LAZY: dict[str, str] = {
     "ManagerConfig": "shardsafe.manager",
     "LocalTier": "shardsafe.manager",
     "per_rank": "shardsafe.state.per_rank",
+    "RNGState": "shardsafe.state.rng",
 }
 """Each public name imported on first use, and the module it comes from."""
 
@@ -111,6 +117,7 @@ __all__ = [
     "OperationTimeoutError",
     "Progress",
     "ProgressBar",
+    "RNGState",
     "RankDeadError",
     "RankDesyncError",
     "RankTimeoutError",
@@ -125,12 +132,14 @@ __all__ = [
     "VerifySummary",
     "__version__",
     "async_save",
+    "delete",
     "export_hf",
     "export_torch",
     "import_checkpoint",
     "inspect",
     "load",
     "per_rank",
+    "read_file",
     "save",
     "verify",
 ]

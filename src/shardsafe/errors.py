@@ -69,10 +69,12 @@ class StateMismatchError(CheckpointError, ValueError):
 
 
 class TornSnapshotError(CheckpointError):
-    """An asynchronous save with ``staging="background"`` found a tensor changed in place after the call
-    and before its copy (its version counter moved): the save fails on every rank rather than write a
-    checkpoint that mixes values from before and after the change. Names the tensor, the rank and the
-    fix; nothing is committed and the previous checkpoint at the path stays loadable."""
+    """An asynchronous save with ``staging="background"`` found a tensor changed after the call and before
+    its copy (its version counter or its first bytes moved, or its memory was freed or replaced), or an
+    optimizer that stepped past the save's deadline before its tensors were copied: the save fails on
+    every rank rather than write a checkpoint that mixes values from before and after the change. Names
+    the tensor or optimizer, the rank and the fix; nothing is committed and the previous checkpoint at
+    the path stays loadable."""
 
 
 class InternalError(CheckpointError, RuntimeError):

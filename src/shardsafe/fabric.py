@@ -30,7 +30,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.fabric.strategies.ddp import DDPStrategy as _FabricDDPStrategy
 from lightning.fabric.strategies.fsdp import FSDPStrategy as _FabricFSDPStrategy
@@ -38,88 +37,20 @@ from lightning.fabric.strategies.model_parallel import ModelParallelStrategy as 
 from torch import nn
 from torch.optim import Optimizer
 
-from shardsafe.coord import Deadlines
 from shardsafe.engine import api
-from shardsafe.errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, InvalidTypeError
+from shardsafe.errors import CheckpointError, InvalidTypeError
+from shardsafe.integration import StrategyCheckpoints, check_state_dict_type, expose_signature, refuse_pickle_file
 from shardsafe.state.flatten import Filtered
 
 __all__ = ["DDPStrategy", "FSDPStrategy", "ModelParallelStrategy"]
 
 
-class _ShardsafeCheckpoints:
-    """Replaces a Fabric strategy's checkpoint methods; mixed in before the strategy class."""
+class _ShardsafeCheckpoints(StrategyCheckpoints):
+    """Replaces a Fabric strategy's checkpoint methods; mixed in before the strategy class. The options
+    (``checkpoint_timeout``, ``checkpoint_overwrite``, the refused ``CheckpointIO``, the registry names) are
+    :class:`~shardsafe.integration.StrategyCheckpoints`', shared with the Trainer's strategies."""
 
-    _checkpoint_timeout: float | Deadlines | None
-    _checkpoint_overwrite: bool
-
-    def __init__(
-        self,
-        *args: Any,
-        checkpoint_timeout: float | Deadlines | None = None,
-        checkpoint_overwrite: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        """The strategy's own arguments, plus ``checkpoint_timeout`` and ``checkpoint_overwrite``."""
-        super().__init__(*args, **kwargs)
-        self._init_checkpoints(checkpoint_timeout, checkpoint_overwrite)
-        self._check_options()
-
-    def _init_checkpoints(self, timeout: float | Deadlines | None, overwrite: bool) -> None:
-        if not isinstance(overwrite, bool):
-            raise InvalidTypeError(f"checkpoint_overwrite must be True or False, not {overwrite!r}")
-        self.checkpoint_timeout = timeout
-        self._checkpoint_overwrite = overwrite
-
-    def _check_options(self) -> None:
-        """Refuse the Fabric options this strategy would silently ignore."""
-        io = getattr(self, "_checkpoint_io", None)  # Fabric's Strategy keeps checkpoint_io= there
-        if io is not None:
-            self._refuse_checkpoint_io(io)
-
-    def _refuse_checkpoint_io(self, io: Any) -> None:
-        raise InvalidArgumentError(
-            f"the CheckpointIO plugin {type(io).__name__} would never be called: shardsafe.fabric."
-            f"{type(self).__name__} writes and reads every checkpoint through shardsafe. Remove it (plugins= or "
-            "checkpoint_io=); for remote paths pass storage_options= to fabric.save, or use Fabric's own strategy "
-            "to keep the plugin."
-        )
-
-    @property
-    def checkpoint_io(self) -> CheckpointIO:
-        """Fabric's (unused by checkpoints: DDP's default; FSDP and ModelParallel raise, as in Fabric)."""
-        io: CheckpointIO = super().checkpoint_io  # type: ignore[misc]
-        return io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO) -> None:
-        self._refuse_checkpoint_io(io)  # Fabric sets a plugins= CheckpointIO here
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register this class under each name Fabric registers the strategy it extends with, prefixed
-        ``shardsafe_`` and with the same arguments (``shardsafe_ddp``, ``shardsafe_ddp_spawn``...)."""
-        fabric_names = type(strategy_registry)()
-        super().register_strategies(fabric_names)  # type: ignore[misc]
-        for name, data in fabric_names.items():
-            description = f"{data['description']}; checkpoints through shardsafe".lstrip("; ")
-            strategy_registry.register(
-                f"shardsafe_{name}", data["strategy"], description=description, override=True, **data["init_params"]
-            )
-
-    @property
-    def checkpoint_timeout(self) -> float | Deadlines | None:
-        """Seconds each checkpoint wait may take (ranks arriving, writes, commit); None: the
-        ``SHARDSAFE_TIMEOUT``/``SHARDSAFE_IO_TIMEOUT`` defaults. May be changed between saves."""
-        return self._checkpoint_timeout
-
-    @checkpoint_timeout.setter
-    def checkpoint_timeout(self, timeout: float | Deadlines | None) -> None:
-        seconds = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
-        if not (timeout is None or isinstance(timeout, Deadlines) or seconds):
-            raise InvalidArgumentError(
-                f"checkpoint_timeout must be a positive number of seconds or None, not {timeout!r}"
-            )
-        self._checkpoint_timeout = timeout
+    _framework = "Fabric"
 
     def save_checkpoint(
         self,
@@ -161,7 +92,7 @@ class _ShardsafeCheckpoints:
         nothing: the whole checkpoint, CPU tensors. With a module (``load_raw``): the checkpoint's only
         module entry, or a checkpoint saved from a bare state dict. ``weights_only`` is accepted and
         moot: shardsafe never unpickles."""
-        _refuse_pickle_file(path)
+        refuse_pickle_file(path)
         if not state:
             return api.load(path)
         if isinstance(state, nn.Module):
@@ -201,20 +132,12 @@ class _ShardsafeCheckpoints:
         api.load(path, wanted, strict=strict, timeout=self._checkpoint_timeout)
 
 
-def _refuse_pickle_file(path: str | os.PathLike[str]) -> None:
-    """A ``torch.save`` file is not a shardsafe checkpoint, and loading it would unpickle it."""
-    p = os.fspath(path)
-    if "://" not in p and os.path.isfile(p):
-        raise CheckpointNotFoundError(
-            f"{p} is a file, not a shardsafe checkpoint (a directory). shardsafe never unpickles; convert a "
-            "trusted torch.save file once with shardsafe.save(new_path, torch.load(path, weights_only=True))."
-        )
-
-
+@expose_signature
 class DDPStrategy(_ShardsafeCheckpoints, _FabricDDPStrategy):
     """Fabric's :class:`~lightning.fabric.strategies.DDPStrategy`, checkpoints through shardsafe."""
 
 
+@expose_signature
 class FSDPStrategy(_ShardsafeCheckpoints, _FabricFSDPStrategy):
     """Fabric's :class:`~lightning.fabric.strategies.FSDPStrategy` (FSDP1), checkpoints through shardsafe:
     each rank writes its own flat shard, no state is gathered, whatever ``state_dict_type`` says (which
@@ -222,15 +145,10 @@ class FSDPStrategy(_ShardsafeCheckpoints, _FabricFSDPStrategy):
 
     def _check_options(self) -> None:
         super()._check_options()
-        kind = getattr(self, "_state_dict_type", None)
-        if kind not in ("full", "sharded"):
-            raise InvalidArgumentError(
-                f"state_dict_type={kind!r} must be 'full' or 'sharded', as in Fabric's FSDPStrategy; shardsafe "
-                "writes each rank's shard either way (no gather), and the checkpoint loads into any strategy and "
-                "world size"
-            )
+        check_state_dict_type(getattr(self, "_state_dict_type", None))
 
 
+@expose_signature
 class ModelParallelStrategy(_ShardsafeCheckpoints, _FabricModelParallelStrategy):
     """Fabric's :class:`~lightning.fabric.strategies.ModelParallelStrategy` (FSDP2 and tensor parallelism on
     a 2-D mesh), checkpoints through shardsafe, whatever ``save_distributed_checkpoint`` says."""

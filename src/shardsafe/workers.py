@@ -116,9 +116,10 @@ class Lane:
         self.name = name
         self.wedged = False
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        threading.Thread(
+        self._thread = threading.Thread(
             target=_serve, args=(self._jobs,), name=f"shardsafe-{name}-{next(_names)}", daemon=True
-        ).start()
+        )
+        self._thread.start()
 
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Queue ``fn``; its future."""
@@ -163,9 +164,13 @@ class Lane:
             raise on_expiry() if on_expiry is not None else expired(what, where, deadline)
         return future.result()
 
-    def close(self) -> None:
-        """End the thread once its queue is done (a stuck thread ends when its call returns, if ever)."""
+    def close(self, *, wait: bool = False) -> None:
+        """End the thread once its queue is done (a stuck thread ends when its call returns, if ever). With
+        ``wait``, and when no call is stuck (the lane is not wedged), return once the thread has ended: the
+        caller's call leaves no thread behind it."""
         self._jobs.put(None)
+        if wait and not self.wedged and self._thread is not threading.current_thread():
+            self._thread.join()
 
 
 class Pool:
@@ -209,4 +214,4 @@ def run_bounded(what: str, where: str, deadline: Deadline, fn: Callable[[], T]) 
     try:
         return lane.call(what, where, fn, deadline)
     finally:
-        lane.close()
+        lane.close(wait=True)  # its one call is over, unless it is stuck (the lane is wedged then)

@@ -54,7 +54,10 @@ Nothing is deleted or retired through a symbolic link: a checkpoint folder (or a
 to, or a pending directory) that is a link is refused by :func:`delete_checkpoint`,
 :func:`finish_deletion`, :func:`remove_pending` and the release of referenced files
 (:func:`link_target`), so that a root entry linking to a checkpoint elsewhere (another run's, a
-kept copy) never costs that checkpoint its files. The link itself stays: shardsafe did not write it.
+kept copy) never costs that checkpoint its files. The link itself stays there: shardsafe did not write
+it. Only an explicit ``shardsafe.delete(link)`` removes a link, the link alone (:func:`remove_link`:
+one that leads to a checkpoint of shardsafe, or to nothing), as a framework replaces its ``last``
+link to a checkpoint.
 
 On object stores (and ``file://``) a save's data files go straight into its target, with nothing
 beside them until its manifest commits: a save in flight there is told from a replaced one only by
@@ -65,7 +68,8 @@ written before it started.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import os
+from collections.abc import Collection, Iterable
 
 from shardsafe.catalog import refs, unlink
 from shardsafe.catalog.names import (
@@ -82,14 +86,16 @@ from shardsafe.catalog.names import (
 from shardsafe.errors import CorruptCheckpointError
 from shardsafe.format.manifest import parse_manifest
 from shardsafe.storage.base import MANIFEST_NAME, Storage
+from shardsafe.storage.local import fsync_dir
 
 logger = logging.getLogger(__name__)
 
 
-def delete_files(storage: Storage, directory: str, names: Iterable[str]) -> list[str]:
+def delete_files(storage: Storage, directory: str, names: Iterable[str], *, side: Collection[str] = ()) -> list[str]:
     """Remove ``names`` from ``directory`` through the gate (:func:`shardsafe.catalog.unlink.delete_files`),
     less the data files another checkpoint beside ``directory`` refers to (kept, logged); returns the
-    names removed. Raises ``ValueError`` without removing anything if one of them is not a name
+    names removed. ``side``: the side files among ``names``, taken from a validated manifest or from the save
+    that wrote them. Raises ``ValueError`` without removing anything if one of them is not a name
     shardsafe writes there, ``OSError`` if a removal fails."""
     todo = sorted(set(names))
     in_pending = PENDING_DIR.match(basename(directory)) is not None
@@ -98,7 +104,7 @@ def delete_files(storage: Storage, directory: str, names: Iterable[str]) -> list
         if kept:
             logger.info("shardsafe: keeping %s in %s: other checkpoints refer to them", sorted(kept), directory)
             todo = [n for n in todo if n not in kept]
-    return unlink.delete_files(storage, directory, todo)
+    return unlink.delete_files(storage, directory, todo, side=side)
 
 
 def refuse_link(path: str, what: str) -> None:
@@ -111,6 +117,28 @@ def refuse_link(path: str, what: str) -> None:
         )
 
 
+def remove_link(path: str) -> str:
+    """(one process: :func:`shardsafe.delete` of a path that is a symbolic link) Remove the link
+    ``path`` (a local path or ``file://`` URL) itself, never what it leads to, when it leads to a
+    checkpoint folder of shardsafe (committed, or with a delete's tombstone) or to nothing (its
+    checkpoint is gone); returns where it led. Raises ``ValueError``, removing nothing, when ``path`` is
+    not a link or leads to anything else: shardsafe removes links to its checkpoints only."""
+    target = link_target(path)
+    if target is None:
+        raise ValueError(f"{path} is not a symbolic link")
+    local = (path.removeprefix("file://") if path.startswith("file://") else path).rstrip("/") or "/"
+    ours = os.path.isdir(target) and any(os.path.isfile(os.path.join(target, n)) for n in (MANIFEST_NAME, TOMBSTONE))
+    if os.path.lexists(target) and not ours:
+        raise ValueError(
+            f"refusing to remove the symbolic link {path}: it leads to {target}, which is not a shardsafe checkpoint "
+            "(no MANIFEST.json there); shardsafe removes only links to its own checkpoints. Remove it by hand if it "
+            "should go."
+        )
+    os.unlink(local)  # the link, not its target
+    fsync_dir(os.path.dirname(os.path.abspath(local)))
+    return target
+
+
 def manifest_files(raw: bytes, where: str) -> tuple[str, list[str]]:
     """(save id, data file names) of manifest bytes that pass the loader's validation; names that
     are not data files (allowed by the format, never written by shardsafe) are left out, with a
@@ -121,6 +149,12 @@ def manifest_files(raw: bytes, where: str) -> tuple[str, list[str]]:
     if other:
         logger.warning("shardsafe: %s lists files shardsafe does not write, never deleted: %s", where, other)
     return manifest.save_id, [n for n in names if DATA_FILE.match(n)]
+
+
+def side_files_of(raw: bytes, where: str) -> list[str]:
+    """The side files (format v3) that manifest bytes list, once they pass the loader's validation (which
+    checked every name); raises :class:`CorruptCheckpointError` if they do not."""
+    return sorted(parse_manifest(raw, where).side_files)
 
 
 def _read(storage: Storage, path: str) -> bytes | None:
@@ -167,11 +201,16 @@ def _finish(storage: Storage, path: str) -> list[str]:
     if raw is None:
         return []
     _, names = manifest_files(raw, tomb)
+    side = side_files_of(raw, tomb)
     live = _read(storage, storage.join(path, MANIFEST_NAME))
     if live is not None:  # a later save committed here: its files stay
         _, keep = manifest_files(live, storage.join(path, MANIFEST_NAME))
+        keep += side_files_of(live, storage.join(path, MANIFEST_NAME))
         names = [n for n in names if n not in set(keep)]
+        side = [n for n in side if n not in set(keep)]
     removed = delete_files(storage, path, names)
+    if side:  # never referred to by a sibling: they go with the data files, before the tombstone
+        delete_files(storage, path, side, side=side)
     if len(removed) < len(names):
         return removed  # others refer to the rest: the tombstone stays until they no longer do
     if live is None and _still_referenced(storage, path, names):
@@ -280,6 +319,19 @@ def stale_files(old: bytes | None, new: bytes, where: str) -> list[str]:
     return [n for n in before if n not in set(after)]
 
 
+def stale_side_files(old: bytes | None, new: bytes, where: str) -> list[str]:
+    """(rank 0, publishing an overwrite) The side files of the replaced manifest ``old`` that the new one
+    does not list; ``[]`` when the old manifest does not validate (:func:`stale_files` logged it)."""
+    if old is None:
+        return []
+    try:
+        before = side_files_of(old, where)
+    except CorruptCheckpointError:
+        return []
+    after = set(side_files_of(new, where))
+    return [n for n in before if n not in after]
+
+
 def release_references(storage: Storage, path: str, old: bytes | None, where: str) -> None:
     """(rank 0, an overwrite of ``path`` committed, after its stale files went) What the replaced
     manifest ``old`` referred to and nothing refers to any more: old files of overwritten siblings,
@@ -295,14 +347,16 @@ def release_references(storage: Storage, path: str, old: bytes | None, where: st
     _release_bases(storage, path, old, where)
 
 
-def discard_save(storage: Storage, pending: str, target: str, save_id: str, world_size: int) -> None:
+def discard_save(
+    storage: Storage, pending: str, target: str, save_id: str, world_size: int, side: Collection[str] = ()
+) -> None:
     """(every rank, once "abort" is decided; idempotent) Remove what save ``save_id`` wrote: every
-    rank's data file, its staged or temporary manifest, then its pending directory if empty. Files of
-    this save id that an interrupted publish had moved into ``target`` go too, unless a manifest
-    committed there lists them."""
+    rank's data file, its staged or temporary manifest, the side files it wrote (``side``: rank 0 knows
+    them), then its pending directory if empty. Files of this save id that an interrupted publish had moved
+    into ``target`` go too, unless a manifest committed there lists them."""
     own = [data_file(r, save_id) for r in range(world_size)]
     if pending != target and storage.is_dir(pending):  # another rank may have removed it already
-        delete_files(storage, pending, [*own, *STAGED_MANIFEST])
+        delete_files(storage, pending, [*own, *STAGED_MANIFEST, *side], side=side)
         storage.remove_dir_if_empty(pending)
     storage.cancel_uploads(target, save_id)
     if not storage.is_dir(target):
@@ -312,17 +366,30 @@ def discard_save(storage: Storage, pending: str, target: str, save_id: str, worl
     if live is not None:
         try:
             sid, listed = manifest_files(live, storage.join(target, MANIFEST_NAME))
-        except CorruptCheckpointError:
-            sid, listed = "", []
+            listed += side_files_of(live, storage.join(target, MANIFEST_NAME))
+        except CorruptCheckpointError:  # its side files stay foreign: none of this save's names is removed
+            sid, listed = "", list(side)
         if sid == save_id:
             return  # this save is committed after all: its files are the checkpoint's
         keep = set(listed)
-    delete_files(storage, target, [n for n in [*own, temp_manifest(save_id)] if n not in keep])
+    delete_files(storage, target, [n for n in [*own, temp_manifest(save_id), *side] if n not in keep], side=side)
+
+
+def _staged_side_files(storage: Storage, pending: str) -> list[str]:
+    """The side files the staged manifest in ``pending`` lists, when it validates (else none: they stay)."""
+    where = storage.join(pending, MANIFEST_NAME)
+    try:
+        return side_files_of(storage.read_bytes(where), where)
+    except (FileNotFoundError, CorruptCheckpointError) as err:
+        logger.warning("shardsafe: the staged manifest %s does not validate; its side files stay: %s", where, err)
+        return []
 
 
 def remove_pending(storage: Storage, pending: str) -> bool:
     """(rank 0: leftover cleanup) Remove a crashed save's pending directory: the data files of the save
-    id its name carries and its staged manifest, then the directory if that left it empty. Returns
+    id its name carries, its staged manifest and the side files that manifest lists (side files of a save
+    that crashed before staging its manifest are not known as its own: they stay, logged), then the
+    directory if that left it empty. Returns
     whether it is gone; anything else in it stays (logged). ``ValueError``, deleting nothing, for a
     name that is not a pending directory's or a symbolic link."""
     m = PENDING_DIR.match(basename(pending))
@@ -331,8 +398,13 @@ def remove_pending(storage: Storage, pending: str) -> bool:
     refuse_link(pending, "clean up the pending directory")
     sid = m.group("sid")
     names = storage.list_dir(pending)
-    mine = [n for n in names if n in STAGED_MANIFEST or ((d := DATA_FILE.match(n)) is not None and d["sid"] == sid)]
-    delete_files(storage, pending, mine)
+    side = _staged_side_files(storage, pending) if MANIFEST_NAME in names else []
+    mine = [
+        n
+        for n in names
+        if n in STAGED_MANIFEST or n in side or ((d := DATA_FILE.match(n)) is not None and d["sid"] == sid)
+    ]
+    delete_files(storage, pending, mine, side=side)
     if storage.remove_dir_if_empty(pending):
         return True
     logger.warning(

@@ -24,6 +24,8 @@ import os
 import re
 from collections.abc import Iterable
 
+from shardsafe.errors import CorruptCheckpointError
+from shardsafe.format.manifest import parse_manifest
 from shardsafe.format.names import DATA_FILE, SAVE_ID_CHARS, data_file
 from shardsafe.storage import is_remote
 from shardsafe.storage.base import MANIFEST_NAME, Commit, Storage
@@ -43,6 +45,7 @@ __all__ = [
     "in_flight_marker",
     "is_own",
     "link_target",
+    "listed_side_files",
     "pending_name",
     "refusal",
     "save_id_of",
@@ -109,7 +112,8 @@ def basename(path: str) -> str:
 def is_own(name: str, *, in_pending: bool = False) -> bool:
     """Whether shardsafe writes files called ``name`` inside a checkpoint (or inside a pending
     directory, where the staged manifest is shardsafe's too). ``MANIFEST.json`` of a checkpoint is not
-    in this set: it is never deleted, only renamed to the tombstone."""
+    in this set: it is never deleted, only renamed to the tombstone. A side file (format v3) is shardsafe's
+    only where a validated manifest lists it (:func:`listed_side_files`) or the save that wrote it names it."""
     if DATA_FILE.match(name) or TEMP_MANIFEST.match(name) or CLOCK_PROBE.match(name) or name == TOMBSTONE:
         return True
     return in_pending and name in STAGED_MANIFEST
@@ -125,10 +129,25 @@ def link_target(path: str) -> str | None:
     return os.path.realpath(local) if os.path.islink(local) else None
 
 
-def refusal(storage: Storage, path: str, *, overwrite: bool) -> str | None:
+def listed_side_files(storage: Storage, path: str) -> set[str]:
+    """The side files (format v3) that the manifest and the tombstone in ``path`` list, each of them that
+    validates (one that does not lists nothing: its names stay foreign)."""
+    out: set[str] = set()
+    for name in (MANIFEST_NAME, TOMBSTONE):
+        where = storage.join(path, name)
+        try:
+            out.update(parse_manifest(storage.read_bytes(where), where).side_files)
+        except (FileNotFoundError, NotADirectoryError, CorruptCheckpointError):
+            continue
+    return out
+
+
+def refusal(storage: Storage, path: str, *, overwrite: bool, side_files: bool = False) -> str | None:
     """(rank 0, before a save starts) Why ``path`` may not receive a save, or ``None`` if it may:
     absent, an empty folder, or shardsafe's own names only, each a regular file (with
-    ``MANIFEST.json``: a committed checkpoint, replaced only with ``overwrite``). A target that is a
+    ``MANIFEST.json``: a committed checkpoint, replaced only with ``overwrite``, and only by a save
+    without ``side_files``, whose fixed names could not be replaced in the one atomic step of the
+    commit). The side files a manifest or tombstone there lists are shardsafe's. A target that is a
     symbolic link is refused whatever it points to: saving through it would replace (and delete the
     files of) the checkpoint it points to, which a link's name does not own. The message lists a few
     of the foreign entries."""
@@ -154,6 +173,9 @@ def refusal(storage: Storage, path: str, *, overwrite: bool) -> str | None:
     ]
     names = sorted(kinds)
     if foreign:
+        listed = listed_side_files(storage, path)
+        foreign = [n for n in foreign if n not in listed]
+    if foreign:
         shown = ", ".join(repr(n) for n in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         return (
             f"{path} is a folder that holds files shardsafe did not write ({shown}); it refuses to save there "
@@ -164,6 +186,13 @@ def refusal(storage: Storage, path: str, *, overwrite: bool) -> str | None:
         return (
             f"{path} already holds a committed checkpoint; pass overwrite=True to replace it atomically, or save "
             "to a new path"
+        )
+    if MANIFEST_NAME in names and side_files:
+        return (
+            f"{path} holds a committed checkpoint, and this save carries side files (files=/write_files=), whose "
+            "fixed names cannot be replaced in the commit's one atomic step (the old checkpoint would not stay "
+            "whole until the new one is committed); save to a new path, or delete the old one first "
+            "(shardsafe.delete)"
         )
     return None
 

@@ -168,8 +168,10 @@ def _verify(path: str, *, out: TextIO) -> int:
         summary = verify(path, progress=bar())
     except (CheckpointError, *_REPORTED) as err:
         return _fail("verify", err)
+    side = f", {summary.side_files} side file(s)" if summary.side_files else ""
     out.write(
-        f"OK {path}: {summary.files} data file(s), {summary.tensors} tensor(s), {exact_size(summary.bytes)} verified\n"
+        f"OK {path}: {summary.files} data file(s), {summary.tensors} tensor(s){side}, {exact_size(summary.bytes)} "
+        "verified\n"
     )
     return EXIT_OK
 
@@ -213,6 +215,8 @@ def _inspect(path: str, *, as_json: bool, out: TextIO) -> int:
             rows.append((e.name, e.kind, e.dtype or "-", shape, str(e.chunks), str(e.nbytes)))
         else:
             rows.append((e.name, e.kind, "-", "-", "-", "-"))
+    for name, size in info.side_files.items():  # files of their own names beside the data (format v3)
+        rows.append((name, "side file", "-", "-", "-", str(size)))
     out.write("\n".join(table(rows, right=(4, 5))) + "\n")
     return EXIT_OK
 

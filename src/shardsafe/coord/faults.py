@@ -27,6 +27,7 @@ POINTS: dict[str, str] = {
     "save.stage": "every rank, after copying its share into staging buffers (async save)",
     "save.write": "a writing rank, after its first piece of data reached the file",
     "save.fsync": "a writing rank (local disk), inside the fsync of its data file, under the deadline",
+    "save.side_files": "rank 0, after each side file it wrote (files=, write_files=), before the next",
     "save.report": "every rank, after fsync of its files, before reporting to rank 0",
     "save.commit": "rank 0, all reports received, before building the manifest and deciding",
     "save.publish": "rank 0, commit decided, before the manifest becomes visible (under the publish deadline)",

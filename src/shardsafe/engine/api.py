@@ -15,10 +15,10 @@ import torch
 
 from shardsafe import knobs
 from shardsafe.coord import Deadlines
-from shardsafe.engine import inflight
+from shardsafe.engine import inflight, sidefiles
 from shardsafe.engine import load as _load
 from shardsafe.engine.guard import entry_point, mapped_errors
-from shardsafe.engine.inspect import CheckpointInfo, EntryInfo, VerifySummary, inspect, verify
+from shardsafe.engine.inspect import CheckpointInfo, EntryInfo, VerifySummary, inspect, read_file, verify
 from shardsafe.engine.options import SaveOptions, complete, spelled_out
 from shardsafe.engine.save import SaveHandle, SaveJob
 from shardsafe.progress.record import Progress, ProgressCallback, check_callback
@@ -42,6 +42,7 @@ __all__ = [
     "async_save",
     "inspect",
     "load",
+    "read_file",
     "save",
     "verify",
 ]
@@ -50,6 +51,7 @@ __all__ = [
 def _start(path: str | os.PathLike[str], state: Mapping[str, Any], call: str, given: Mapping[str, Any]) -> SaveHandle:
     options = complete(call, given)
     options["progress"] = check_callback(options["progress"])
+    options["files"] = sidefiles.check_files(options["files"], options["write_files"], call)
     deadlines = Deadlines.resolve(options["timeout"])
     inflight.drain(knobs.max_inflight_saves() - 1)
     background = call == "async_save"
@@ -102,6 +104,13 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], **options: Unpa
     raises is logged and not called again; the save goes on. See docs/progress.md.
     ``staging``: when :func:`async_save` copies the tensors (``"blocking"`` or ``"background"``); a
     synchronous save copies nothing ahead, and only checks the value.
+    ``files``: side files, ``{name: bytes}`` (e.g. ``{"trainer_state.json": b"..."}``), written by rank 0 into
+    the checkpoint's folder under those names and committed with it; ``write_files``: a callable that rank 0
+    calls with a local folder of its own, whose plain files are committed the same way (for code that writes
+    files by path). Rank 0's are the checkpoint's; another rank may give a name in ``files`` only with rank 0's
+    bytes. Names are plain (no ``/``, not hidden, not the format's own). :func:`read_file` reads one back,
+    verified. A save with side files over a committed checkpoint is refused (save to a new path). See
+    docs/huggingface.md, "Side files".
     """
     _start(path, state, "save", options)
 

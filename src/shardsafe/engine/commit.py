@@ -38,16 +38,25 @@ from shardsafe.catalog.delete import (
     release_references,
     remove_pending,
     stale_files,
+    stale_side_files,
 )
 from shardsafe.catalog.names import commit_of, in_flight_marker
 from shardsafe.catalog.orphans import abandoned_pending, orphaned_files
 from shardsafe.catalog.refs import check_ref_files
 from shardsafe.coord import Deadline, Operation, fault_point
 from shardsafe.coord.failures import wrap
-from shardsafe.engine import incremental, unremoved
+from shardsafe.engine import incremental, sidefiles, unremoved
 from shardsafe.engine.messages import SAVE_WRITTEN, Committed, WriteReport
 from shardsafe.errors import CheckpointError, CorruptCheckpointError, RankDeadError, UnsafeValueError
-from shardsafe.format.manifest import Chunk, FileEntry, Manifest, TensorEntry, parse_manifest
+from shardsafe.format.manifest import (
+    FORMAT_VERSION,
+    SIDE_FILES_VERSION,
+    Chunk,
+    FileEntry,
+    Manifest,
+    TensorEntry,
+    parse_manifest,
+)
 from shardsafe.progress.tracker import Tracker
 from shardsafe.state import per_rank
 from shardsafe.state.flatten import FlatState
@@ -74,6 +83,8 @@ class CommitInputs:
     base_name: str
     started: float
     blocking_seconds: float
+    side_written: tuple[str, ...] = ()
+    """(rank 0) The side files this save wrote into its pending directory: an abort removes them by name."""
 
 
 @dataclass
@@ -95,18 +106,19 @@ def discard(
     deadline: Deadline,
     *,
     remember: bool = False,
+    side: tuple[str, ...] = (),
 ) -> bool:
     """(every rank, once an abort is the outcome) Remove what this save wrote, within ``deadline`` (a
     hung disk must not hang the error path); returns whether that worked. A failure is logged and,
     with ``remember`` (rank 0), kept for the next save of this process beside ``path``
-    (:mod:`shardsafe.engine.unremoved`)."""
+    (:mod:`shardsafe.engine.unremoved`). ``side``: the side files this save wrote (rank 0)."""
     storage.set_deadline(deadline)  # its object-store requests are bounded by the same deadline
     try:
         run_bounded(
             "removing the files of the failed save",
             pending,
             deadline,
-            lambda: discard_save(storage, pending, path, save_id, world_size),
+            lambda: discard_save(storage, pending, path, save_id, world_size, side),
         )
     except FileNotFoundError as err:  # another rank removed it first: the removal is shared and idempotent
         logger.debug("shardsafe: pending directory %s of a failed save was already removed: %s", pending, err)
@@ -230,6 +242,7 @@ class Committer:
                 op.world_size,
                 op.clock.arrive.or_grace(),
                 remember=op.rank == 0,
+                side=i.side_written,
             )
 
     def _decide(self, reports: dict[int, WriteReport]) -> _Decided:
@@ -249,7 +262,7 @@ class Committer:
                 f"save of {i.path!r}: the state holds something the format cannot store: {err}"
             ) from None
         i.storage.set_deadline(op.clock.end)
-        commit = commit_of(i.pending, i.path, i.save_id, raw, manifest.files)
+        commit = commit_of(i.pending, i.path, i.save_id, raw, [*manifest.files, *manifest.side_files])
         i.storage.stage_manifest(commit)
         if manifest.refs:
             # An incremental save: its intent (the staged manifest, which a delete of a base reads
@@ -310,7 +323,14 @@ class Committer:
         surely did not happen; the error to raise instead of ``err`` when that failed too."""
         i, op = self.inputs, self.op
         if self._never and not discard(
-            i.storage, i.path, i.pending, i.save_id, op.world_size, op.clock.arrive.or_grace(), remember=True
+            i.storage,
+            i.path,
+            i.pending,
+            i.save_id,
+            op.world_size,
+            op.clock.arrive.or_grace(),
+            remember=True,
+            side=i.side_written,
         ):
             worse = CheckpointError(
                 f"{err} What this save wrote could not be removed either ({i.pending}); it is never read, and the "
@@ -329,9 +349,12 @@ class Committer:
         stale = stale_files(old, new, where)
         # URL storage: the save's in-flight marker goes too, in the same request (its data files are listed)
         marker = [in_flight_marker(i.save_id)] if i.pending == i.path else []
+        stale_side = stale_side_files(old, new, where)
 
         def remove() -> None:
             delete_files(i.storage, i.path, [*stale, *marker])
+            if stale_side:
+                delete_files(i.storage, i.path, stale_side, side=stale_side)
             release_references(i.storage, i.path, old, where)
 
         grace = self.op.clock.end.or_grace()
@@ -491,6 +514,7 @@ def build_manifest(i: CommitInputs, world_size: int, reports: dict[int, WriteRep
     tensors.update(own)
     from shardsafe.version import __version__
 
+    side = sidefiles.merge({r: rep.side for r, rep in reports.items()}, i.path)
     return Manifest(
         save_id=i.save_id,
         created=time.time(),
@@ -505,4 +529,6 @@ def build_manifest(i: CommitInputs, world_size: int, reports: dict[int, WriteRep
         refs=incremental.ref_table(i.base_manifest, i.base_name, [c for cs in chunks.values() for c in cs])
         if i.base_manifest is not None
         else {},
+        format_version=SIDE_FILES_VERSION if side else FORMAT_VERSION,
+        side_files=side,
     )

@@ -14,7 +14,10 @@ only called for tensors whose device type is ``cuda``, so CPU runs never initial
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Mapping
@@ -126,6 +129,57 @@ class HostBuffer:
 
     def close(self) -> None:
         self._finalizer()
+
+
+# ------------------------------------------------------------------------------------ reading memory
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_readv: Any = None  # process_vm_readv, once looked up; False where this process may not use it
+
+
+def _process_vm_readv() -> Any:
+    global _readv
+    if _readv is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).process_vm_readv
+            fn.restype = ctypes.c_ssize_t
+            ulong, ptr = ctypes.c_ulong, ctypes.c_void_p
+            fn.argtypes = [ctypes.c_int, ptr, ulong, ptr, ulong, ulong]  # pid, local, n, remote, n, flags
+            _readv = fn
+        except (OSError, AttributeError):  # not Linux, or a libc without it
+            _readv = False
+    return _readv
+
+
+def read_memory(dst: int, src: int, nbytes: int) -> bool:
+    """Copy ``nbytes`` from the address ``src`` to ``dst`` of this process without faulting: ``False``
+    when ``src`` stops being readable memory part way (freed by another thread under the copy), where a
+    ``memmove`` would kill the process with SIGSEGV. Through ``process_vm_readv`` on this process (the
+    kernel copies, and reports an unmapped page as EFAULT); where that is refused (a seccomp profile, no
+    such call), through ``memmove``. Releases the GIL while copying."""
+    global _readv
+    fn = _process_vm_readv()
+    done = 0
+    while fn and done < nbytes:
+        local = _IoVec(dst + done, nbytes - done)
+        remote = _IoVec(src + done, nbytes - done)
+        got = fn(os.getpid(), ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if got > 0:
+            done += got
+            continue
+        err = ctypes.get_errno()
+        if got == 0 or err == errno.EFAULT:
+            return False
+        if err != errno.EINTR:  # EPERM, ENOSYS: not allowed here; the plain copy is all there is
+            _readv = fn = False
+            logger.debug("shardsafe: process_vm_readv unavailable (%s); copying with memmove", os.strerror(err))
+    if done < nbytes:
+        ctypes.memmove(dst + done, src + done, nbytes - done)
+    return True
 
 
 # ------------------------------------------------------------------------------------ CUDA streams

@@ -15,6 +15,7 @@ from shardsafe.catalog.refs import check_ref_files, missing_base, sibling
 from shardsafe.engine.guard import entry_point, mapped_errors
 from shardsafe.engine.memory import available_memory
 from shardsafe.engine.read import read_manifest
+from shardsafe.engine.sidefiles import read_side_file, verify_side_files
 from shardsafe.errors import CheckpointError, CorruptCheckpointError
 from shardsafe.format.datafile import read_blocks, verify_header
 from shardsafe.format.manifest import Chunk, Manifest
@@ -30,6 +31,8 @@ class VerifySummary:
     files: int
     tensors: int
     bytes: int
+    side_files: int = 0
+    """Side files checked (format v3; they are checked by the part ``i == 0`` of a ``part=(i, n)`` call)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,8 @@ class CheckpointInfo:
     """Sibling checkpoints this one refers to (an incremental save); empty for a self-contained one."""
     referenced_bytes: int = 0
     """Bytes of the base checkpoints' data files it refers to (not counted in ``total_bytes``)."""
+    side_files: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Its side files (format v3), each with its size in bytes; read one with :func:`shardsafe.read_file`."""
 
 
 _AS_SAVED = (
@@ -87,7 +92,8 @@ def verify(
     ``part=(i, n)`` checks the manifest and only the data files ``i, i + n, ...`` (in name order), so
     that ``n`` processes calling it with ``i = 0 .. n-1`` check the whole checkpoint once between them.
     An incremental checkpoint's referenced chunks are checked in its base's files (a missing base is a
-    :class:`CheckpointNotFoundError` naming it).
+    :class:`CheckpointNotFoundError` naming it). Side files are checked whole against their size and checksum
+    (by part 0 of a ``part=`` split).
 
     ``progress``: a callable given :class:`Progress` records (``op="verify"``) from a thread of its own:
     the bytes verified so far of those this call verifies (its part's files: headers, and the chunks
@@ -101,12 +107,14 @@ def verify(
         storage = get_storage(path, storage_options)
         with mapped_errors("verify", path):
             manifest = read_manifest(storage, path)
-            files, total = _verify_files(storage, path, manifest, part, tracker)
-    return VerifySummary(path=path, files=files, tensors=len(manifest.tensors), bytes=total)
+            side = manifest.side_files if part is None or part[0] == 0 else {}
+            files, total = _verify_files(storage, path, manifest, part, tracker, sum(f.size for f in side.values()))
+            total += verify_side_files(storage, path, side, tracker.add)
+    return VerifySummary(path=path, files=files, tensors=len(manifest.tensors), bytes=total, side_files=len(side))
 
 
 def _verify_files(
-    storage: Storage, path: str, manifest: Manifest, part: tuple[int, int] | None, tracker: Tracker
+    storage: Storage, path: str, manifest: Manifest, part: tuple[int, int] | None, tracker: Tracker, extra: int = 0
 ) -> tuple[int, int]:
     """(:func:`verify`) Check the data files of ``part``: (the data files there are, the bytes checked)."""
     by_file: dict[tuple[str, str], list[tuple[str, Chunk]]] = {("", name): [] for name in manifest.files}
@@ -123,7 +131,7 @@ def _verify_files(
         )
     mine = [item for i, item in enumerate(sorted(by_file.items())) if part is None or i % part[1] == part[0]]
     entries = {key: manifest.refs[key[0]].files[key[1]] if key[0] else manifest.files[key[1]] for key, _ in mine}
-    tracker.set_total(sum(entries[key].header_bytes + sum(c.end - c.begin for _, c in cs) for key, cs in mine))
+    tracker.set_total(extra + sum(entries[key].header_bytes + sum(c.end - c.begin for _, c in cs) for key, cs in mine))
     tracker.phase = "read"
     total = 0
     for (ref, fname), chunks in mine:
@@ -173,5 +181,19 @@ def inspect(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | N
         files=sorted(manifest.files),
         entries=entries,
         bases=sorted(manifest.refs),
+        side_files={name: f.size for name, f in sorted(manifest.side_files.items())},
         **copied,
     )
+
+
+@entry_point("read_file", reads=True)
+def read_file(path: str | os.PathLike[str], name: str, *, storage_options: dict[str, Any] | None = None) -> bytes:
+    """The bytes of side file ``name`` of the committed checkpoint at ``path`` (one process, no rendezvous),
+    checked against the size and checksum its manifest records: :class:`MissingKeysError` (a ``KeyError``)
+    when it lists no such side file (the message lists those it has), :class:`CorruptCheckpointError` for a
+    missing, resized or altered file, :class:`CheckpointNotFoundError` when nothing is committed there."""
+    path = os.fspath(path)
+    storage = get_storage(path, storage_options)
+    with mapped_errors("read_file", path):
+        manifest = read_manifest(storage, path)
+        return read_side_file(storage, path, manifest.side_files, name)

@@ -91,7 +91,8 @@ class PerRankPaths(Message):
 class WriteReport(Message):
     """(every rank, after its data is durable) What it wrote: ``chunks`` ([tensor name, chunk record]),
     ``files`` (name -> [size, header bytes, header checksum]), a ``fingerprint`` of the state's
-    structure, the ``block_bytes`` used, its ``per_rank`` values and its final progress ``counts``."""
+    structure, the ``block_bytes`` used, its ``per_rank`` values, its final progress ``counts`` and its
+    ``side`` files (name -> [size, xxh3-64]: written, on rank 0; given, to compare, on the others)."""
 
     chunks: list[list[Any]]
     files: dict[str, list[Any]]
@@ -99,6 +100,7 @@ class WriteReport(Message):
     block_bytes: int
     per_rank: dict[str, Any]
     counts: list[int] = field(default_factory=list)
+    side: dict[str, list[Any]] = field(default_factory=dict)
     TYPES: ClassVar[dict[str, Any]] = {
         "chunks": list,
         "files": dict,
@@ -106,6 +108,7 @@ class WriteReport(Message):
         "block_bytes": int,
         "per_rank": dict,
         "counts": list,
+        "side": dict,
     }
 
 

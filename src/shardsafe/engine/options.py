@@ -27,6 +27,8 @@ class SaveOptions(TypedDict, total=False):
     base: str | os.PathLike[str] | Callable[[], str | None] | None
     progress: ProgressCallback | None
     staging: Literal["blocking", "background"]
+    files: Mapping[str, bytes] | None
+    write_files: Callable[[str], None] | None
 
 
 STAGING = ("blocking", "background")
@@ -42,6 +44,8 @@ DEFAULTS: SaveOptions = {
     "base": None,
     "progress": None,
     "staging": "blocking",
+    "files": None,
+    "write_files": None,
 }
 
 

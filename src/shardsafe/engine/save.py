@@ -37,7 +37,7 @@ import torch
 from shardsafe import knobs
 from shardsafe.catalog.names import in_flight_marker, refusal
 from shardsafe.coord import Clock, Operation, fault_point
-from shardsafe.engine import commit, hostmem, incremental, snapshot, staging
+from shardsafe.engine import commit, hostmem, incremental, sidefiles, snapshot, staging
 from shardsafe.engine.messages import (
     CHANNEL,
     SAVE_ARRIVE,
@@ -98,6 +98,7 @@ class SaveJob:
         self._prepared = False  # rank 0 created staging
         self.deferred = False  # staging="background" captured the state at the call; finish() starts the save
         self._captured_failure: BaseException | None = None  # the capture's failure, sent in the rendezvous
+        self.side: sidefiles.SideWriter | None = None  # rank 0: the side files it wrote
 
     @property
     def phase(self) -> str:
@@ -172,6 +173,8 @@ class SaveJob:
                 self.metadata_json = encode(self.options["metadata"], "metadata", _no_tensors)
             self.chunks = plan_writes(self.flat.items, op.rank, op.world_size) + own_chunks(self.flat)
             if self.base_manifest is not None:
+                if self.background is not None:
+                    self.background.check_memory(self.flat)  # before the comparison reads its tensors
                 self.chunks, self.ref_chunks = incremental.match(
                     self.chunks,
                     self.base_manifest,
@@ -221,6 +224,7 @@ class SaveJob:
             assert self.background is not None
             try:
                 self.flat = self.captured.finish(self.background.substitutes)
+                self.background.check_memory(self.flat)  # before the digests read its tensors
             except Exception as err:  # sent to every rank in the agreement; raised on every rank
                 failure = err
             self.captured = None
@@ -251,7 +255,8 @@ class SaveJob:
         so ranks configured differently still write one loadable checkpoint). A refusal is kept and
         decided for every rank once all have arrived."""
         self.storage.set_deadline(self.clock.arrive)
-        why = refusal(self.storage, self.path, overwrite=self.options["overwrite"])
+        side = bool(self.options["files"]) or self.options["write_files"] is not None  # rank 0's: the writer's
+        why = refusal(self.storage, self.path, overwrite=self.options["overwrite"], side_files=side)
         if why is not None:
             self._refused = CheckpointExistsError(why)
             return
@@ -372,10 +377,17 @@ class SaveJob:
                 files[name] = [entry.size, entry.header_bytes, entry.header_checksum]
                 chunks = [[c.name, r.to_json()] for c, r in zip(self.chunks, records, strict=True)]
             chunks += [[name, c.to_json()] for name, c in self.ref_chunks]
+            side = self._write_side_files(op)
             fault_point("save.report", op.global_rank)
             self.phase = "report"
             report = WriteReport(
-                chunks, files, _fingerprint(flat), self.block_bytes, per_rank.report(flat), self.tracker.own_counts()
+                chunks,
+                files,
+                _fingerprint(flat),
+                self.block_bytes,
+                per_rank.report(flat),
+                self.tracker.own_counts(),
+                side,
             )
         except BaseException as err:
             error = err
@@ -390,6 +402,19 @@ class SaveJob:
             self._end(err)
             raise
         self._end(None)
+
+    def _write_side_files(self, op: Operation) -> dict[str, list[Any]]:
+        """(every rank, its data file durable) Rank 0 writes the side files (``files=``, then ``write_files=``)
+        into the pending directory and returns their sizes and checksums; the others return those of the
+        ``files=`` they gave, which rank 0 compares with its own (:func:`~shardsafe.engine.sidefiles.merge`)."""
+        files = self.options["files"] or {}
+        if op.rank != 0:
+            return sidefiles.digests(files)
+        self.phase = "side_files"
+        self.side = sidefiles.SideWriter(
+            self.storage, self.pending, self.path, lambda: fault_point("save.side_files", op.global_rank)
+        )
+        return self.side.write(files, self.options["write_files"])
 
     def _commit(self, report: WriteReport | None, error: BaseException | None) -> None:
         op = self.op
@@ -409,6 +434,7 @@ class SaveJob:
             base_name=self.base_name,
             started=self.started,
             blocking_seconds=self.blocking_seconds,
+            side_written=tuple(self.side.written) if self.side is not None else (),
         )
 
         def set_phase(name: str) -> None:

@@ -26,9 +26,8 @@ window's memory is reused as soon as the writer asks for the next one.
 from __future__ import annotations
 
 import collections
-import ctypes
 import threading
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -134,20 +133,28 @@ def stage(
 
 def fill(
     staged: Staged,
-    order: Sequence[int] | None = None,
+    order: Iterable[int] | None = None,
     landed: Callable[[int], None] | None = None,
     gentle: Callable[[], bool] | None = None,
+    check: Callable[[int], None] | None = None,
 ) -> None:
     """Copy every chunk of a snapshot ``staged`` into its slab (laid out in file order). Without
     ``order``: in file order, at full speed (the caller waits). With ``order`` (background staging, the
-    caller's training goes on): chunks in that order, and ``landed(i)`` called once chunk ``i``'s bytes
+    caller's training goes on; an iterable, read one index at a time, so the caller may choose the next
+    chunk while copying): chunks in that order, and ``landed(i)`` called once chunk ``i``'s bytes
     are in host memory, before the next is copied; what ``landed`` raises stops the staging. A CPU chunk
-    is copied by one thread in ``memmove`` pieces of ``SHARDSAFE_WRITE_PIECE_BYTES`` (the intra-op
+    is copied by one thread in pieces of ``SHARDSAFE_WRITE_PIECE_BYTES`` (the intra-op
     threads left to the training) while ``gentle()`` says so, else with every intra-op thread (the
-    training waits for it). On return the chunks hold only metadata, not the caller's tensors; on a
-    failure the staging is released."""
+    training waits for it). Before any byte of chunk ``i`` is read (and before each piece), ``check(i)``
+    may refuse it by raising, then :func:`check_memory` does (a raw copy of freed memory would crash the
+    process). The single-threaded pieces, which run beside the training, read through
+    :func:`hostmem.read_memory`, so a tensor freed by the training under its copy fails the staging
+    instead of the process; the copy with every thread runs while the training waits in a step. (A
+    strided CPU chunk is first made contiguous by torch, a read that is not guarded so.)
+    On return the chunks hold only metadata, not the caller's tensors; on a failure the staging is
+    released."""
     try:
-        _fill_slab(staged, order, landed, gentle)
+        _fill_slab(staged, order, landed, gentle, check)
     except BaseException:
         staged.close()
         raise
@@ -156,6 +163,29 @@ def fill(
         PendingChunk(c.name, c.offsets, c.sizes, torch.empty(c.sizes, dtype=c.data.dtype, device="meta"))
         for c in staged.chunks
     ]
+
+
+def check_memory(c: PendingChunk) -> None:
+    """Raise :class:`CheckpointError` unless the tensor of chunk ``c`` still has the memory of its box:
+    the planned sizes, and a storage that holds every byte the tensor reaches. A raw copy of a tensor
+    whose storage was freed (``untyped_storage().resize_(0)``, as FSDP-style code does) or shrunk would
+    read memory that is not there and crash the process (or save whatever lies at that address)."""
+    d = c.data
+    if tuple(d.shape) != tuple(c.sizes):
+        raise CheckpointError(
+            f"tensor {c.name!r}: its shape changed to {tuple(d.shape)} after the save planned {tuple(c.sizes)} "
+            "(resize_ or set_ on it); save a tensor while it holds its data"
+        )
+    if not d.numel() or d.device.type == "meta":
+        return
+    st = d.untyped_storage()
+    end = d.storage_offset() + 1 + sum((s - 1) * t for s, t in zip(d.shape, d.stride(), strict=True))
+    if not st.data_ptr() or end * d.element_size() > st.nbytes():
+        raise CheckpointError(
+            f"tensor {c.name!r} has no memory: it reaches {end * d.element_size()} bytes of a storage of "
+            f"{st.nbytes()} bytes (freed: untyped_storage().resize_(0)?); save a tensor while it holds its data "
+            "(before freeing it, or after gathering it again)"
+        )
 
 
 def copy_piece(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
@@ -212,9 +242,10 @@ def _cut(data: memoryview, piece: int) -> Iterator[memoryview]:
 
 def _fill_slab(
     staged: Staged,
-    order: Sequence[int] | None,
+    order: Iterable[int] | None,
     landed: Callable[[int], None] | None,
     gentle: Callable[[], bool] | None,
+    check: Callable[[int], None] | None,
 ) -> None:
     staged.slab = slab = _take_slab(staged.nbytes, staged.pinned())
     keep: list[torch.Tensor] = []
@@ -231,11 +262,24 @@ def _fill_slab(
             if order is not None and before_background_copy is not None:
                 before_background_copy(c.name)
             if n:
-                src = _source(staged, c, keep)
+                if check is not None:
+                    check(i)
+                check_memory(c)
+                made = len(keep)
+                src = _source(staged, c, keep)  # holds the source's storage: replacing the tensor's cannot free it
+                borrowed = len(keep) == made  # the caller's memory, not a contiguous copy made here
                 if gentle is not None and stream is None and src.device.type == "cpu" and gentle():
                     dst, at = slab.view(pos, pos + n).data_ptr(), src.data_ptr()
-                    for off in range(0, n, piece):  # ctypes releases the GIL: the training thread runs on
-                        ctypes.memmove(dst + off, at + off, min(piece, n - off))
+                    for off in range(0, n, piece):  # the GIL is released: the training thread runs on...
+                        if off and borrowed:  # ... and may have freed the memory since the last piece
+                            if check is not None:
+                                check(i)
+                            check_memory(c)
+                        if not hostmem.read_memory(dst + off, at + off, min(piece, n - off)):  # ... or under it
+                            if check is not None:
+                                check(i)
+                            check_memory(c)
+                            raise CheckpointError(f"tensor {c.name!r}: its memory could not be read (EFAULT)")
                 else:
                     copy_piece(slab.view(pos, pos + n), src, stream)
                 if stream is None:
@@ -259,6 +303,7 @@ def _windows(staged: Staged) -> Generator[memoryview, None, None]:
     i, n = 0, len(staged.chunks)
     while i < n:
         if not staged.copy[i]:
+            check_memory(staged.chunks[i])
             data = staged.chunks[i].data.detach()
             yield from _cut(tensor_bytes(data if data.is_contiguous() else data.contiguous()), piece)
             i += 1
@@ -312,6 +357,7 @@ def _stream(staged: Staged, chunks: Sequence[PendingChunk]) -> Iterator[memoryvi
                         k, off, current, current_keep = k + 1, 0, None, []
                         continue
                     if current is None:
+                        check_memory(c)
                         current = _source(staged, c, current_keep)
                     take = min(slot - fill, c.nbytes - off)
                     stream = staged.streams.get(c.data.device)

@@ -26,16 +26,18 @@ from shardsafe.format.model import (
     READABLE_VERSIONS,
     SAFETENSORS_DTYPES,
     SELF_CHECKSUM,
+    SIDE_FILES_VERSION,
     STORABLE_DTYPES,
     Chunk,
     FileEntry,
     Manifest,
     RefEntry,
+    SideFile,
     TensorEntry,
     seal_manifest,
     self_checksum,
 )
-from shardsafe.format.names import SAVE_ID, is_data_file_of
+from shardsafe.format.names import SAVE_ID, is_data_file_of, side_file_problem
 from shardsafe.format.tiling import check_tiling
 from shardsafe.format.values import INT_LIMIT, MAX_DIMS, dtype_name, validate
 from shardsafe.format.walk import per_rank_counts, tensor_refs
@@ -53,11 +55,13 @@ __all__ = [  # the model (format/model.py) is imported from here too
     "READABLE_VERSIONS",
     "SAFETENSORS_DTYPES",
     "SELF_CHECKSUM",
+    "SIDE_FILES_VERSION",
     "STORABLE_DTYPES",
     "Chunk",
     "FileEntry",
     "Manifest",
     "RefEntry",
+    "SideFile",
     "TensorEntry",
     "build_manifest",
     "check_file_name",
@@ -92,7 +96,10 @@ _FIELDS_V1 = frozenset(
         SELF_CHECKSUM,
     }
 )
-_FIELDS = _FIELDS_V1 | {"refs"}
+_FIELDS_V2 = _FIELDS_V1 | {"refs"}
+_FIELDS_V3 = _FIELDS_V2 | {"side_files"}
+_FIELDS = {1: _FIELDS_V1, 2: _FIELDS_V2, 3: _FIELDS_V3}
+_SIDE_FIELDS = frozenset({"size", "checksum"})
 _REF_FIELDS = frozenset({"save_id", "files"})
 _CHECKSUM_FIELDS = frozenset({"algorithm", "block_bytes"})
 _FILE_FIELDS = frozenset({"size", "header_bytes", "header_checksum"})
@@ -195,7 +202,7 @@ def build_manifest(doc: dict[str, Any], where: str) -> Manifest:
     version = doc.get("format_version")
     if version not in READABLE_VERSIONS or isinstance(version, bool):
         raise CorruptCheckpointError(f"{where}: format_version {_short(version)} is not supported")
-    _obj(doc, "MANIFEST.json", where, _FIELDS if version >= 2 else _FIELDS_V1)
+    _obj(doc, "MANIFEST.json", where, _FIELDS[version])
     checksum = _obj(doc["checksum"], "checksum", where, _CHECKSUM_FIELDS)
     if checksum["algorithm"] != CHECKSUM_ALGORITHM:
         raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {_short(checksum['algorithm'])}")
@@ -208,6 +215,7 @@ def build_manifest(doc: dict[str, Any], where: str) -> Manifest:
         check_file_name(name, where): _file(name, f, where) for name, f in _obj(doc["files"], "files", where).items()
     }
     refs = _refs(doc["refs"], where) if version >= 2 else {}
+    side_files = _side_files(doc["side_files"], files, where) if version >= SIDE_FILES_VERSION else {}
     tensors = {
         _text(name, "a tensor name", where, limit=65536, printable=False): _tensor(
             name, t, files, refs, block, where, version
@@ -243,7 +251,23 @@ def build_manifest(doc: dict[str, Any], where: str) -> Manifest:
         files=files,
         format_version=version,
         refs=refs,
+        side_files=side_files,
     )
+
+
+def _side_files(value: Any, files: dict[str, FileEntry], where: str) -> dict[str, SideFile]:
+    """The ``side_files`` table (v3): side file name -> its size and xxh3-64 checksum. Every name is one the
+    writer may give a side file (:func:`~shardsafe.format.names.side_file_problem`), never a data file's."""
+    out: dict[str, SideFile] = {}
+    for name, f in _obj(value, "side_files", where).items():
+        problem = side_file_problem(name)
+        if problem is not None or name in files:
+            raise CorruptCheckpointError(f"{where}: side_files: {problem or f'{name!r} is a data file'}")
+        what = f"side_files[{name}]"
+        f = _obj(f, what, where, _SIDE_FIELDS)
+        size = _int(f["size"], f"{what}.size", where)
+        out[name] = SideFile(size=size, checksum=_text(f["checksum"], f"{what}.checksum", where, _DIGEST))
+    return out
 
 
 def _refs(value: Any, where: str) -> dict[str, RefEntry]:

@@ -16,8 +16,11 @@ import xxhash
 from shardsafe.format.values import dtype_name
 
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
-"""v2 adds a content digest per chunk and references into sibling checkpoints (``refs``)."""
+"""The version of a checkpoint without side files; one with side files is :data:`SIDE_FILES_VERSION`."""
+SIDE_FILES_VERSION = 3
+"""v3 is v2 plus ``side_files``: files written beside the data under their own names (``trainer_state.json``)."""
+READABLE_VERSIONS = (1, 2, 3)
+"""v2 adds a content digest per chunk and references into sibling checkpoints (``refs``); v3 side files."""
 DIGEST_ALGORITHM = "xxh3-128"
 CHECKSUM_ALGORITHM = "xxh3-64"
 SELF_CHECKSUM = "manifest_checksum"
@@ -105,6 +108,15 @@ class RefEntry:
     files: dict[str, FileEntry]
 
 
+@dataclass(frozen=True)
+class SideFile:
+    """A side file of the checkpoint (format v3): a file of its own name in the checkpoint's folder, written
+    whole by rank 0 before the commit; ``size`` its exact length, ``checksum`` the xxh3-64 of all its bytes."""
+
+    size: int
+    checksum: str
+
+
 @dataclass
 class Manifest:
     save_id: str
@@ -120,6 +132,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
     refs: dict[str, RefEntry] = field(default_factory=dict)
+    side_files: dict[str, SideFile] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -158,6 +171,10 @@ class Manifest:
         }
         if self.format_version >= 2:
             doc["refs"] = {name: {"save_id": r.save_id, "files": _files_json(r.files)} for name, r in self.refs.items()}
+        if self.format_version >= SIDE_FILES_VERSION:
+            doc["side_files"] = {n: {"size": f.size, "checksum": f.checksum} for n, f in self.side_files.items()}
+        else:
+            assert not self.side_files, f"format version {self.format_version} holds no side files"
         return json.dumps(seal_manifest(doc), separators=(",", ":"), allow_nan=False).encode()
 
 

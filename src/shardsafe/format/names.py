@@ -24,3 +24,26 @@ def is_data_file_of(name: str, save_id: str) -> bool:
     """Whether ``name`` is a data file of save ``save_id`` (of any rank)."""
     m = DATA_FILE.match(name)
     return m is not None and m["sid"] == save_id
+
+
+SIDE_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
+"""A side file's name (format v3): one plain name, as a data file's (docs/format.md, section 3b)."""
+_RESERVED_SIDE = re.compile(r"(?i)(manifest\.json.*|data-.*\.safetensors)")
+"""Names a side file may not take, in any case: the manifest's own (and its temporary), and the data files'."""
+
+
+def side_file_problem(name: object) -> str | None:
+    """Why ``name`` cannot be a side file's name (docs/format.md, section 3b), or ``None`` if it can: a
+    plain name inside the checkpoint (``[A-Za-z0-9_][A-Za-z0-9._-]{0,254}`` in full, no ``..``: no ``/``, no
+    hidden name) that is not the format's own (``MANIFEST.json`` and its temporary names, data file names),
+    compared without case (a case-insensitive filesystem would make them one file)."""
+    if not isinstance(name, str):
+        return f"a side file's name is a str, not {type(name).__name__}"
+    if not SIDE_FILE.fullmatch(name) or ".." in name:
+        return (
+            f"side file name {name[:80]!r} is not a plain name inside the checkpoint: 1 to 255 of A-Z a-z 0-9 . _ -, "
+            "not starting with '.' or '-', no '..' (no '/', no folder)"
+        )
+    if _RESERVED_SIDE.fullmatch(name):
+        return f"side file name {name!r} is taken by the format (MANIFEST.json, data-*.safetensors); choose another"
+    return None

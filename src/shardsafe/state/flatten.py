@@ -23,6 +23,7 @@ from shardsafe.format.manifest import SAFETENSORS_DTYPES
 from shardsafe.format.values import MAX_DEPTH, PerRank, encode
 from shardsafe.state import fsdp1
 from shardsafe.state.layout import Box, Layout, is_sharded_tensor, layout_of
+from shardsafe.state.rng import RNGState
 
 try:
     from torch.distributed.tensor import DTensor
@@ -277,6 +278,8 @@ def capture(
                 value = optimizer_state(obj, names)
         elif kind == "stateful":
             value = obj.state_dict()
+            if isinstance(obj, RNGState):  # this rank's own generators, whatever they hold
+                value = PerRank(value)
         else:
             value = obj
         if kind in ("value", "stateful"):

@@ -26,6 +26,7 @@ then, after the other reads, :meth:`apply`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,9 @@ from shardsafe.format.walk import has_per_rank
 from shardsafe.state.flatten import kind_of, load_module_state, module_state
 from shardsafe.state.layout import Box, Layout, layout_of
 from shardsafe.state.nodes import align, cpu_alloc, describe, describe_value, holds_tensor, refs, tag_of
+from shardsafe.state.rng import RNGState
+
+logger = logging.getLogger(__name__)
 
 Op = Callable[[], Any]
 """Run after the reads: applies a subtree's changes and returns the value its parent holds."""
@@ -110,10 +114,11 @@ class Restorer:
         elif kind == "stateful":
             self._expect(key, skind, ("stateful", "value"), "object with state_dict()/load_state_dict()")
             target = obj.value if isinstance(obj, PerRank) else obj
-            node = self._select(node, key)
+            rng = isinstance(target, RNGState)
+            node = self._select(node, key, keep=rng and target.per_rank == "drop")
             if node is _ABSENT:
                 return
-            sd = target.state_dict()
+            sd = {} if rng else target.state_dict()  # generators are set from new objects, whatever they are now
             if isinstance(sd, dict):  # a saved value of another kind would fail in load_state_dict, after the reads
                 node = self._dict_node(node, key, skind, "a state dict")
             op = self.merge(sd, node, key)
@@ -342,8 +347,9 @@ class Restorer:
 
     # ------------------------------------------------------------------------------- per rank
 
-    def _select(self, node: Any, where: str) -> Any:
-        """This rank's value of a ``per_rank`` node (missing on another world size); other nodes as they are."""
+    def _select(self, node: Any, where: str, *, keep: bool = False) -> Any:
+        """This rank's value of a ``per_rank`` node (missing on another world size; with ``keep``, the
+        destination kept as it is, with a WARNING); other nodes as they are."""
         if not (isinstance(node, dict) and node.get("$") == "per_rank"):
             return node
         ranks = node["ranks"]
@@ -354,6 +360,16 @@ class Restorer:
             )
         if self.rank is not None and self.world_size == self.manifest.world_size:
             return ranks[self.rank]
+        if keep:
+            logger.warning(
+                "shardsafe: load of %s: %s was kept per rank by the %d-rank save and this load runs on %d rank(s): "
+                "left as it is (RNGState(per_rank='drop'); per_rank='error' refuses the load instead)",
+                self.path,
+                where,
+                self.manifest.world_size,
+                self.world_size,
+            )
+            return _ABSENT
         self.missing.append(
             f"{where} (kept per rank by the {self.manifest.world_size}-rank save; this load runs on "
             f"{self.world_size} rank{'s' if self.world_size > 1 else ''})"

@@ -11,10 +11,11 @@ everything above."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from shardsafe.deadline import Deadline
-from shardsafe.errors import InvalidArgumentError
+from shardsafe.errors import InvalidTypeError
 from shardsafe.storage.base import MANIFEST_NAME, Commit, Storage, Writer
 from shardsafe.storage.local import LocalStorage
 
@@ -30,13 +31,13 @@ def get_storage(
     path: str, storage_options: dict[str, Any] | None = None, *, deadline: Deadline | None = None
 ) -> Storage:
     """The backend for ``path``: local POSIX for plain paths, fsspec for paths with a scheme.
-    ``deadline``: the call's, whose length bounds an object store client's own timeouts and retries."""
+    ``storage_options`` (a dict) are the fsspec filesystem's options; a plain path accepts and ignores
+    them, as frameworks pass theirs whatever the path. ``deadline``: the call's, whose length bounds an
+    object store client's own timeouts and retries."""
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise InvalidTypeError(f"storage_options must be a dict of fsspec options or None, not {storage_options!r}")
     if is_remote(path):
         from shardsafe.storage.remote import FsspecStorage
 
         return FsspecStorage.for_path(path, storage_options, deadline=deadline)  # type: ignore[no-any-return]
-    if storage_options:
-        raise InvalidArgumentError(
-            f"storage_options= applies to remote paths (s3://...), not to the local path {path!r}"
-        )
     return LocalStorage()
