@@ -33,7 +33,7 @@ import torch
 import shardsafe
 from shardsafe.catalog.delete import delete_checkpoint
 from shardsafe.catalog.names import DATA_FILE, data_file, is_own
-from shardsafe.catalog.unlink import delete_files
+from shardsafe.catalog.unlink import remove as delete_files
 from shardsafe.cli.ls import ls_main
 from shardsafe.engine import commit
 from shardsafe.manager.cleanup import remove_leftovers

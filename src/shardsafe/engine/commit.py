@@ -35,13 +35,10 @@ from shardsafe.catalog.delete import (
     delete_files,
     discard_save,
     manifest_files,
-    release_references,
     remove_pending,
-    stale_files,
-    stale_side_files,
 )
-from shardsafe.catalog.names import commit_of, in_flight_marker
 from shardsafe.catalog.orphans import abandoned_pending, orphaned_files
+from shardsafe.catalog.publish import CheckpointPublication
 from shardsafe.catalog.refs import check_ref_files
 from shardsafe.coord import Deadline, Operation, fault_point
 from shardsafe.coord.failures import wrap
@@ -55,7 +52,6 @@ from shardsafe.format.manifest import (
     FileEntry,
     Manifest,
     TensorEntry,
-    parse_manifest,
 )
 from shardsafe.progress.tracker import Tracker
 from shardsafe.state import per_rank
@@ -112,14 +108,8 @@ def discard(
     hung disk must not hang the error path); returns whether that worked. A failure is logged and,
     with ``remember`` (rank 0), kept for the next save of this process beside ``path``
     (:mod:`shardsafe.engine.unremoved`). ``side``: the side files this save wrote (rank 0)."""
-    storage.set_deadline(deadline)  # its object-store requests are bounded by the same deadline
     try:
-        run_bounded(
-            "removing the files of the failed save",
-            pending,
-            deadline,
-            lambda: discard_save(storage, pending, path, save_id, world_size, side),
-        )
+        CheckpointPublication(storage, path, save_id, pending=pending).abandon(world_size, deadline, side=side)
     except FileNotFoundError as err:  # another rank removed it first: the removal is shared and idempotent
         logger.debug("shardsafe: pending directory %s of a failed save was already removed: %s", pending, err)
     except (OSError, ValueError, CheckpointError) as err:
@@ -148,15 +138,6 @@ def refused(err: BaseException) -> bool:
     return False
 
 
-def committed_on_storage(storage: Storage, path: str, save_id: str) -> bool:
-    """Whether the manifest at ``path`` validates and carries ``save_id``."""
-    where = storage.join(path, MANIFEST_NAME)
-    try:
-        return parse_manifest(storage.read_bytes(where), where).save_id == save_id
-    except (OSError, CorruptCheckpointError):
-        return False
-
-
 @dataclass(frozen=True)
 class _Decided:
     """(rank 0) What the save decided to publish: the commit, the manifest's bytes and where it goes,
@@ -182,6 +163,7 @@ class Committer:
         self._old: bytes | None = None  # rank 0: the manifest the publish replaced
         self._never = False  # rank 0: a failed publish surely did not happen
         self._probed = False  # another rank: the storage, not rank 0, confirmed the commit
+        self.publication = CheckpointPublication(inputs.storage, inputs.path, inputs.save_id, pending=inputs.pending)
 
     def run(self, report: WriteReport | None, error: BaseException | None, phase: str = "write") -> CommitResult:
         """(every rank, its data durable or its part failed in ``phase``) See the module docstring.
@@ -254,21 +236,18 @@ class Committer:
         fault_point("save.commit", op.global_rank)
         manifest = build_manifest(i, op.world_size, reports)
         raw = manifest.to_bytes()
-        where = i.storage.join(i.path, MANIFEST_NAME)
-        try:
-            parse_manifest(raw, where)  # what a loader will read: never publish what it would refuse
+        where = self.publication.where
+        try:  # what a loader will read: never publish what it would refuse; then staged durably
+            commit = self.publication.verify(raw, [*manifest.files, *manifest.side_files], op.clock.end)
         except CorruptCheckpointError as err:
             raise UnsafeValueError(
                 f"save of {i.path!r}: the state holds something the format cannot store: {err}"
             ) from None
-        i.storage.set_deadline(op.clock.end)
-        commit = commit_of(i.pending, i.path, i.save_id, raw, [*manifest.files, *manifest.side_files])
-        i.storage.stage_manifest(commit)
         if manifest.refs:
             # An incremental save: its intent (the staged manifest, which a delete of a base reads
             # after writing its tombstone) is on storage first; then its bases are checked: still
             # committed, not being deleted, every referred file there. One of the two sees the other.
-            check_ref_files(i.storage, i.path, manifest, committed=i.base_name)
+            check_ref_files(i.storage.within(op.clock.end), i.path, manifest, committed=i.base_name)
         total = sum(int(f[0]) for rep in reports.values() for f in rep.files.values())
         return _Decided(commit, raw, where, total)
 
@@ -282,7 +261,9 @@ class Committer:
             fault_point("save.publish", op.global_rank)
             if gate.cancelled:  # called off while this thread was held up: touch nothing
                 raise TimeoutError("publish called off: the save's deadline passed")
-            return i.storage.publish(decided.commit, overwrite=i.overwrite, at_commit=gate)
+            return self.publication.publish(
+                decided.commit, overwrite=i.overwrite, at_commit=gate, deadline=op.clock.end
+            )
 
         lane = Lane("publish")
         try:
@@ -291,7 +272,7 @@ class Committer:
         except BaseException as err:
             hung = lane.wedged
             never = gate.cancel() if hung else not gate.passed
-            if not never and not hung and committed_on_storage(i.storage, i.path, i.save_id):
+            if not never and not hung and self.publication.committed(op.clock.end.or_grace()):
                 logger.warning("shardsafe: publishing %s raised (%s), but it is committed", i.path, err)
                 return Committed(i.save_id)
             if not hung and (not is_remote(i.path) or isinstance(err, PublishRefusedError)):
@@ -341,30 +322,21 @@ class Committer:
         return None
 
     def _remove_stale(self, old: bytes | None, new: bytes, where: str) -> None:
-        """(rank 0, committed) Remove the data files of the replaced checkpoint that the new manifest
-        does not list (taken from the old manifest, validated), then what only the old manifest referred
-        to in sibling checkpoints; then :meth:`_sweep`. A failure leaves unreferenced files (logged)."""
+        """(rank 0, committed) Retire what the new manifest replaced (the publication's last step:
+        :meth:`CheckpointPublication.retire <shardsafe.catalog.publish.CheckpointPublication.retire>`),
+        then :meth:`_sweep`, both within the grace after the end. A failure leaves unreferenced files
+        (logged)."""
         i = self.inputs
         began = time.monotonic()
-        stale = stale_files(old, new, where)
-        # URL storage: the save's in-flight marker goes too, in the same request (its data files are listed)
-        marker = [in_flight_marker(i.save_id)] if i.pending == i.path else []
-        stale_side = stale_side_files(old, new, where)
-
-        def remove() -> None:
-            delete_files(i.storage, i.path, [*stale, *marker])
-            if stale_side:
-                delete_files(i.storage, i.path, stale_side, side=stale_side)
-            release_references(i.storage, i.path, old, where)
-
         grace = self.op.clock.end.or_grace()
-        i.storage.set_deadline(grace)  # its requests to an object store are bounded by the same
+        stale: list[str] = []
         try:
-            run_bounded("removing the old data files", i.path, grace, remove)
+            stale = self.publication.retire(old, new, grace)
         except (OSError, ValueError, CheckpointError) as err:
-            logger.warning("shardsafe: committed %s but could not remove old data files %s: %s", i.path, stale, err)
+            logger.warning("shardsafe: committed %s but could not remove the replaced files: %s", i.path, err)
+        storage = i.storage.within(grace)
         try:
-            run_bounded("removing what failed saves left", i.path, grace, lambda: self._sweep(new, where))
+            run_bounded("removing what failed saves left", i.path, grace, lambda: self._sweep(storage, new, where))
         except (OSError, ValueError, CheckpointError) as err:
             logger.warning("shardsafe: committed %s but could not remove what failed saves left there: %s", i.path, err)
         logger.debug(
@@ -374,7 +346,7 @@ class Committer:
             time.monotonic() - began,
         )
 
-    def _sweep(self, new: bytes, where: str) -> None:
+    def _sweep(self, storage: Storage, new: bytes, where: str) -> None:
         """(rank 0, committed) Remove what failed saves of this process beside the path could not
         remove themselves (:mod:`shardsafe.engine.unremoved`), then the pending directories that saves
         of the path which never committed left beside it
@@ -384,7 +356,7 @@ class Committer:
         i = self.inputs
         for left in unremoved.beside(i.path):
             try:
-                discard_save(i.storage, left.pending, left.path, left.save_id, left.world_size)
+                discard_save(storage, left.pending, left.path, left.save_id, left.world_size)
             except (OSError, ValueError, CheckpointError) as err:
                 logger.warning(
                     "shardsafe: still cannot remove what failed save %s left in %s: %s", left.save_id, left.pending, err
@@ -395,16 +367,16 @@ class Committer:
         age = knobs.leftover_age_seconds()
         # first: a save whose pending directory is gone is no longer in flight, and its files in the
         # checkpoint are orphans
-        for pending in abandoned_pending(i.storage, i.path, min_age=age):
+        for pending in abandoned_pending(storage, i.path, min_age=age):
             try:
-                if remove_pending(i.storage, pending):
+                if remove_pending(storage, pending):
                     logger.info("shardsafe: removed %s, left by a failed save of %s", pending, i.path)
             except (OSError, ValueError) as err:  # one that cannot go does not keep the rest
                 logger.warning("shardsafe: could not remove %s, left by a failed save of %s: %s", pending, i.path, err)
         _, listed = manifest_files(new, where)
-        orphans = orphaned_files(i.storage, i.path, listed, min_age=age)
+        orphans = orphaned_files(storage, i.path, listed, min_age=age)
         if orphans:
-            removed = delete_files(i.storage, i.path, orphans)
+            removed = delete_files(storage, i.path, orphans)
             logger.info(
                 "shardsafe: removed %s from %s: data files no manifest lists, unchanged for over %.0fs (a save there "
                 "that never committed; SHARDSAFE_LEFTOVER_AGE_SECONDS)",
@@ -425,7 +397,7 @@ class Committer:
         """(a rank other than 0) "go" won but rank 0 cannot confirm the publish: the storage says whether
         it happened."""
         i = self.inputs
-        if committed_on_storage(i.storage, i.path, i.save_id):
+        if self.publication.committed(self.op.clock.end.or_grace()):
             logger.warning(
                 "shardsafe: rank %d: %s, but %s is committed with save id %s; this save succeeded",
                 self.op.rank,

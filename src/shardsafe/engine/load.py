@@ -56,8 +56,7 @@ def load(
     """(all ranks of the group, or one process) See :func:`shardsafe.load`. ``rest``: which unrequested
     entries are read and returned (state/rest.py); without a state, every entry."""
     path = str(path)
-    storage = get_storage(path, storage_options, deadline=clock.end)
-    storage.set_deadline(clock.work)  # every request to an object store ends by then
+    storage = get_storage(path, storage_options, deadline=clock.end).within(clock.work)  # every request ends by then
     single = state is None
     op = None if single else Operation.begin("load", path, clock, channel=CHANNEL, group=group)
     started = time.monotonic()

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from shardsafe import knobs
-from shardsafe.catalog.names import in_flight_marker, refusal
+from shardsafe.catalog.names import refusal
+from shardsafe.catalog.publish import CheckpointPublication
 from shardsafe.coord import Clock, Operation, fault_point
 from shardsafe.engine import commit, hostmem, incremental, sidefiles, snapshot, staging
 from shardsafe.engine.messages import (
@@ -155,7 +156,9 @@ class SaveJob:
             self.save_id, self.pending, self.block_bytes = start.save_id, start.pending, start.block_bytes
             if start.base is not None:
                 self.base_name = start.base.name
-                self.base_manifest = incremental.read_base(self.storage, start.base.path, start.base.save_id)
+                self.base_manifest = incremental.read_base(
+                    self.storage.within(self.clock.work), start.base.path, start.base.save_id
+                )
             if self.flat is None:  # the FSDP1 exchange came with the first agreement
                 payloads = [p for p in start.fsdp1 if p]
                 self.flat = flatten(
@@ -180,7 +183,7 @@ class SaveJob:
                     self.base_manifest,
                     self.base_name,
                     self.block_bytes,
-                    self.storage,
+                    self.storage.within(self.clock.work),
                     self.path,
                     self.clock.work,
                 )
@@ -254,9 +257,9 @@ class SaveJob:
         base; else a fresh save id, its staging, and the checksum block size every writer uses (rank 0's,
         so ranks configured differently still write one loadable checkpoint). A refusal is kept and
         decided for every rank once all have arrived."""
-        self.storage.set_deadline(self.clock.arrive)
+        storage = self.storage.within(self.clock.arrive)  # every rank is there by then
         side = bool(self.options["files"]) or self.options["write_files"] is not None  # rank 0's: the writer's
-        why = refusal(self.storage, self.path, overwrite=self.options["overwrite"], side_files=side)
+        why = refusal(storage, self.path, overwrite=self.options["overwrite"], side_files=side)
         if why is not None:
             self._refused = CheckpointExistsError(why)
             return
@@ -267,14 +270,15 @@ class SaveJob:
         if chosen is not None:
             import json
 
-            checked = json.loads(incremental.check_base(self.storage, self.path, os.fspath(chosen)))
+            checked = json.loads(incremental.check_base(storage, self.path, os.fspath(chosen)))
             if "base_error" in checked:
                 self._refused = incremental.BaseRefusedError(checked["base_error"])
                 return
             self._base = Base(checked["base"], checked["base_name"], checked["base_sid"])
         self.save_id = f"{int(time.time())}{uuid.uuid4().hex[:10]}"
-        self.pending = self.storage.pending_dir(self.path, self.save_id)
-        self.storage.prepare_pending(self.pending, in_flight_marker(self.save_id))
+        publication = CheckpointPublication(self.storage, self.path, self.save_id)  # write hidden, ...
+        self.pending = publication.pending
+        publication.hide(self.clock.arrive)
         self._prepared = True
         self.block_bytes = knobs.checksum_block_bytes()
 
@@ -350,7 +354,7 @@ class SaveJob:
         writer: Writer | None = None
         report: WriteReport | None = None
         error: BaseException | None = None
-        self.storage.set_deadline(self.clock.work)
+        storage = self.storage.within(self.clock.work)  # this rank's own writes and fsyncs
         try:
             if self.background is not None:
                 self.phase = "stage"
@@ -362,7 +366,7 @@ class SaveJob:
             chunks: list[list[Any]] = []
             if self.chunks:
                 name = data_file(op.rank, self.save_id)
-                writer = self.storage.open_writer(self.storage.join(self.pending, name))
+                writer = storage.open_writer(storage.join(self.pending, name))
                 assert self.staged is not None
                 entry, records = write_file(
                     writer,
@@ -412,7 +416,10 @@ class SaveJob:
             return sidefiles.digests(files)
         self.phase = "side_files"
         self.side = sidefiles.SideWriter(
-            self.storage, self.pending, self.path, lambda: fault_point("save.side_files", op.global_rank)
+            self.storage.within(self.clock.work),
+            self.pending,
+            self.path,
+            lambda: fault_point("save.side_files", op.global_rank),
         )
         return self.side.write(files, self.options["write_files"])
 
