@@ -28,9 +28,12 @@ def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-
     s.close()
 
 
+META = {"step": 3, "rank": 1, "world_size": 2, "run": "0123456789abcdef", "save": "1700000000abcdef0123"}
+
+
 def _share(tmp_path: Path) -> str:
     path = str(tmp_path / "share")
-    shardsafe.save(path, {"w": torch.arange(8.0)})
+    shardsafe.save(path, {"w": torch.arange(8.0)}, metadata=META)
     return path
 
 
@@ -41,7 +44,7 @@ def _connect(address: str) -> socket.socket:
 
 def _push(server: replica.ReplicaServer, share: str, seconds: float) -> None:
     """A push of the job's own rank, bounded by ``seconds``; raises what push raises."""
-    replica.push(server.address, server.token, share, 3, 1, Deadline.after(seconds, "io"))
+    replica.push(server.address, server.token, share, META, Deadline.after(seconds, "io"))
 
 
 def test_a_stalled_client_does_not_hold_the_server(server: replica.ReplicaServer, tmp_path: Path) -> None:

@@ -5,13 +5,15 @@ job's traffic uses, an accepting thread and a thread per connection); its addres
 ranks in the local tier's agreements (through the rendezvous store, never the training group). A
 connection carries one request: the server's token and a newline, a JSON line, then raw file bytes:
 
-- ``push``: the sender's committed share of a step (``files``: ``[name, size]``); the server answers
-  whether it accepts the request, then, once accepted, the sender sends the bytes, and the server writes
-  them into ``.incoming-...`` in its own node folder, verifies every byte (:func:`shardsafe.verify`),
-  renames it to ``replica-of-rank-R`` (replacing an older copy) and answers ``{"ok": true}``; anything
-  else answers ``{"ok": false, "error": ...}`` and leaves nothing behind;
-- ``pull``: the server sends the replica of rank R's share of a step that it holds (an answer line
-  with ``files``, then the bytes); the puller stores and verifies it the same way, as its own share.
+- ``push``: the sender's committed share of a save (``run``, ``step``, ``save``, ``rank``, its
+  ``metadata``, ``files``: ``[name, size]``); the server answers whether it accepts the request, then,
+  once accepted, the sender sends the bytes, and the server writes them into ``.incoming-...`` in the
+  save's step folder of its own node folder, verifies every byte (:func:`shardsafe.verify`) and that the
+  copy's metadata is the request's, renames it to ``replica-of-rank-R`` and answers ``{"ok": true}``;
+  anything else answers ``{"ok": false, "error": ...}`` and leaves nothing behind;
+- ``pull``: the server sends a copy it holds (``run``, ``step``, ``save`` and the entry's ``name``: a
+  share or a replica, whichever rank 0's plan named), an answer line with ``files`` then the bytes; the
+  puller stores and verifies it the same way, as its own share.
 
 The token (32 random hex digits, made when the server starts and published with its address through
 the rendezvous store, which only the job's ranks reach) comes first, in a fixed number of bytes: the
@@ -40,10 +42,21 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from shardsafe import knobs
+from shardsafe.catalog.names import temp_manifest
 from shardsafe.deadline import Deadline
 from shardsafe.engine import api
-from shardsafe.errors import CheckpointError
-from shardsafe.manager.tiers import remove_entry, replica_name, share_name, step_name
+from shardsafe.errors import CheckpointError, CheckpointTimeoutError
+from shardsafe.manager.tiers import (
+    REPLICA_RE,
+    RUN_ID,
+    SAVE_ID,
+    SHARE_RE,
+    real_dir,
+    remove_entry,
+    replica_name,
+    share_name,
+    step_folder,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +81,7 @@ class _Stream:
     def _bound(self) -> None:
         left = self.until - time.monotonic()
         if left <= 0:
-            raise TimeoutError("the connection's deadline passed")
+            raise CheckpointTimeoutError("the replica connection's deadline passed")
         self.sock.settimeout(min(left, self.each))
 
     def _recv(self, n: int) -> bytes:
@@ -179,33 +192,36 @@ def _check_files(files: Any) -> list[tuple[str, int]]:
     return out
 
 
-def receive_checkpoint(
-    stream: _Stream, folder: str, step: int, final_name: str, owner: int, files: Any
-) -> str:
-    """Write ``files`` read from ``stream`` into a fresh ``.incoming-`` folder of ``folder``/step, verify
-    every byte, then rename it to ``final_name`` (replacing what is there). Returns the final path;
-    on any failure nothing of the transfer remains."""
+def receive_checkpoint(stream: _Stream, where: str, final_name: str, files: Any, expect: dict[str, Any]) -> str:
+    """Write ``files`` read from ``stream`` into a fresh ``.incoming-`` folder of the step folder ``where``
+    (its manifest under a temporary name until every file is in), verify every byte and that its metadata
+    is ``expect``, then rename it to ``final_name`` (replacing a copy of this run there). Returns the final
+    path; on any failure nothing of the transfer remains."""
     listed = _check_files(files)
-    where = os.path.join(folder, step_name(step))
-    os.makedirs(where, exist_ok=True)
-    kind = "replica-of-rank" if final_name.startswith("replica") else "rank"
-    number = final_name.rsplit("-", 1)[1]
-    tmp = os.path.join(where, f".incoming-{kind}-{number}-to-{owner:05d}-{os.getpid()}-{secrets.token_hex(4)}")
+    if not real_dir(where):
+        raise CheckpointError(f"{where} is a symbolic link or not a folder; nothing is written through a link")
+    kind, number = final_name.rsplit("-", 1)
+    tmp = os.path.join(where, f".incoming-{kind}-{number}-{os.getpid()}-{secrets.token_hex(4)}")
     os.mkdir(tmp)
     written: list[str] = []
     try:
         for name, size in listed:
-            target = os.path.join(tmp, name)
-            with open(target, "xb") as f:
-                written.append(name)
+            own = temp_manifest(secrets.token_hex(4)) if name == "MANIFEST.json" else name
+            with open(os.path.join(tmp, own), "xb") as f:
+                written.append(own)
                 stream.into(f, size, name)
                 f.flush()
                 os.fsync(f.fileno())
+            if own != name:
+                os.rename(os.path.join(tmp, own), os.path.join(tmp, name))  # whole, or not there
+                written[-1] = name
         api.verify(tmp)  # every byte, against the manifest's checksums
+        meta = api.inspect(tmp).metadata
+        if meta != expect:
+            raise CheckpointError(f"the copy received in {tmp} records {meta!r:.300}, not {expect!r:.300}")
         final = os.path.join(where, final_name)
-        if os.path.lexists(final):
-            remove_entry(final)
-            os.makedirs(where, exist_ok=True)
+        if os.path.lexists(final) and not remove_entry(final, str(expect.get("run"))):
+            raise CheckpointError(f"{final} belongs to another run and stays; the copy cannot take its place")
         os.rename(tmp, final)
         fd = os.open(where, os.O_RDONLY)
         try:
@@ -332,19 +348,37 @@ class ReplicaServer:
             )
         authenticated()
         head = stream.line()
-        op, step, rank = head.get("op"), head.get("step"), head.get("rank")
-        if isinstance(step, bool) or not isinstance(step, int) or isinstance(rank, bool) or not isinstance(rank, int):
+        op, run, step, save = head.get("op"), head.get("run"), head.get("step"), head.get("save")
+        if not (
+            isinstance(run, str)
+            and RUN_ID.match(run)
+            and isinstance(step, int)
+            and not isinstance(step, bool)
+            and 0 <= step < 10**12
+            and isinstance(save, str)
+            and SAVE_ID.match(save)
+        ):
             raise CheckpointError(f"bad replica request {head!r:.200}")
         if op == "push":
+            rank, meta = head.get("rank"), head.get("metadata")
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 10**6:
+                raise CheckpointError(f"bad replica request {head!r:.200}")
+            want = {"step": step, "rank": rank, "run": run, "save": save}
+            if not isinstance(meta, dict) or any(meta.get(k) != v for k, v in want.items()):
+                raise CheckpointError(f"replica request's metadata {meta!r:.200} is not its share's {want!r}")
             _check_files(head.get("files"))
+            where = step_folder(self.folder, run, step, save, create=True)
             stream.send_line({"ok": True})  # accepted: the sender sends the bytes now
-            receive_checkpoint(stream, self.folder, step, replica_name(rank), self.rank, head["files"])
+            receive_checkpoint(stream, where, replica_name(rank), head["files"], meta)
             stream.send_line({"ok": True})
         elif op == "pull":
-            path = os.path.join(self.folder, step_name(step), replica_name(rank))
-            files = files_of(path) if os.path.isdir(path) and not os.path.islink(path) else None
+            name = head.get("name")
+            if not isinstance(name, str) or not (SHARE_RE.match(name) or REPLICA_RE.match(name)):
+                raise CheckpointError(f"bad replica request {head!r:.200}")
+            path = os.path.join(step_folder(self.folder, run, step, save), name)
+            files = files_of(path) if real_dir(path) and os.path.lexists(os.path.join(path, "MANIFEST.json")) else None
             if not files:
-                raise CheckpointError(f"rank {self.rank} holds no replica of rank {rank}'s share of step {step}")
+                raise CheckpointError(f"rank {self.rank} holds no committed copy at {path}")
             stream.send_line({"ok": True, "files": files})
             _send_files(stream, path, files)
         else:
@@ -366,14 +400,16 @@ def _bounded(address: str, token: str, what: str, deadline: Deadline, fn: Callab
         ) from err
 
 
-def push(address: str, token: str, path: str, step: int, rank: int, deadline: Deadline) -> None:
-    """(the sender) Send rank ``rank``'s committed share ``path`` of ``step`` to the server at
-    ``address`` (whose ``token`` it carries); returns once the receiver verified and renamed it. Raises
-    :class:`CheckpointError`."""
+def push(address: str, token: str, path: str, meta: dict[str, Any], deadline: Deadline) -> None:
+    """(the sender) Send its committed share ``path``, whose metadata is ``meta`` (run, step, save,
+    rank...), to the server at ``address`` (whose ``token`` it carries); returns once the receiver
+    verified and renamed it. Raises :class:`CheckpointError`."""
     files = files_of(path)
+    rank = meta["rank"]
+    head = {"op": "push", "run": meta["run"], "step": meta["step"], "save": meta["save"], "rank": rank}
 
     def run(stream: _Stream) -> None:
-        stream.send_line({"op": "push", "step": step, "rank": rank, "files": files})
+        stream.send_line({**head, "metadata": meta, "files": files})
         answer = stream.line()  # the request accepted (or refused) before any byte is sent
         if answer.get("ok") is not True:
             raise CheckpointError(f"rank {rank}: replicating {path} was refused by the receiver: {answer.get('error')}")
@@ -385,17 +421,19 @@ def push(address: str, token: str, path: str, step: int, rank: int, deadline: De
     _bounded(address, token, f"rank {rank}: pushing the replica of {path}", deadline, run)
 
 
-def pull(address: str, token: str, folder: str, step: int, rank: int, deadline: Deadline) -> str:
-    """(rank ``rank``) Fetch the replica of its share of ``step`` from the server at ``address`` (whose
-    ``token`` it carries) into its own ``folder`` as its share (every byte verified). Returns the
-    share's path."""
+def pull(address: str, token: str, name: str, where: str, meta: dict[str, Any], deadline: Deadline) -> str:
+    """(rank ``meta["rank"]``) Fetch the copy ``name`` (a share or a replica) of its share of save
+    ``meta["save"]`` from the server at ``address`` (whose ``token`` it carries) into its own step folder
+    ``where``, as its share (every byte verified, and its metadata ``meta``). Returns the share's path."""
+    rank, step = meta["rank"], meta["step"]
+    head = {"op": "pull", "run": meta["run"], "step": step, "save": meta["save"], "name": name}
 
     def run(stream: _Stream) -> str:
-        stream.send_line({"op": "pull", "step": step, "rank": rank})
+        stream.send_line(head)
         answer = stream.line()
         if answer.get("ok") is not True:
             raise CheckpointError(f"rank {rank}: fetching its share of step {step} failed: {answer.get('error')}")
-        return receive_checkpoint(stream, folder, step, share_name(rank), rank, answer.get("files"))
+        return receive_checkpoint(stream, where, share_name(rank), answer.get("files"), meta)
 
     result: str = _bounded(address, token, f"rank {rank}: pulling its share of step {step}", deadline, run)
     return result
