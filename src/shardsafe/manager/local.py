@@ -243,26 +243,6 @@ class LocalTierRuntime:
 
     # ---------------------------------------------------------------------------------- resume
 
-    def _report(self, run: str, members: list[int]) -> list[list[Any]]:
-        """The copies of run ``run`` in this node's folder that this rank handles and that verify, as
-        ``[step, save, incarnation, rank, name]``: each read whole, its metadata checked against its place."""
-        out: list[list[Any]] = []
-        for step, save in saves_in(self.folder, run):
-            where = os.path.join(self.folder, run_name(run), step_name(step, save))
-            try:
-                names = sorted(os.listdir(where))
-            except OSError:
-                continue
-            for n in names:
-                m = SHARE_RE.match(n) or REPLICA_RE.match(n)
-                if m is None or handler(members, int(m.group(1))) != self.rank:
-                    continue
-                want = {"step": step, "rank": int(m.group(1)), "world_size": self.world_size, "run": run, "save": save}
-                incarnation = _usable(os.path.join(where, n), want)
-                if incarnation is not None:
-                    out.append([step, save, incarnation, want["rank"], n])
-        return out
-
     def resume(self, state: MutableMapping[str, Any], durable: int | None) -> int | None:
         """(every rank) Load the newest local save newer than ``durable`` that is complete across the
         nodes into ``state`` and return its step; ``None`` (state untouched unless a candidate failed to
@@ -292,13 +272,15 @@ class LocalTierRuntime:
         run = self.run = decided["run"]
         self.resumed = None
         members = self._members(table)
-        mine = Decision(json.dumps([] if run is None else self._report(run, members)))
+        mine = Decision(
+            json.dumps([] if run is None else report(self.folder, run, self.rank, members, self.world_size))
+        )
 
-        def plan(envelopes: dict[int, Any]) -> Decision:
+        def decide(envelopes: dict[int, Any]) -> Decision:
             reports = [json.loads(envelopes[r].body["value"]) for r in range(len(envelopes))]
-            return Decision(json.dumps(_plan(reports, table.nodes, durable, self._record)))
+            return Decision(json.dumps(plan(reports, table.nodes, durable, self._record)))
 
-        candidates = json.loads(Decision.from_json(op.agree("scan", mine, plan if op.rank == 0 else None)).value)
+        candidates = json.loads(Decision.from_json(op.agree("scan", mine, decide if op.rank == 0 else None)).value)
         deadlines = self.deadlines
         for n, (step, save, incarnation, sources) in enumerate(candidates):
             holder, name = sources[self.rank]
@@ -374,6 +356,28 @@ class LocalTierRuntime:
             forget(self.folder, self.run, self.rank, members, step, None if resumed is None else resumed[1])
 
 
+def report(folder: str, run: str, rank: int, members: list[int], world_size: int) -> list[list[Any]]:
+    """(each rank, at resume) The copies of run ``run`` in the node folder ``folder`` that ``rank`` handles
+    (``members``: the node's ranks now) and that verify, as ``[step, save, incarnation, rank, name]``: each
+    read whole, its metadata checked against its place."""
+    out: list[list[Any]] = []
+    for step, save in saves_in(folder, run):
+        where = os.path.join(folder, run_name(run), step_name(step, save))
+        try:
+            names = sorted(os.listdir(where))
+        except OSError:
+            continue
+        for n in names:
+            m = SHARE_RE.match(n) or REPLICA_RE.match(n)
+            if m is None or handler(members, int(m.group(1))) != rank:
+                continue
+            want = {"step": step, "rank": int(m.group(1)), "world_size": world_size, "run": run, "save": save}
+            incarnation = _usable(os.path.join(where, n), want)
+            if incarnation is not None:
+                out.append([step, save, incarnation, want["rank"], n])
+    return out
+
+
 def _usable(path: str, want: dict[str, Any]) -> str | None:
     """The incarnation of the local copy at ``path`` when it is committed, every byte matches its
     checksums, and its metadata is ``want`` (its place: step, rank, number of ranks, run and save) plus an
@@ -397,7 +401,7 @@ def _usable(path: str, want: dict[str, Any]) -> str | None:
     return incarnation
 
 
-def _plan(
+def plan(
     reports: list[list[list[Any]]], nodes: list[str], durable: int | None, record: RunRecord | None
 ) -> list[list[Any]]:
     """(rank 0) The local saves to try, newest first, as ``[step, save, incarnation, sources]``: newer than
