@@ -12,7 +12,7 @@ ranks sat on the same nodes as the job before, with no folder lost, resumes at l
 local save returned; the survivors raise; every committed entry in every folder verifies and holds what
 its own save wrote for its own rank and step.
 
-``SHARDSAFE_TEST_TIER_REQUEUE_ROUNDS`` (default 2, a few seconds each) and ``SHARDSAFE_TEST_SEED`` choose the
+``SHARDSAFE_TEST_TIER_REQUEUE_ROUNDS`` (default 1: two jobs, a few seconds each) and ``SHARDSAFE_TEST_SEED`` choose the
 run; the long run is e.g. ``SHARDSAFE_TEST_TIER_REQUEUE_ROUNDS=60``."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import shardsafe
 
 from harness import run_ranks
 
-ROUNDS = int(os.environ.get("SHARDSAFE_TEST_TIER_REQUEUE_ROUNDS", "2"))
+ROUNDS = int(os.environ.get("SHARDSAFE_TEST_TIER_REQUEUE_ROUNDS", "1"))
 T = 3.0
 WORLD = 4
 

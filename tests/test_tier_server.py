@@ -108,3 +108,32 @@ def test_the_server_listens_on_the_jobs_interface_only(tmp_path: Path) -> None:
         assert s._sock.getsockname()[0] == "127.0.0.1", s._sock.getsockname()
     finally:
         s.close()
+
+
+def test_the_announced_address_follows_the_rendezvous_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``MASTER_ADDR`` (a ``tcp://`` init method, a store given to ``init_process_group``), the
+    address is the one of the interface that routes to the store's host, found inside ``PrefixStore``\\ s
+    (before, it was 127.0.0.1: other nodes could not reach it); ``SHARDSAFE_TIER_HOST`` decides first."""
+
+    class Tcp:
+        def __init__(self, host: str) -> None:
+            self.host = host
+
+    class Prefix:
+        def __init__(self, under: object) -> None:
+            self.underlying_store = under
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("SHARDSAFE_TIER_HOST", raising=False)
+    assert replica.store_host(Prefix(Prefix(Tcp("10.1.2.3")))) == "10.1.2.3"
+    assert replica.store_host(Prefix(None)) is None
+    assert replica.own_host(Prefix(Tcp("127.0.0.1"))) == "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.1", 9))  # no packet is sent: the route's local address
+            mine = s.getsockname()[0]
+    except OSError:
+        pytest.skip("this machine has no route off loopback")
+    assert replica.own_host(Prefix(Prefix(Tcp("10.255.255.1")))) == mine
+    monkeypatch.setenv("SHARDSAFE_TIER_HOST", "192.0.2.7")
+    assert replica.own_host(Prefix(Tcp("10.255.255.1"))) == "192.0.2.7"

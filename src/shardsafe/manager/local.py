@@ -40,7 +40,7 @@ from typing import Any
 
 from shardsafe.coord import Deadline, Deadlines, Operation
 from shardsafe.coord.messages import Attempt, Attempts, Decision
-from shardsafe.coord.resolve import SOLO
+from shardsafe.coord.resolve import SOLO, resolve_group
 from shardsafe.engine import api
 from shardsafe.errors import CheckpointError, CorruptCheckpointError, RemoteRankError
 from shardsafe.manager import replica
@@ -89,8 +89,9 @@ class Table:
 
 @dataclass(frozen=True)
 class LocalFailure:
-    """A local save that failed, the same on every rank: the first rank it failed on, that rank's
-    account (its node, folder and error), and this rank's own error when it is one of them."""
+    """A local save that failed, on every rank: the rank it failed on (this one, when its own part
+    failed; else the first), that rank's account (its node, folder and error), and this rank's own
+    error when it is one of them."""
 
     rank: int
     message: str
@@ -134,7 +135,7 @@ class LocalTierRuntime:
         self.fs = fs
         self.root = root
         os.makedirs(self.folder, exist_ok=True)
-        self.server = replica.ReplicaServer(self.folder, rank, replica.own_host())
+        self.server = replica.ReplicaServer(self.folder, rank, replica.own_host(resolve_group(None)[0]))
         self.table: Table | None = None
         self.run: str | None = None
         self.resumed: tuple[int, str] | None = None  # the local save resume loaded

@@ -439,18 +439,32 @@ def pull(address: str, token: str, name: str, where: str, meta: dict[str, Any], 
     return result
 
 
-def own_host() -> str:
-    """The address other nodes reach this one at: ``SHARDSAFE_TIER_HOST``, else the address of the
-    interface that routes to ``MASTER_ADDR`` (no packet is sent), else 127.0.0.1."""
+def store_host(store: Any) -> str | None:
+    """The host of the rendezvous store ``store`` (a ``TCPStore``, maybe inside ``PrefixStore``\\ s), else
+    ``None``."""
+    for _ in range(8):
+        if store is None:
+            return None
+        host = getattr(store, "host", None)
+        if isinstance(host, str) and host:
+            return host
+        store = getattr(store, "underlying_store", None)
+    return None
+
+
+def own_host(store: Any = None) -> str:
+    """The address other nodes reach this one at, where its replica server listens: ``SHARDSAFE_TIER_HOST``,
+    else the address of the interface that routes to the rendezvous store's host (``store``), else to
+    ``MASTER_ADDR`` (no packet is sent), else 127.0.0.1 (a store on this machine: one node)."""
     given = os.environ.get("SHARDSAFE_TIER_HOST")
     if given:
         return given
-    master = os.environ.get("MASTER_ADDR")
-    if master and master not in ("localhost", "127.0.0.1"):
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
-                return str(s.getsockname()[0])
-        except OSError:
-            pass
+    for target, port in ((store_host(store), 29500), (os.environ.get("MASTER_ADDR"), 29500)):
+        if target and target not in ("localhost", "127.0.0.1", "::1"):
+            try:
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                    s.connect((target, int(os.environ.get("MASTER_PORT", port))))
+                    return str(s.getsockname()[0])
+            except (OSError, ValueError):
+                continue
     return "127.0.0.1"
