@@ -270,7 +270,7 @@ def mutate(case: Case, kind: str) -> None:
         entry = case.pick(case.entries())
         if entry is None:
             return
-        files = sorted(p for p in entry.iterdir() if p.is_file())
+        files = sorted(p for p in entry.iterdir() if _regular(p))
         victim = case.pick(files)
         if victim is None:
             return
@@ -336,7 +336,7 @@ def mutate(case: Case, kind: str) -> None:
         case.what.append(f"{src.relative_to(root)} copied to {dst.relative_to(root)}")
     elif kind in ("damaged-manifest", "meta-edit", "flip-byte", "tombstone"):
         entry = case.pick(case.entries())
-        if entry is None or not (entry / "MANIFEST.json").is_file():
+        if entry is None or not _regular(entry / "MANIFEST.json"):
             return
         case.touch(entry)
         manifest = entry / "MANIFEST.json"
@@ -354,25 +354,38 @@ def mutate(case: Case, kind: str) -> None:
                 raw = b"\x00" * 64
             manifest.write_bytes(raw)
             case.what.append(f"damaged manifest {entry.relative_to(root)} ({choice})")
-        elif kind == "meta-edit":  # a valid copy whose metadata is not its place's (or not its bytes')
+        elif kind == "meta-edit":  # a valid copy whose metadata is not its place's
             meta = shardsafe.inspect(entry).metadata
+            was = dict(meta)
             field = rng.choice(["step", "rank", "run", "save", "incarnation", "world_size"])
-            meta[field] = {
-                "step": 3,
-                "rank": rng.randrange(4),
-                "run": OTHER,
-                "save": sid(rng.randrange(1, 6)),
-                "incarnation": rng.choice([INC1, INC2, INC3]),
-                "world_size": 2,
-            }[field]
+            meta[field] = rng.choice(
+                [
+                    v
+                    for v in {
+                        "step": [1, 2, 3, 4, 7],
+                        "rank": [0, 1, 2, 3],
+                        "run": [OTHER],
+                        "save": [sid(k) for k in range(1, 6)],
+                        "incarnation": [INC1, INC2, INC3],
+                        "world_size": [1, 2, 4],
+                    }[field]
+                    if v != was[field]
+                ]
+            )
             shutil.rmtree(entry)
-            state = state_of(meta["rank"], meta["step"], meta["save"]) if rng.random() < 0.5 else state_of(9, 9, sid(9))
-            shardsafe.save(entry, state, metadata=meta)
+            # its bytes: the original share's, or (for a claim of another place) that place's; an edited
+            # incarnation alone keeps the original bytes (a forged copy consistent with its place and its
+            # checksums cannot be told from a genuine one: not a case)
+            moved = field != "incarnation" and rng.random() < 0.5
+            source = meta if moved else was
+            shardsafe.save(entry, state_of(source["rank"], source["step"], source["save"]), metadata=meta)
             if meta["run"] != RUN:
                 case.protected.add(entry)
-            case.what.append(f"metadata {field}={meta[field]!r} in {entry.relative_to(root)}")
+            case.what.append(
+                f"metadata {field}={meta[field]!r} in {entry.relative_to(root)} ({'moved' if moved else 'same'} bytes)"
+            )
         elif kind == "flip-byte":
-            data = case.pick(sorted(p for p in entry.iterdir() if p.name.startswith("data-")))
+            data = case.pick(sorted(p for p in entry.iterdir() if p.name.startswith("data-") and _regular(p)))
             if data is None:
                 return
             raw = bytearray(data.read_bytes())
@@ -387,7 +400,7 @@ def mutate(case: Case, kind: str) -> None:
                 (tomb / "x").write_bytes(b"x")
                 case.protected.add(tomb / "x")
             else:
-                tomb.write_bytes(rng.choice([manifest.read_bytes(), b"garbage"]))
+                tomb.write_bytes(rng.choice([manifest.read_bytes(), b"garbage"]))  # a regular file: checked above
             if rng.random() < 0.5:
                 manifest.unlink()
             case.what.append(f"tombstone in {entry.relative_to(root)}")
@@ -440,6 +453,13 @@ def mutate(case: Case, kind: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ snapshots
+
+
+def _regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def snapshot(paths: set[Path]) -> dict[str, Any]:
@@ -754,7 +774,7 @@ def run_receive(case: Case, spec: dict[str, Any], result: dict[str, Any]) -> Non
                 violations.append({"kind": "foreign", "detail": f"the server kept {p}, not the share sent"})
         # the server lives on: a good push of another save goes through
         good = root / "good"
-        meta = {**META, "save": sid(6)}
+        meta = {**META, "run": "abcdefabcdefabcd", "save": sid(6)}
         shardsafe.save(good, state_of(1, 4, sid(6)), metadata=meta)
         try:
             replica.push(server.address, server.token, str(good), meta, Deadline.after(30, "io"))
@@ -775,7 +795,11 @@ def run_case(templates: Path, work: Path, spec: dict[str, Any]) -> dict[str, Any
     started = time.monotonic()
     try:
         for kind in spec.get("mutations", []):
-            mutate(case, kind)
+            try:
+                mutate(case, kind)
+            except (OSError, shardsafe.CheckpointError, shutil.Error) as err:  # an earlier mutation in the way
+                case.everything = True
+                case.what.append(f"{kind} not applied ({type(err).__name__})")
         result["what"] = case.what
         before = snapshot(case.protected)
         try:
@@ -796,7 +820,9 @@ def run_case(templates: Path, work: Path, spec: dict[str, Any]) -> dict[str, Any
 
 
 def _clear(root: Path) -> None:
-    """Remove a case's copy (FIFOs and links included; nothing outside it)."""
+    """Remove a case's copy (FIFOs and links included; nothing outside it), if it is there."""
+    if not root.exists():
+        return
     for dirpath, dirnames, filenames in os.walk(root, topdown=False):
         for n in filenames + dirnames:
             p = os.path.join(dirpath, n)

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 import shardsafe
-from fuzz_tier import build_templates, plan, snapshot
+from fuzz_tier import _clear, build_templates, plan, snapshot
 
 CASES = int(os.environ.get("SHARDSAFE_FUZZ_CASES", "12"))
 SEED = int(os.environ.get("SHARDSAFE_FUZZ_SEED", "31"))
@@ -115,10 +115,12 @@ def _worker(top: Path, name: str, cases: list[dict[str, Any]], results: dict[int
         if killed and started is not None and started not in done:
             results[started] = {"id": started, "violations": [{"kind": "hang"}]}
             done.add(started)
+            _clear(work / f"c{started}")  # the copy the killed child was working on
         elif child.returncode not in (0, None) and len(done) < len(todo):
             first = started if started is not None else next(c["id"] for c in todo if c["id"] not in done)
             results[first] = {"id": first, "violations": [{"kind": "crash", "detail": stderr.read_text()[-2000:]}]}
             done.add(first)
+            _clear(work / f"c{first}")
         todo = [c for c in todo if c["id"] not in done]
 
 
@@ -136,9 +138,9 @@ def fuzz(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         t.start()
     for t in threads:
         t.join()
-    outside = snapshot({top / "templates"}) != before or any(
-        os.listdir(top / f"{d}-{w}") for w in range(WORKERS) for d in ("work", "scratch")
-    )
+    changed = snapshot({top / "templates"}) != before
+    left = [f"{d}-{w}/{n}" for w in range(WORKERS) for d in ("work", "scratch") for n in os.listdir(top / f"{d}-{w}")]
+    outside = (["the templates changed"] if changed else []) + left
     by_id = {c["id"]: {**c, **results.get(c["id"], {"violations": [{"kind": "lost"}]})} for c in cases}
     took = time.monotonic() - started
     modes = collections.Counter(c["mode"] for c in cases)
@@ -163,7 +165,7 @@ def fuzz(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_tier_fuzz_uses_only_the_runs_own_saves_and_deletes_nothing_else(fuzz: dict[str, Any]) -> None:
-    assert not fuzz["outside"], "a case wrote into the templates or left files behind"
+    assert not fuzz["outside"], f"a case wrote into the templates or left files behind: {fuzz['outside'][:10]}"
     problems = [
         f"case {c['id']} ({c['mode']}: {c.get('mutations') or c.get('kind')}; {c.get('what', '')}): {v['kind']}: "
         f"{v.get('detail', '')}"
