@@ -12,7 +12,7 @@ mutation touched; nothing that is not the run's (another run's folder or share, 
 or what it points to) changes or goes, nor the copies a resume was made from; a push leaves no transfer
 behind and a server takes a good push after any hostile one; a manager that saved resumes its save.
 
-``SHARDSAFE_FUZZ_CASES`` (default 12 here) and ``SHARDSAFE_FUZZ_SEED`` (default 31) choose the run; the long
+``SHARDSAFE_FUZZ_CASES`` (default 8 here) and ``SHARDSAFE_FUZZ_SEED`` (default 31) choose the run; the long
 run is e.g. ``SHARDSAFE_FUZZ_CASES=2000``. ``SHARDSAFE_FUZZ_DUMP=FILE`` writes every case's outcome there.
 """
 
@@ -33,7 +33,7 @@ import pytest
 import shardsafe
 from fuzz_tier import _clear, build_templates, plan, snapshot
 
-CASES = int(os.environ.get("SHARDSAFE_FUZZ_CASES", "12"))
+CASES = int(os.environ.get("SHARDSAFE_FUZZ_CASES", "8"))
 SEED = int(os.environ.get("SHARDSAFE_FUZZ_SEED", "31"))
 WORKERS = 2
 DEADLINE = 90.0  # seconds per case: a hang detector (a case takes ~0.3 s), not a timing

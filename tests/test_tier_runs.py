@@ -249,3 +249,27 @@ def test_a_full_local_disk_on_one_node_never_skips_the_durable_save_due_at_that_
     assert "node 1" in text and str(tmp_path / "local-1") in text and "durable" in text, text
     rank0 = [m for m in out[0][1] if "rank 1" in m and "node 1" in m]
     assert rank0, out[0][1]
+
+
+def test_a_job_that_saved_nothing_abandons_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Job A saves local steps 1..3; job B never resumes (its state is from nowhere: its shares would
+    abandon A's) and its first local save fails (a full disk); job C still resumes A's step 3. Before,
+    B recorded its incarnation when its save began, and C started from scratch (the kill -9 rounds of
+    tests/test_tiers.py found it: a kill between that record and the end of the save)."""
+    from shardsafe.storage import local as local_storage
+
+    monkeypatch.setenv("SHARDSAFE_NODE", "0")
+    local = str(tmp_path / "local-{node}")
+    _train(tmp_path / "durable", local, range(1, 4), tag=1)
+
+    def full(self: Any, data: memoryview) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", self.path)
+
+    with monkeypatch.context() as m, _manager(tmp_path / "durable", local) as mgr:
+        m.setattr(local_storage.LocalWriter, "write", lambda self, data: full(self, data))
+        with pytest.raises(shardsafe.CheckpointError, match="No space left"):
+            mgr.save_local(4, _state(0, 4, 2))
+    state = _empty()
+    with _manager(tmp_path / "durable", local) as mgr:
+        assert mgr.resume(state) == 3
+    assert state["extra"] == {"step": 3, "tag": 1} and _exact(state, 0)

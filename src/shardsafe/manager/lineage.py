@@ -8,11 +8,13 @@ resumes its local shares; a new run (a new or emptied root) records a new one, a
 other run, in the same node folders, never count and are never deleted.
 
 **An incarnation** is one job of the run, from its resume on: it records, in the same place, the step it
-resumed from (``-1``: none) before its first share can count. A share of incarnation *j* at step *s* is on
-the run's line of history only when every later incarnation resumed from *s* or later: a later one that
-resumed from an older step abandoned it, whether or not its copies could be deleted then (a node folder
-that job did not see, a file it could not remove). So a step is resumed only from a save of an
-incarnation whose history the run kept, never from one another job moved past.
+resumed from (``-1``: none), at the end of its resume, else once its first local save completed on every
+rank; its shares count only from then on, so a job that dies before it saved anything abandons nothing.
+A share of incarnation *j* at step *s* is on the run's line of history only when every later incarnation
+resumed from *s* or later: a later one that resumed from an older step abandoned it, whether or not its
+copies could be deleted then (a node folder that job did not see, a file it could not remove). So a step
+is resumed only from a save of an incarnation whose history the run kept, never from one another job
+moved past.
 
 Every record is written by rank 0 (inside an agreement, so every rank learns its outcome), with
 ``overwrite=True``: the record stays whole and committed at every instant."""

@@ -3,17 +3,18 @@ talk through :class:`~shardsafe.coord.Operation` agreements (the rendezvous stor
 
 Local save of step N (operation ``tier.save``):
 
-1. agreement ``arrive``: each rank sends its node, replica-server address and token; rank 0 makes sure
-   the run record holds this incarnation (manager/lineage.py; written once per job) and decides the
-   table, the run, the incarnation and a new save id;
+1. agreement ``arrive``: each rank sends its node, replica-server address and token; rank 0 decides the
+   table, the run (manager/lineage.py: the recorded one, else a new one), the incarnation and a new save
+   id;
 2. each rank saves its whole state as a one-process shardsafe checkpoint
    ``<node folder>/run-<run>/step-N-<save>/rank-R`` (all-or-nothing by itself; its metadata names its
    step, rank, number of ranks, run, save and incarnation), then pushes it to its peers
    (:func:`~shardsafe.manager.tiers.peers`), each of which verifies every byte and the metadata before
    the copy counts;
-3. agreement ``done``: every rank's outcome. A failure is every rank's (:class:`LocalFailure`); only
-   after a success does a rank apply retention, so the steps it deletes are older than one that every
-   rank completed.
+3. agreement ``done``: every rank's outcome; when all succeeded and the run record does not list this
+   job's incarnation yet, rank 0 records it before deciding (a failure to record is a failure of the
+   save: its shares never count). A failure is every rank's (:class:`LocalFailure`); only after a success
+   does a rank apply retention, so the steps it deletes are older than one that every rank completed.
 
 Resume (operation ``tier.resume``): agreement ``arrive`` (the table, and the run, which rank 0 reads
 from the durable root); agreement ``scan``: each rank verifies the entries of the run in its node folder
@@ -164,18 +165,27 @@ class LocalTierRuntime:
 
     # ------------------------------------------------------------------------------------ save
 
-    def _ensure_recorded(self) -> RunRecord:
-        """(rank 0) The run record, holding this job's incarnation (written if it does not yet)."""
-        if self._recorded and self._record is not None:
-            return self._record
-        record = read_record(self.fs, self.root)
-        if record is None:
-            record = RunRecord(new_run_id(), ((self._incarnation, self._start),))
-        else:
-            record = record.adding(self._incarnation, self._start)
+    def _run_id(self) -> str:
+        """(rank 0, in a save's ``arrive``) The run's id: the recorded one, else a new one (recorded by
+        :meth:`_record_incarnation` once a save of it completed)."""
+        if self._record is None:
+            self._record = read_record(self.fs, self.root)
+        if self._record is None:
+            self._record = RunRecord(new_run_id(), ())
+        return self._record.run
+
+    def _record_incarnation(self) -> None:
+        """(rank 0, in the ``done`` of a save that completed on every rank) Record this job's incarnation,
+        with the step it resumed from, unless it is already. Only after a save of it completed: until
+        then its shares do not count, and the run's earlier ones are not abandoned for a job that dies
+        before it saved anything."""
+        if self._recorded or self._record is None:
+            return
+        current = read_record(self.fs, self.root)
+        base = current if current is not None and current.run == self._record.run else self._record
+        record = base.adding(self._incarnation, self._start)
         write_record(self.fs, self.root, record, self.timeout)
         self._record, self._recorded = record, True
-        return record
 
     def save(self, step: int, state: Mapping[str, Any], durable: int | None) -> LocalFailure | None:
         """(every rank) Save ``state`` as this rank's share of ``step`` and replicate it. Returns ``None``
@@ -188,11 +198,21 @@ class LocalTierRuntime:
         def arrive(envelopes: dict[int, Any]) -> Decision:
             doc: dict[str, Any] = {"table": _collect(envelopes)}
             try:
-                record = self._ensure_recorded()
-                doc.update(run=record.run, incarnation=self._incarnation, save=new_save_id())
+                doc.update(run=self._run_id(), incarnation=self._incarnation, save=new_save_id())
             except (CheckpointError, OSError) as err:  # every rank's failure: reported, the job goes on
                 doc["refused"] = f"{type(err).__name__}: {err}"
             return Decision(json.dumps(doc))
+
+        def done(envelopes: dict[int, Any]) -> Attempts:
+            attempts = _attempts(envelopes)
+            if all(Attempt.from_json(a).ok for a in attempts.attempts):
+                try:
+                    self._record_incarnation()
+                except (CheckpointError, OSError) as err:  # the save does not count: every rank's failure
+                    where = record_path(self.fs, self.root)
+                    account = f"rank 0 (recording the run in {where}): {type(err).__name__}: {err}"
+                    attempts.attempts[0] = Attempt(False, False, account).to_json()
+            return attempts
 
         def body() -> tuple[Table, str, str] | LocalFailure:
             decided = json.loads(
@@ -202,7 +222,6 @@ class LocalTierRuntime:
             if "refused" in decided:
                 where = record_path(self.fs, self.root)
                 return LocalFailure(0, f"rank 0 (the run record {where}): {decided['refused']}", None)
-            self.recorded = True
             run = self.run = decided["run"]
             sid = decided["save"]
             error: Exception | None = None
@@ -227,12 +246,13 @@ class LocalTierRuntime:
             if error is not None:
                 account = f"rank {self.rank} (node {self.node}, folder {self.folder}): {mine.error}"
                 mine = Attempt(False, False, account)
-            result = op.agree("done", mine, _attempts if op.rank == 0 else None)
+            result = op.agree("done", mine, done if op.rank == 0 else None)
             outcomes = [Attempt.from_json(o) for o in Attempts.from_json(result).attempts]
             failed = [(r, o) for r, o in enumerate(outcomes) if not o.ok]
             if failed:
                 r, o = (self.rank, mine) if error is not None else failed[0]
                 return LocalFailure(r, o.error, error)
+            self.recorded = True
             return table, run, sid
 
         outcome = op.conclude(body)
