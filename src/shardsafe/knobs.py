@@ -286,6 +286,7 @@ tier_socket_seconds = Real(
     _TIERS,
     "TIER_SOCKET_SECONDS",
     60.0,
-    "A replica server's bound on each socket operation of one request (a sender that stalls this long is dropped "
-    "and its transfer discarded); the sender's side is bounded by the manager's ``timeout``.",
+    "A replica server's bound on a connection's token and request line, in all, and then on each socket operation "
+    "of the request (a client that stalls this long is dropped and its transfer discarded); the sender's side is "
+    "bounded by the manager's ``timeout``.",
 )
