@@ -518,7 +518,8 @@ def check_stream(f: Any, what: str = "the pickle") -> None:
 
 def load_full(f: Any, persistent_load: PersistentLoad) -> Any:
     """Full unpickling (``allow_pickle``): what ``torch.load(weights_only=False)`` does, storages from
-    ``persistent_load``, after :func:`check_stream`. Runs code the file names."""
+    ``persistent_load``, after :func:`check_stream`. Runs code the file names. A global whose module
+    this Python cannot import raises that ``ImportError`` (a package missing here, not damage)."""
     start = f.tell()
     check_stream(f)
     f.seek(start)
@@ -537,7 +538,7 @@ def load_full(f: Any, persistent_load: PersistentLoad) -> Any:
 
     try:
         return Full(Bounded(f), encoding="utf-8").load()
-    except (Malformed, Refused):
+    except (Malformed, Refused, ImportError):
         raise
     except RecursionError as err:
         raise Malformed("the pickle nests too deeply") from err
@@ -551,6 +552,17 @@ class _Null(io.StringIO):
 
 
 _NULL = _Null()
+
+
+def installed(name: str) -> bool:
+    """Whether the top-level package of the global ``name`` is installed here (found, not imported)."""
+    top = name.split(".", 1)[0]
+    if top in sys.modules:
+        return sys.modules[top] is not None  # None: imports of it are blocked
+    try:
+        return importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def exists(name: str) -> bool:
