@@ -516,16 +516,30 @@ def check_stream(f: Any, what: str = "the pickle") -> None:
         raise Malformed(f"{what} is not a complete pickle ({type(err).__name__}: {str(err)[:200]})") from err
 
 
+_CHECKED_REBUILDS: dict[tuple[str, str], Callable[..., Any]] = {
+    ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
+}
+"""Full unpickling too rebuilds tensors with the checked views: torch's own ``_rebuild_tensor*`` call
+``set_``, which enlarges a storage that is too small for the view (gigabytes asked for by a file of a few
+hundred bytes)."""
+
+
 def load_full(f: Any, persistent_load: PersistentLoad) -> Any:
     """Full unpickling (``allow_pickle``): what ``torch.load(weights_only=False)`` does, storages from
-    ``persistent_load``, after :func:`check_stream`. Runs code the file names. A global whose module
-    this Python cannot import raises that ``ImportError`` (a package missing here, not damage)."""
+    ``persistent_load`` and tensors rebuilt by the checked views, after :func:`check_stream`. Runs code
+    the file names. A global whose module this Python cannot import raises that ``ImportError`` (a
+    package missing here, not damage)."""
     start = f.tell()
     check_stream(f)
     f.seek(start)
 
     class Full(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
+            checked = _CHECKED_REBUILDS.get((module, name))
+            if checked is not None:
+                return checked
             if "Storage" in name and module in ("torch", "torch.storage"):
                 try:
                     return torch.serialization.StorageType(name)  # type: ignore[no-untyped-call]
