@@ -247,7 +247,8 @@ class PerRankPaths(_Simple):
 class WriteReport(_Simple):
     """(every rank, after its data is durable) What it wrote: ``chunks`` ([tensor name, chunk record]),
     ``files`` (name -> [size, header bytes, header checksum]), a ``fingerprint`` of the state's
-    structure, the ``block_bytes`` used, its ``per_rank`` values and its final progress ``counts``."""
+    structure, the ``block_bytes`` used, its ``per_rank`` values, its final progress ``counts`` and the
+    digests of its copies of the replicated tensors (``replicas``: at most 128, engine/replicas.py)."""
 
     chunks: list[list[Any]]
     files: dict[str, list[Any]]
@@ -255,6 +256,7 @@ class WriteReport(_Simple):
     block_bytes: int
     per_rank: dict[str, Any]
     counts: list[int] = field(default_factory=list)
+    replicas: list[str] = field(default_factory=list)
     TYPES: ClassVar[dict[str, Any]] = {
         "chunks": list,
         "files": dict,
@@ -262,6 +264,7 @@ class WriteReport(_Simple):
         "block_bytes": int,
         "per_rank": dict,
         "counts": list,
+        "replicas": list,
     }
 
 

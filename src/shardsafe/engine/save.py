@@ -38,7 +38,7 @@ from shardsafe import knobs
 from shardsafe.catalog.names import refusal
 from shardsafe.coord import Clock, Operation, fault_point
 from shardsafe.coord.messages import PerRankNodes, PerRankPaths, SaveArrival, SaveStart, WriteReport
-from shardsafe.engine import commit, hostmem, incremental, snapshot, staging
+from shardsafe.engine import commit, hostmem, incremental, replicas, snapshot, staging
 from shardsafe.engine.options import SaveOptions
 from shardsafe.engine.phases import PhaseLog
 from shardsafe.engine.plan import PendingChunk, file_bytes, own_chunks, plan_writes
@@ -74,6 +74,7 @@ class SaveJob:
         self.base_name = ""
         self.base_manifest: Manifest | None = None
         self.ref_chunks: list[tuple[str, Chunk]] = []  # (tensor, reference) for chunks the base holds
+        self.replicas: list[str] = []  # digests of this rank's replicated tensors (engine/replicas.py)
         self.flat: FlatState | None = None
         self.captured: Captured | None = None  # staging="background": the state as the call read it, until encoded
         self.metadata_json: Any = None
@@ -160,6 +161,8 @@ class SaveJob:
             per_rank.apply(self.flat, paths, op.rank)
             if not self.deferred:
                 self.metadata_json = encode(self.options["metadata"], "metadata", _no_tensors)
+                if not op.single:  # before the call returns: what an async save copies (engine/replicas.py)
+                    self.replicas = replicas.digests(self.flat)
             self.chunks = plan_writes(self.flat.items, op.rank, op.world_size) + own_chunks(self.flat)
             if self.base_manifest is not None:
                 self.chunks, self.ref_chunks = incremental.match(
@@ -366,7 +369,13 @@ class SaveJob:
             fault_point("save.report", op.global_rank)
             self.phase = "report"
             report = WriteReport(
-                chunks, files, _fingerprint(flat), self.block_bytes, per_rank.report(flat), self.tracker.own_counts()
+                chunks,
+                files,
+                _fingerprint(flat),
+                self.block_bytes,
+                per_rank.report(flat),
+                self.tracker.own_counts(),
+                self.replicas,
             )
         except BaseException as err:
             error = err
