@@ -119,6 +119,14 @@ stall_fraction = Real(
     0.25,
     "After this fraction of a deadline, a waiting rank logs once what it waits for (WARNING).",
 )
+arrival_stall_seconds = Real(
+    _WAITS,
+    "ARRIVAL_STALL_SECONDS",
+    30.0,
+    "While waiting for every rank to arrive at a call (its first agreement), a rank logs once after this long "
+    "(or ``SHARDSAFE_STALL_FRACTION`` of the arrival deadline, if sooner) the ranks not there yet and when the "
+    "call fails: a save guarded by ``if rank == 0:`` is named in seconds, not at the deadline.",
+)
 poll_seconds = Real(
     _WAITS,
     "POLL_SECONDS",
