@@ -44,6 +44,7 @@ else:
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=dist.PrefixStore(f"trial-{trial}", store), rank=rank, world_size=world)
+    torch.manual_seed(trial)  # the same model on both ranks (no DDP wrapper here): replicas must agree
     state = {"model": torch.nn.Linear(16, 8), "step": trial}
     shardsafe.save(os.path.join(root, f"ckpt-{trial}"), state, timeout=60)
     # the script ends here, right after the save, as a training script's last line
