@@ -167,3 +167,29 @@ def test_python_dash_m(root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pyte
         runpy.run_module("shardsafe", run_name="__main__")
     assert stop.value.code == 0
     assert capsys.readouterr().out.startswith(f"OK {root / 'step-12'}: ")
+
+
+def test_refusals_name_the_command_s_flags_not_the_library_s_keywords(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``shardsafe import`` into a committed checkpoint said "pass overwrite=True", a keyword the command
+    has no way to pass; it says ``--overwrite``."""
+    src = tmp_path / "model.pt"
+    torch.save(torch.nn.Linear(3, 2).state_dict(), src)
+    assert main(["import", str(src), str(tmp_path / "dest")]) == 0
+    capsys.readouterr()
+    assert main(["import", str(src), str(tmp_path / "dest")]) == 1
+    err = capsys.readouterr().err
+    assert "--overwrite" in err and "overwrite=" not in err, err
+    assert main(["import", str(src), str(tmp_path / "dest"), "--overwrite"]) == 0
+    assert main(["export", str(tmp_path / "dest"), str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "dest"), str(tmp_path / "hf")]) == 1
+    err = capsys.readouterr().err
+    assert "--overwrite" in err and "overwrite=" not in err, err
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    assert main(["import", str(src), str(foreign), "--overwrite"]) == 1
+    err = capsys.readouterr().err
+    assert "whatever --overwrite says" in err and "overwrite=" not in err, err

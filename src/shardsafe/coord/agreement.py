@@ -96,15 +96,19 @@ class Round:
     def wait(self, key: str, deadline: Deadline, watch: Watch | None, stalled: Callable[[float], None]) -> str | None:
         """(one rank) The value of ``key`` once set, or ``None`` at ``deadline``. The watchdog watches
         ``watch`` meanwhile; ``stalled(elapsed)`` runs once after ``SHARDSAFE_STALL_FRACTION`` of the
-        wait's deadline."""
+        wait's deadline (in the first agreement, the arrival: after ``SHARDSAFE_ARRIVAL_STALL_SECONDS``
+        if that is sooner)."""
         op = self.op
         assert op.client is not None and op.dog is not None
         started = time.monotonic()
         warned = False
+        after = knobs.stall_fraction() * min(deadline.seconds, 1e9)
+        if not op.arrived_all:
+            after = min(after, knobs.arrival_stall_seconds())
 
         def interrupt() -> None:
             nonlocal warned
-            if not warned and time.monotonic() - started > knobs.stall_fraction() * min(deadline.seconds, 1e9):
+            if not warned and time.monotonic() - started > after:
                 warned = True
                 stalled(time.monotonic() - started)
 
@@ -151,8 +155,15 @@ class Round:
             except CheckpointError as err:
                 missing, lines = [], [f"  (the store did not answer: {err})"]
             stack = "".join(traceback.format_stack(limit=12)[:-3])
+            hint = ""
+            if not op.arrived_all:  # the arrival: the usual cause is a call made on some ranks only
+                hint = (
+                    f"\nIf ranks {missing} never call {op.op}() (a call guarded by `if rank == 0:`), the ranks that "
+                    f"did raise RankTimeoutError in {deadline.remaining():.0f}s, at the arrival deadline (timeout= or "
+                    f"SHARDSAFE_TIMEOUT): call {op.op}() on every rank; shardsafe decides who writes what."
+                )
             logger.warning(
-                "shardsafe: rank %d has waited %.1fs of %.0fs for %s (%s of %s, phase %s); not there yet: %s\n"
+                "shardsafe: rank %d has waited %.1fs of %.0fs for %s (%s of %s, phase %s); not there yet: %s%s\n"
                 "ranks:\n%s\nwaiting at:\n%s",
                 op.rank,
                 elapsed,
@@ -162,6 +173,7 @@ class Round:
                 op.target,
                 self.phase,
                 missing,
+                hint,
                 "\n".join(lines),
                 stack,
             )

@@ -247,8 +247,9 @@ class PerRankPaths(_Simple):
 class WriteReport(_Simple):
     """(every rank, after its data is durable) What it wrote: ``chunks`` ([tensor name, chunk record]),
     ``files`` (name -> [size, header bytes, header checksum]), a ``fingerprint`` of the state's
-    structure, the ``block_bytes`` used, its ``per_rank`` values, its final progress ``counts`` and its
-    ``side`` files (name -> [size, xxh3-64]: written, on rank 0; given, to compare, on the others)."""
+    structure, the ``block_bytes`` used, its ``per_rank`` values, its final progress ``counts``, its
+    ``side`` files (name -> [size, xxh3-64]: written, on rank 0; given, to compare, on the others) and the
+    digests of its copies of the replicated tensors (``replicas``: at most 128, engine/replicas.py)."""
 
     chunks: list[list[Any]]
     files: dict[str, list[Any]]
@@ -257,6 +258,7 @@ class WriteReport(_Simple):
     per_rank: dict[str, Any]
     counts: list[int] = field(default_factory=list)
     side: dict[str, list[Any]] = field(default_factory=dict)
+    replicas: list[str] = field(default_factory=list)
     TYPES: ClassVar[dict[str, Any]] = {
         "chunks": list,
         "files": dict,
@@ -265,6 +267,7 @@ class WriteReport(_Simple):
         "per_rank": dict,
         "counts": list,
         "side": dict,
+        "replicas": list,
     }
 
 

@@ -138,6 +138,8 @@ class Operation:
         )
         self.next_sequence()
         if self.dog is not None:
+            assert client is not None
+            client.acquire()
             self.dog.activate(clock.end.or_grace())
         LAST_TALLY[op] = self.tally
         return self
@@ -328,12 +330,18 @@ class Operation:
             self.close()
 
     def close(self) -> None:
-        """(every rank that began the operation, once) Stop ticking for it. Idempotent."""
+        """(every rank that began the operation, once) Stop ticking for it; the last operation of the
+        process to close stops the watchdog's thread and the store client's lanes, once its posted
+        requests are done (nothing of it runs after the call returns). Idempotent."""
         if self._closed:
             return
         self._closed = True
         if self.dog is not None:
-            self.dog.deactivate()
+            assert self.client is not None
+            try:
+                self.dog.deactivate()
+            finally:
+                self.client.release()
 
     def clean_previous(self) -> None:
         """(rank 0, once every rank has arrived at this operation, so none reads the channel's earlier

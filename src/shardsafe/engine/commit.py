@@ -51,7 +51,7 @@ from shardsafe.coord import Deadline, Operation, fault_point
 from shardsafe.coord.agreement import Round
 from shardsafe.coord.failures import Failure, wrap
 from shardsafe.coord.messages import Committed, Envelope, Outcome, Timeout, WriteReport
-from shardsafe.engine import incremental, sidefiles, unremoved
+from shardsafe.engine import incremental, replicas, sidefiles, unremoved
 from shardsafe.errors import CheckpointError, CorruptCheckpointError, RankDeadError, UnsafeValueError
 from shardsafe.format.manifest import (
     FORMAT_VERSION,
@@ -583,6 +583,7 @@ def build_manifest(i: CommitInputs, world_size: int, reports: dict[int, WriteRep
             f"save of {i.path!r}: ranks {mismatch} passed a state with other keys, shapes or dtypes than rank 0. "
             "Every rank must save the same structure (the same model and optimizer)."
         )
+    replicas.check(i.path, i.flat, {r: rep.replicas for r, rep in reports.items()})  # refused before the commit
     blocks = sorted({rep.block_bytes for rep in reports.values()})
     if blocks != [i.block_bytes]:
         raise CheckpointError(f"save of {i.path!r}: ranks wrote with checksum block sizes {blocks}")

@@ -38,7 +38,7 @@ from shardsafe import knobs
 from shardsafe.catalog.names import in_flight_marker, refusal
 from shardsafe.coord import Clock, Operation, fault_point
 from shardsafe.coord.messages import PerRankNodes, PerRankPaths, SaveArrival, SaveStart, WriteReport
-from shardsafe.engine import commit, hostmem, incremental, sidefiles, snapshot, staging
+from shardsafe.engine import commit, hostmem, incremental, replicas, sidefiles, snapshot, staging
 from shardsafe.engine.options import SaveOptions
 from shardsafe.engine.phases import PhaseLog
 from shardsafe.engine.plan import PendingChunk, file_bytes, own_chunks, plan_writes
@@ -74,6 +74,7 @@ class SaveJob:
         self.base_name = ""
         self.base_manifest: Manifest | None = None
         self.ref_chunks: list[tuple[str, Chunk]] = []  # (tensor, reference) for chunks the base holds
+        self.replicas: list[str] = []  # digests of this rank's replicated tensors (engine/replicas.py)
         self.flat: FlatState | None = None
         self.captured: Captured | None = None  # staging="background": the state as the call read it, until encoded
         self.metadata_json: Any = None
@@ -161,6 +162,8 @@ class SaveJob:
             per_rank.apply(self.flat, paths, op.rank)
             if not self.deferred:
                 self.metadata_json = encode(self.options["metadata"], "metadata", _no_tensors)
+                if not op.single:  # before the call returns: what an async save copies (engine/replicas.py)
+                    self.replicas = replicas.digests(self.flat)
             self.chunks = plan_writes(self.flat.items, op.rank, op.world_size) + own_chunks(self.flat)
             if self.base_manifest is not None:
                 if self.background is not None:
@@ -379,6 +382,7 @@ class SaveJob:
                 per_rank.report(flat),
                 self.tracker.own_counts(),
                 side,
+                self.replicas,
             )
         except BaseException as err:
             error = err

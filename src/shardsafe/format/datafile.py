@@ -8,6 +8,7 @@ verified in a buffer of the reader's before any of its bytes reach a destination
 
 from __future__ import annotations
 
+import ctypes
 import json
 import struct
 import sys
@@ -33,15 +34,22 @@ def content_digest(data: memoryview | bytearray | bytes) -> str:
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, without a copy."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+    """The raw bytes of a contiguous CPU tensor, without a copy: a writable view of its memory, which
+    keeps the tensor alive as long as the view is. Needs no numpy (``Tensor.numpy()`` does, and numpy is
+    not a dependency): a ctypes array over the tensor's memory, holding the tensor."""
+    if tensor.device.type != "cpu" or tensor.layout != torch.strided or not tensor.is_contiguous():
         raise ValueError("tensor_bytes needs a contiguous CPU tensor")
+    if tensor.is_conj() or tensor.is_neg():  # lazy views: their memory holds the bytes before the conjugation
+        raise ValueError("tensor_bytes needs a tensor without a conjugate or negative bit (resolve_conj() first)")
     if sys.byteorder != "little":
         raise NotImplementedError("format v1 stores little-endian bytes; big-endian hosts are not supported")
     flat = tensor.detach().reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+    nbytes = flat.numel() * flat.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    memory = (ctypes.c_uint8 * nbytes).from_address(flat.data_ptr())
+    memory._tensor = flat  # type: ignore[attr-defined]  # the view holds the array, the array the tensor
+    return memoryview(memory).cast("B")
 
 
 class ChunkToWrite(Protocol):
