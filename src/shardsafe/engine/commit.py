@@ -429,7 +429,7 @@ class Committer:
     def _sweep(self, new: bytes, where: str) -> None:
         """(rank 0, committed) Remove what failed saves of this process beside the path could not
         remove themselves (:mod:`shardsafe.engine.unremoved`), then the pending directories that saves
-        of the path which never committed left beside it
+        of the path, or of a sibling path, which never committed left beside it
         (:func:`~shardsafe.catalog.orphans.abandoned_pending`), then the orphans of such saves in it
         (:func:`~shardsafe.catalog.orphans.orphaned_files`), these two once older than
         ``SHARDSAFE_LEFTOVER_AGE_SECONDS``."""
@@ -447,12 +447,19 @@ class Committer:
         age = knobs.leftover_age_seconds()
         # first: a save whose pending directory is gone is no longer in flight, and its files in the
         # checkpoint are orphans
-        for pending in abandoned_pending(i.storage, i.path, min_age=age):
+        for pending in abandoned_pending(i.storage, i.path, min_age=age, siblings=True):
             try:
                 if remove_pending(i.storage, pending):
-                    logger.info("shardsafe: removed %s, left by a failed save of %s", pending, i.path)
+                    logger.info(
+                        "shardsafe: removed %s, left by a save that never committed (beside %s)", pending, i.path
+                    )
             except (OSError, ValueError) as err:  # one that cannot go does not keep the rest
-                logger.warning("shardsafe: could not remove %s, left by a failed save of %s: %s", pending, i.path, err)
+                logger.warning(
+                    "shardsafe: could not remove %s, left by a save that never committed (beside %s): %s",
+                    pending,
+                    i.path,
+                    err,
+                )
         _, listed = manifest_files(new, where)
         orphans = orphaned_files(i.storage, i.path, listed, min_age=age)
         if orphans:
