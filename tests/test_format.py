@@ -1,5 +1,7 @@
-"""Format v1 pinned byte for byte (docs/format.md): the data file of a fixed state, the manifest's
-structure, safetensors compatibility, header padding, and rejection of unknown format versions."""
+"""Format v3 pinned byte for byte (docs/format.md): the data file of a fixed state (its index
+included), the manifest's structure, safetensors compatibility, header padding, and rejection of
+unknown format versions; a version-2 checkpoint, pinned byte for byte as v2 wrote it, still loads
+and verifies."""
 
 from __future__ import annotations
 
@@ -36,8 +38,29 @@ def golden_state() -> dict[str, Any]:
     }
 
 
-# The safetensors header of the golden state's data file: chunks largest first, then by name.
+# The safetensors header of the golden state's data file: chunks largest first, then by name; then
+# (v3) the index: each chunk's xxh3-128 digest and xxh3-64 block checksums, in header order.
 GOLDEN_HEADER_JSON = (
+    '{"__metadata__":{"format":"pt","writer":"shardsafe"},'
+    '"ids":{"dtype":"I64","shape":[3],"data_offsets":[0,24]},'
+    '"w":{"dtype":"F32","shape":[2,3],"data_offsets":[24,48]},'
+    '"scalar":{"dtype":"F64","shape":[],"data_offsets":[48,56]},'
+    '"half":{"dtype":"BF16","shape":[2],"data_offsets":[56,60]},'
+    '"mask":{"dtype":"BOOL","shape":[3],"data_offsets":[60,63]},'
+    '"empty":{"dtype":"F16","shape":[0,2],"data_offsets":[63,63]},'
+    '"/index":{"dtype":"U8","shape":[160],"data_offsets":[63,223]}}'
+)
+GOLDEN_INDEX_HEX = (
+    "6d979d2326c345aa9513c6e67f3449e1" "15a2b04edd911f11" "4d922029c1f42e7d"  # ids: digest, 2 blocks
+    "83f0f74bd909b2e7518e85cbe3005e3f" "9cb3e6a020e85a77" "828f2476789a0e5f"  # w
+    "de65b66b79a9bc9829922be751fe947c" "df606fb485b75391"  # scalar
+    "973665bcc78139ec3dc9f1f1bf0e0f71" "e5fb505175d72772"  # half
+    "b1a57916ac63a6bcaed946681f85b77a" "aed946681f85b77a"  # mask
+    "99aa06d3014798d86001c324468d497f" "2d06800538d394c2"  # empty: one checksum, of no bytes
+)  # fmt: skip
+GOLDEN_SHA256 = "70bd910560469cac99ae21249089581027d03d67d8444237b2996cf802797679"
+# Version 2 (what a v2 writer wrote for the same state): no index.
+GOLDEN_HEADER_JSON_V2 = (
     '{"__metadata__":{"format":"pt","writer":"shardsafe"},'
     '"ids":{"dtype":"I64","shape":[3],"data_offsets":[0,24]},'
     '"w":{"dtype":"F32","shape":[2,3],"data_offsets":[24,48]},'
@@ -53,7 +76,7 @@ GOLDEN_DATA_HEX = (
     "c03f80bf"  # half: bfloat16 1.5, -1
     "010001"  # mask: True, False, True
 )
-GOLDEN_SHA256 = "23950336adb090970cae6da421bb4c22366646fd8c6fbeea18893d2e3304ac53"
+GOLDEN_SHA256_V2 = "23950336adb090970cae6da421bb4c22366646fd8c6fbeea18893d2e3304ac53"
 DATA = "data-00000-SAVEID.safetensors"
 
 
@@ -65,8 +88,8 @@ def _chunk(
         "sizes": sizes,
         "file": DATA,
         "key": key,
-        "begin": begin,
-        "end": end,
+        "begin": begin + 64,  # v3: the header is 64 bytes longer (the index entry)
+        "end": end + 64,
         "checksums": sums,
         "digest": digest,  # format v2: xxh3-128 of the chunk's bytes
         "ref": None,  # format v2: stored in this checkpoint, not in a sibling
@@ -74,7 +97,7 @@ def _chunk(
 
 
 GOLDEN_MANIFEST = {
-    "format_version": 2,
+    "format_version": 3,
     "save_id": "SAVEID",
     "created": "CREATED",
     "world_size": 1,
@@ -141,9 +164,30 @@ GOLDEN_MANIFEST = {
             ],
         },
     },
-    "files": {DATA: {"size": 479, "header_bytes": 416, "header_checksum": "0dcdec85c175dfd7"}},
+    "files": {
+        DATA: {
+            "size": 703,
+            "header_bytes": 480,
+            "header_checksum": "1a2ccf957dda9ae3",
+            "index_checksum": "65329b326483655f",  # v3: the data file's index
+        }
+    },
     "refs": {},
+    "meshes": [],  # v3: no tensor of one process is sharded
 }
+
+
+def golden_manifest_v2() -> dict[str, Any]:
+    """The manifest a v2 writer wrote for the golden state (no index, no meshes)."""
+    doc: dict[str, Any] = json.loads(json.dumps(GOLDEN_MANIFEST))
+    doc["format_version"] = 2
+    del doc["meshes"]
+    doc["files"] = {DATA: {"size": 479, "header_bytes": 416, "header_checksum": "0dcdec85c175dfd7"}}
+    for t in doc["tensors"].values():
+        for c in t["chunks"]:
+            c["begin"] -= 64
+            c["end"] -= 64
+    return doc
 
 
 @pytest.fixture
@@ -163,10 +207,43 @@ def test_golden_data_file_bytes(golden: Path) -> None:
     (data,) = _data_files(golden)
     raw = data.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    assert n == 408 and (8 + n) % 8 == 0
-    assert raw[8 : 8 + n] == GOLDEN_HEADER_JSON.encode() + b" " * 4
-    assert raw[8 + n :].hex() == GOLDEN_DATA_HEX
+    assert n == 472 and (8 + n) % 8 == 0
+    assert raw[8 : 8 + n] == GOLDEN_HEADER_JSON.encode() + b" " * 6
+    assert raw[8 + n :].hex() == GOLDEN_DATA_HEX + GOLDEN_INDEX_HEX
     assert hashlib.sha256(raw).hexdigest() == GOLDEN_SHA256
+
+
+def _write_v2(path: Path) -> None:
+    """The golden state's checkpoint exactly as a version-2 writer wrote it."""
+    path.mkdir()
+    text = GOLDEN_HEADER_JSON_V2.encode() + b" " * 4
+    raw = struct.pack("<Q", len(text)) + text + bytes.fromhex(GOLDEN_DATA_HEX)
+    assert hashlib.sha256(raw).hexdigest() == GOLDEN_SHA256_V2
+    (path / DATA).write_bytes(raw)
+    doc = golden_manifest_v2()
+    doc["created"] = 1795466248.5
+    doc["library"] = {"shardsafe": "0.1.0", "torch": "2.13.0"}
+    (path / "MANIFEST.json").write_text(json.dumps(seal_manifest(doc), separators=(",", ":")))
+
+
+def test_version_2_checkpoint_loads_and_verifies(tmp_path: Path) -> None:
+    """A v2 checkpoint (no data file index, no meshes) reads as it always did, into a state and whole."""
+    path = tmp_path / "v2"
+    _write_v2(path)
+    out = shardsafe.load(path)
+    state = golden_state()
+    for key, want in state.items():
+        if isinstance(want, torch.Tensor):
+            assert out[key].dtype == want.dtype and torch.equal(_bits(out[key]), _bits(want))
+        else:
+            assert out[key] == want
+    dest = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    shardsafe.load(path, dest)
+    assert all(torch.equal(_bits(dest[k]), _bits(v)) for k, v in state.items() if isinstance(v, torch.Tensor))
+    summary = shardsafe.verify(path)
+    assert (summary.files, summary.tensors, summary.bytes) == (1, 6, 479)
+    info = shardsafe.inspect(path)
+    assert info.format_version == 2 and info.total_bytes == 479
 
 
 def test_golden_manifest_structure(golden: Path) -> None:
@@ -189,7 +266,8 @@ def test_golden_manifest_structure(golden: Path) -> None:
 
 
 def test_checksums_partition_every_byte(golden: Path) -> None:
-    """Header checksum + per-block chunk checksums cover each byte of the data file exactly once."""
+    """Header checksum + per-block chunk checksums + (v3) the index checksum cover each byte of the
+    data file exactly once."""
     doc = json.loads((golden / "MANIFEST.json").read_text())
     block = doc["checksum"]["block_bytes"]
     ((name, entry),) = doc["files"].items()
@@ -198,6 +276,9 @@ def test_checksums_partition_every_byte(golden: Path) -> None:
     assert xxhash.xxh3_64_hexdigest(raw[: entry["header_bytes"]]) == entry["header_checksum"]
     covered = [0] * len(raw)
     covered[: entry["header_bytes"]] = [1] * entry["header_bytes"]
+    index = entry["size"] - 160  # the index ends the file
+    assert xxhash.xxh3_64_hexdigest(raw[index:]) == entry["index_checksum"]
+    covered[index:] = [1] * 160
     for t in doc["tensors"].values():
         for c in t["chunks"]:
             starts = list(range(c["begin"], c["end"], block)) or [c["begin"]]
@@ -224,7 +305,7 @@ def test_golden_round_trip_and_verify(golden: Path) -> None:
             assert out[key] == want
     assert math.copysign(1.0, float(out["w"][1, 2])) == -1.0
     summary = shardsafe.verify(golden)
-    assert (summary.files, summary.tensors, summary.bytes) == (1, 6, 479)
+    assert (summary.files, summary.tensors, summary.bytes) == (1, 6, 703)
 
 
 def test_data_files_open_with_safetensors(golden: Path) -> None:
@@ -233,8 +314,11 @@ def test_data_files_open_with_safetensors(golden: Path) -> None:
     (data,) = _data_files(golden)
     with safe_open(str(data), framework="pt") as f:
         assert f.metadata() == {"format": "pt", "writer": "shardsafe"}
-        assert sorted(f.keys()) == sorted(doc["tensors"])
+        assert sorted(f.keys()) == sorted([*doc["tensors"], "/index"])  # v3: the index is a U8 tensor
+        assert f.get_tensor("/index").numpy().tobytes().hex() == GOLDEN_INDEX_HEX
         for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            if name == "/index":
+                continue
             got = f.get_tensor(name)
             assert got.dtype == state[name].dtype and got.shape == state[name].shape
             assert torch.equal(got, state[name])
@@ -261,7 +345,7 @@ def test_chunked_file_opens_with_safetensors(tmp_path: Path) -> None:
     assert [r.key for r in records] == ["layer/w", "layer/w@2,0", "b"]
     assert [len(r.checksums) for r in records] == [1, 2, 1]  # 32, 64 and 12 bytes in 32-byte blocks
     with safe_open(str(path), framework="pt") as f:
-        assert sorted(f.keys()) == ["b", "layer/w", "layer/w@2,0"]
+        assert sorted(f.keys()) == ["/index", "b", "layer/w", "layer/w@2,0"]
         for c, r in zip(chunks, records, strict=True):
             assert torch.equal(f.get_tensor(r.key), c.data)
             assert raw[r.begin : r.end] == c.data.numpy().tobytes()
@@ -279,7 +363,7 @@ def test_build_header_pads_to_eight_bytes(name_len: int) -> None:
     assert json.loads(text)["n" * name_len] == {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]}
 
 
-@pytest.mark.parametrize("version", [3, 0, "1", 1.0, True, None])
+@pytest.mark.parametrize("version", [4, 0, "1", 1.0, True, None])
 def test_unknown_format_version_rejected(golden: Path, version: Any) -> None:
     manifest = golden / "MANIFEST.json"
     doc = json.loads(manifest.read_text())
@@ -290,7 +374,7 @@ def test_unknown_format_version_rejected(golden: Path, version: Any) -> None:
     assert str(manifest) in str(err.value)
     with pytest.raises(shardsafe.CorruptCheckpointError, match="format_version"):
         shardsafe.verify(golden)
-    if version == 2:
+    if version == 4:
         assert "upgrade shardsafe" in str(err.value)
 
 
@@ -325,5 +409,6 @@ def test_worked_example_in_the_spec_is_true(tmp_path: Path, monkeypatch: pytest.
     assert masked(written) == masked(shown_manifest)
     (data,) = _data_files(tmp_path / "step-7")
     raw = data.read_bytes()
-    assert raw[8:190].decode() == shown_header and raw[190:192] == b"  "
-    assert raw[192:].hex() == "0000803f000000400000003f"
+    assert raw[8:250].decode() == shown_header and raw[250:256] == b" " * 6
+    index = "4533ce61c4655ba3c3e077b25dd1d7694de8d78f7134f4b7095a758a27aedeaebb2dc4509829ae49c98dd7ed5d5dfd9b"
+    assert raw[256:].hex() == "0000803f000000400000003f" + index

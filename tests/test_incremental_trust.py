@@ -18,6 +18,7 @@ import torch
 import xxhash
 
 import shardsafe
+from hostile import rewrite_index
 from shardsafe.manager import CheckpointManager
 from test_incremental import assert_loads_equal, frozen_state, manifest, rewrite, step
 
@@ -113,6 +114,7 @@ def _stale_digest(path: Path, tensor: str, new: torch.Tensor, referrers: tuple[P
     file.write_bytes(bytes(data))
     sums = [xxhash.xxh3_64_hexdigest(raw[i : i + BLOCK]) for i in range(0, len(raw), BLOCK)]
     c["checksums"] = sums
+    rewrite_index(path, doc, c["file"])  # format v3: the file's index holds the checksums too
     rewrite(path, doc)
     for other in referrers:
         theirs = manifest(other)
@@ -120,6 +122,7 @@ def _stale_digest(path: Path, tensor: str, new: torch.Tensor, referrers: tuple[P
             for rc in t["chunks"]:
                 if rc["ref"] == path.name and (rc["file"], rc["begin"]) == (c["file"], c["begin"]):
                     rc["checksums"] = sums
+        theirs["refs"][path.name]["files"][c["file"]]["index_checksum"] = doc["files"][c["file"]]["index_checksum"]
         rewrite(other, theirs)
 
 
@@ -420,9 +423,9 @@ def test_a_lone_surrogate_in_metadata_is_refused_by_name(tmp_path: Path) -> None
 def test_a_dtype_the_format_cannot_hold_is_refused_without_naming_an_old_version(tmp_path: Path) -> None:
     with pytest.raises(shardsafe.UnsafeValueError, match="'q'") as err:
         shardsafe.save(tmp_path / "ckpt", {"q": torch.zeros(2, dtype=torch.complex128)})
-    assert "format v1" not in str(err.value) and "format v2" in str(err.value)
+    assert "format v1" not in str(err.value) and "format v3" in str(err.value)
 
 
-def test_the_format_doc_names_version_2() -> None:
+def test_the_format_doc_names_version_3() -> None:
     text = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
-    assert "equal to 1" not in text and "equal to 2" in text
+    assert "equal to 1" not in text and "equal to 3" in text

@@ -51,6 +51,7 @@ from shardsafe.coord.agreement import Round
 from shardsafe.coord.failures import Failure, wrap
 from shardsafe.coord.messages import Committed, Envelope, Outcome, Timeout, WriteReport
 from shardsafe.engine import incremental, unremoved
+from shardsafe.engine.plan import Rules
 from shardsafe.errors import CheckpointError, CorruptCheckpointError, RankDeadError, UnsafeValueError
 from shardsafe.format.manifest import Chunk, FileEntry, Manifest, TensorEntry, parse_manifest
 from shardsafe.progress.tracker import Tracker
@@ -80,6 +81,8 @@ class CommitInputs:
     base_name: str
     started: float
     blocking_seconds: float
+    rules: Rules = field(default_factory=Rules)
+    """The tensors described by a sharding rule (format v3): no rank reports their chunks."""
 
 
 @dataclass
@@ -561,8 +564,8 @@ def build_manifest(i: CommitInputs, world_size: int, reports: dict[int, WriteRep
     files: dict[str, FileEntry] = {}
     for rank in sorted(reports):
         rep = reports[rank]
-        for fname, (size, header_bytes, header_sum) in rep.files.items():
-            files[fname] = FileEntry(size, header_bytes, header_sum)
+        for fname, (size, header_bytes, header_sum, *index) in rep.files.items():
+            files[fname] = FileEntry(size, header_bytes, header_sum, index[0] if index else None)
         for name, c in rep.chunks:
             chunks.setdefault(name, []).append(
                 Chunk(
@@ -582,6 +585,10 @@ def build_manifest(i: CommitInputs, world_size: int, reports: dict[int, WriteRep
     own = per_rank.merge_reports(flat, legacy, chunks)
     tensors = {}
     for item in flat.items:
+        rule = i.rules.tensors.get(item.name)
+        if rule is not None:  # its chunks follow from the rule; each writer checked its own against it
+            tensors[item.name] = TensorEntry(item.local.dtype, item.shape, (), rule)
+            continue
         mine = sorted(chunks.get(item.name, []), key=lambda c: c.offsets)
         if sum(math.prod(c.sizes) for c in mine) != math.prod(item.shape):
             raise CheckpointError(
@@ -606,4 +613,5 @@ def build_manifest(i: CommitInputs, world_size: int, reports: dict[int, WriteRep
         refs=incremental.ref_table(i.base_manifest, i.base_name, [c for cs in chunks.values() for c in cs])
         if i.base_manifest is not None
         else {},
+        meshes=i.rules.meshes,
     )

@@ -41,7 +41,7 @@ from shardsafe.catalog.names import DATA_FILE
 from shardsafe.catalog.refs import sibling, split
 from shardsafe.deadline import Deadline
 from shardsafe.engine.plan import PendingChunk
-from shardsafe.engine.read import read_manifest
+from shardsafe.engine.read import chunk_source, open_manifest
 from shardsafe.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from shardsafe.format.datafile import read_blocks, tensor_bytes, verify_header
 from shardsafe.format.manifest import Chunk, FileEntry, Manifest, RefEntry, check_file_name
@@ -84,7 +84,7 @@ def _usable(storage: Storage, target: str, base: str) -> Manifest:
             f"hidden), which a reference must be; rename the base or {fix}"
         ) from None
     try:
-        manifest = read_manifest(storage, base)
+        manifest = open_manifest(storage, base)
     except CheckpointNotFoundError as err:
         raise CheckpointNotFoundError(
             f"save of {target!r}: base {base!r} is not a committed checkpoint ({err}); {fix}"
@@ -99,7 +99,7 @@ def _usable(storage: Storage, target: str, base: str) -> Manifest:
 
 def read_base(storage: Storage, base: str, save_id: str) -> Manifest:
     """(every rank) BASE's manifest, which must be the one rank 0 checked (same save id)."""
-    manifest = read_manifest(storage, base)
+    manifest = open_manifest(storage, base)
     if manifest.save_id != save_id:
         raise CheckpointError(
             f"base {base!r} changed during the save (save id {manifest.save_id}, rank 0 saw {save_id}); do not "
@@ -138,11 +138,21 @@ def match(
     hang)."""
     candidates: list[tuple[PendingChunk, Chunk]] = []
     same_blocks = base.block_bytes == block_bytes  # a reference keeps the base's block checksums
+    source = chunk_source(storage, sibling(storage, target, base_name), base)
+    unreadable: set[str] = set()
     for c in chunks:
         entry = base.tensors.get(c.name) if same_blocks else None
         old = None
         if entry is not None and entry.dtype == c.data.dtype and c.nbytes:
-            old = next((b for b in entry.chunks if b.offsets == c.offsets and b.sizes == c.sizes), None)
+            listed: Sequence[Chunk] = entry.chunks
+            if entry.sharding is not None:  # format v3: the base's chunk from the index of the file holding it
+                try:
+                    listed = source.chunks(c.name, (c.offsets, c.sizes)) if not unreadable else []
+                except (CorruptCheckpointError, OSError, EOFError) as err:
+                    _warn(target, base_name, base_name, 1, 1, _reason(err))
+                    unreadable.add(c.name)  # one warning: every chunk the base rules is written in full
+                    listed = []
+            old = next((b for b in listed if b.offsets == c.offsets and b.sizes == c.sizes), None)
         if old is not None and old.digest is not None and chunk_digest(c.data) == old.digest:
             candidates.append((c, old))
     sound: set[int] = set()

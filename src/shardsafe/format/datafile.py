@@ -1,5 +1,6 @@
 """Data files: valid safetensors files (8-byte little-endian header length, JSON header padded with
-spaces to a multiple of 8, then the raw bytes of each chunk, back to back, in header order).
+spaces to a multiple of 8, then the raw bytes of each chunk, back to back, in header order, then
+(format v3) the file's index: every chunk's digest and block checksums, :mod:`shardsafe.format.index`).
 
 Checksums are xxh3-64 over fixed-size blocks of each chunk, computed while the bytes are written (no
 read-back pass) and verified for every block read, so a partial read is verified on its own. A block is
@@ -18,7 +19,7 @@ import torch
 import xxhash
 
 from shardsafe.errors import CorruptCheckpointError
-from shardsafe.format import jsontext
+from shardsafe.format.index import INDEX_KEY, encode_index, entries, index_bytes, layout, parse_header
 from shardsafe.format.manifest import SAFETENSORS_DTYPES, Chunk, FileEntry
 from shardsafe.storage.base import Storage, Writer
 
@@ -60,8 +61,9 @@ class ChunkToWrite(Protocol):
     def nbytes(self) -> int: ...
 
 
-def build_header(chunks: Sequence[ChunkToWrite]) -> bytes:
-    """The safetensors header (length prefix included) for ``chunks`` laid out in order."""
+def build_header(chunks: Sequence[ChunkToWrite], block: int | None = None) -> bytes:
+    """The safetensors header (length prefix included) for ``chunks`` laid out in order; with
+    ``block`` (format v3), followed by the index entry for checksum blocks of that size."""
     header: dict[str, object] = {"__metadata__": {"format": "pt", "writer": "shardsafe"}}
     pos = 0
     for c in chunks:
@@ -71,6 +73,9 @@ def build_header(chunks: Sequence[ChunkToWrite]) -> bytes:
             "data_offsets": [pos, pos + c.nbytes],
         }
         pos += c.nbytes
+    if block is not None:
+        n = index_bytes([c.nbytes for c in chunks], block)
+        header[INDEX_KEY] = {"dtype": "U8", "shape": [n], "data_offsets": [pos, pos + n]}
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(len(text) + 8) % 8)
     return struct.pack("<Q", len(text)) + text
@@ -85,10 +90,11 @@ def write_file(
     windows: Iterable[memoryview] | None = None,
 ) -> tuple[FileEntry, list[Chunk]]:
     """(a writing rank) Stream ``chunks`` into ``writer`` as one safetensors file, hashing each block as
-    it goes. ``windows`` are the chunks' bytes in order, cut anywhere (the save pipeline's staging
-    windows); by default each chunk's own memory (contiguous CPU tensors). A window is hashed, then
-    written, before the next is asked for. The caller closes (makes durable) or aborts the writer."""
-    header = build_header(chunks)
+    it goes, then its index (format v3). ``windows`` are the chunks' bytes in order, cut anywhere (the
+    save pipeline's staging windows); by default each chunk's own memory (contiguous CPU tensors). A
+    window is hashed, then written, before the next is asked for. The caller closes (makes durable)
+    or aborts the writer."""
+    header = build_header(chunks, block)
     writer.write(memoryview(header))
     if windows is None:
         windows = _own_memory(chunks, block)
@@ -104,12 +110,17 @@ def write_file(
     sums = hasher.finish(file)
     if first:
         on_first_piece()
+    index = encode_index(hasher.digests, sums)
+    writer.write(memoryview(index))
     records: list[Chunk] = []
     pos = len(header)
     for c, chunk_sums, chunk_digest in zip(chunks, sums, hasher.digests, strict=True):
         records.append(Chunk(c.offsets, c.sizes, file, c.key, pos, pos + c.nbytes, tuple(chunk_sums), chunk_digest))
         pos += c.nbytes
-    return FileEntry(size=pos, header_bytes=len(header), header_checksum=digest(header)), records
+    entry = FileEntry(
+        size=pos + len(index), header_bytes=len(header), header_checksum=digest(header), index_checksum=digest(index)
+    )
+    return entry, records
 
 
 def _own_memory(chunks: Sequence[ChunkToWrite], piece: int) -> Iterator[memoryview]:
@@ -232,10 +243,6 @@ def _check(path: str, chunk: Chunk, k: int, block: int, data: memoryview | bytea
         )
 
 
-HEADER_DEPTH = 3
-"""A safetensors header nests three levels: the object, an entry, its ``shape``/``data_offsets``."""
-
-
 def verify_header(
     storage: Storage,
     path: str,
@@ -247,8 +254,9 @@ def verify_header(
 ) -> None:
     """Check a data file's size, header checksum, and that its safetensors header is strict (UTF-8
     JSON object, space padding, ``__metadata__`` of strings) and holds exactly the manifest's chunks
-    of this file, each with its dtype, shape and byte range. ``subset``: a file of a sibling checkpoint
-    that the manifest refers to, whose header may hold chunks the manifest does not use. Only
+    of this file (and, format v3, the index entry), each with its dtype, shape and byte range.
+    ``subset``: a file of a sibling checkpoint that the manifest refers to, whose header may hold
+    chunks the manifest does not use. The index itself: :func:`verify_index`. Only
     :class:`CorruptCheckpointError`."""
     size = storage.size(path)
     if size != entry.size:
@@ -257,20 +265,10 @@ def verify_header(
     storage.read_into(path, 0, memoryview(raw))
     if digest(raw) != entry.header_checksum:
         raise CorruptCheckpointError(f"{path}: safetensors header checksum mismatch: the file is corrupt")
-    (n,) = struct.unpack("<Q", raw[:8])
-    if 8 + n != entry.header_bytes:
-        raise CorruptCheckpointError(f"{path}: header length field {n} disagrees with the manifest")
-    text = bytes(raw[8:]).rstrip(b" ")
-    if not (text.startswith(b"{") and text.endswith(b"}")):
-        raise CorruptCheckpointError(f"{path}: the safetensors header is not a JSON object padded with spaces")
-    header = jsontext.parse(text, path, "the safetensors header", max_depth=HEADER_DEPTH)
-    if not isinstance(header, dict):
-        raise CorruptCheckpointError(f"{path}: the safetensors header is not a JSON object")
-    meta = header.get("__metadata__", {})
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise CorruptCheckpointError(f"{path}: the safetensors header's __metadata__ is not an object of strings")
+    header = parse_header(raw, path, entry)
     keys = {c.key for c in chunks}
-    extra = [k for k in header if k != "__metadata__" and k not in keys]
+    indexed = entry.index_checksum is not None
+    extra = [k for k in header if k != "__metadata__" and k not in keys and not (indexed and k == INDEX_KEY)]
     if extra and not subset:
         raise CorruptCheckpointError(
             f"{path}: the safetensors header has entries the manifest does not list: {[k[:80] for k in extra[:3]]}"
@@ -282,5 +280,32 @@ def verify_header(
             "shape": list(c.sizes),
             "data_offsets": [c.begin - entry.header_bytes, c.end - entry.header_bytes],
         }
-        if info != want or any(type(v) is not int for v in [*info["shape"], *info["data_offsets"]]):
+        if info != want:
             raise CorruptCheckpointError(f"{path}: header entry {c.key!r} disagrees with the manifest")
+
+
+def verify_index(storage: Storage, path: str, entry: FileEntry, chunks: Sequence[Chunk], block: int) -> int:
+    """(format v3) Check a data file's index: where its header puts it (the last entry, ending the
+    file, as long as the header's chunks need), its bytes against ``index_checksum``, and its block
+    checksums against those of ``chunks`` (the manifest's records of chunks in this file). Returns its
+    length (0 for a file without one). Only :class:`CorruptCheckpointError`."""
+    if entry.index_checksum is None:
+        return 0
+    raw = bytearray(entry.header_bytes)
+    storage.read_into(path, 0, memoryview(raw))
+    if digest(raw) != entry.header_checksum:
+        raise CorruptCheckpointError(f"{path}: safetensors header checksum mismatch: the file is corrupt")
+    lay = layout(parse_header(raw, path, entry), path, entry, block)
+    index = bytearray(lay.index_hi - lay.index_lo)
+    storage.read_into(path, entry.header_bytes + lay.index_lo, memoryview(index))
+    if digest(index) != entry.index_checksum:
+        raise CorruptCheckpointError(f"{path}: index checksum mismatch: the file is corrupt")
+    found = entries(lay, entry, bytes(index))
+    for c in chunks:
+        got = found.get(c.key)
+        if got is None or got.checksums != c.checksums:
+            raise CorruptCheckpointError(
+                f"{path}: checksum mismatch between the file's index and the manifest for chunk {c.key!r} (one of "
+                "them was altered or damaged). Load an older checkpoint."
+            )
+    return len(index)

@@ -1,0 +1,133 @@
+"""The chunks of a checkpoint's tensors, as readers need them: a listed tensor's chunks as the
+manifest gives them, a ruled one's (format v3) from its sharding rule and the indexes of the data
+files that hold them, each index read once, and only for the files a reader meets
+(:class:`ChunkSource`). A load planning rank asks for the chunks that meet its destination boxes
+(:meth:`ChunkSource.chunks` with a region); a whole-checkpoint reader (verify, export) for every chunk
+of a file (:meth:`ChunkSource.in_file`) or of the checkpoint (:func:`expand`).
+
+Every chunk resolved from a rule is checked as a listed one is when the manifest is read: its file is
+a data file of this save that the manifest lists, and its header entry has the tensor's dtype, the
+box's sizes and a byte range inside the file (:mod:`shardsafe.format.index`); otherwise a
+:class:`CorruptCheckpointError` names the tensor and the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from shardsafe.errors import CorruptCheckpointError
+from shardsafe.format.index import FileIndex
+from shardsafe.format.model import SAFETENSORS_DTYPES, Chunk, Manifest, TensorEntry
+from shardsafe.format.names import DATA_FILE, data_file
+from shardsafe.format.sharding import Region, all_boxes, boxes, overlapping
+
+
+def chunk_key(name: str, offsets: tuple[int, ...]) -> str:
+    """A chunk's key in its data file's header (docs/format.md, section 2): the tensor's name, with
+    ``@<offsets>`` unless the chunk starts at the tensor's origin."""
+    return name if not any(offsets) else f"{name}@{','.join(map(str, offsets))}"
+
+
+def meets(chunk: Chunk, region: Region) -> bool:
+    """Whether ``chunk`` shares an element with ``region`` (a 0-d chunk meets a 0-d region)."""
+    lo, size = region
+    if not size:
+        return True
+    return all(
+        max(co, ro) < min(co + cs, ro + rs) for co, cs, ro, rs in zip(chunk.offsets, chunk.sizes, lo, size, strict=True)
+    )
+
+
+class ChunkSource:
+    """Chunks of ``manifest``'s tensors on demand; ``read_index(file)`` reads and checks a data file's
+    index (:func:`~shardsafe.format.index.read_index`), called at most once per file. ``where`` (the
+    manifest's path) prefixes errors. One thread at a time."""
+
+    def __init__(self, manifest: Manifest, read_index: Callable[[str], FileIndex], where: str) -> None:
+        self.manifest = manifest
+        self._read = read_index
+        self.where = where
+        self.indexes: dict[str, FileIndex] = {}
+
+    def index(self, file: str) -> FileIndex:
+        """The index of ``file`` (read once)."""
+        found = self.indexes.get(file)
+        if found is None:
+            found = self.indexes[file] = self._read(file)
+        return found
+
+    def chunks(self, name: str, region: Region | None = None) -> list[Chunk]:
+        """The chunks of tensor ``name`` that meet ``region`` (all of them when ``None``)."""
+        entry = self.manifest.tensors[name]
+        rule = entry.sharding
+        if rule is None:
+            return list(entry.chunks) if region is None else [c for c in entry.chunks if meets(c, region)]
+        mesh = self.manifest.meshes[rule.mesh]
+        found = all_boxes(entry.shape, rule, mesh) if region is None else overlapping(entry.shape, rule, mesh, region)
+        return [self._resolve(name, entry, mesh.ranks[i], box) for i, box in found]
+
+    def files_of(self, name: str, region: Region | None = None) -> list[str]:
+        """The data files holding the chunks of ``name`` that meet ``region`` (ruled: without reading them)."""
+        entry = self.manifest.tensors[name]
+        rule = entry.sharding
+        if rule is None:
+            return sorted({c.file for c in self.chunks(name, region)})
+        mesh = self.manifest.meshes[rule.mesh]
+        found = all_boxes(entry.shape, rule, mesh) if region is None else overlapping(entry.shape, rule, mesh, region)
+        return sorted({self._file(name, mesh.ranks[i], box) for i, box in found})
+
+    def in_file(self, file: str) -> list[tuple[str, Chunk]]:
+        """(tensor name, chunk) of every ruled chunk the rules place in ``file`` (listed chunks are
+        the manifest's own), in tensor order."""
+        m = DATA_FILE.match(file)
+        if m is None or m["sid"] != self.manifest.save_id:
+            return []
+        rank = int(m["rank"])
+        out = []
+        for name, entry in self.manifest.tensors.items():
+            rule = entry.sharding
+            if rule is None:
+                continue
+            mesh = self.manifest.meshes[rule.mesh]
+            for i in mesh.positions(rank):
+                for box in boxes(entry.shape, rule, mesh, mesh.coordinate(i)):
+                    out.append((name, self._resolve(name, entry, rank, box)))
+        return out
+
+    def _file(self, name: str, rank: int, box: Region) -> str:
+        file = data_file(rank, self.manifest.save_id)
+        if file not in self.manifest.files:
+            raise CorruptCheckpointError(
+                f"{self.where}: tensor {name!r}: its sharding places the chunk at {list(box[0])} in {file}, which "
+                "the manifest does not list"
+            )
+        return file
+
+    def _resolve(self, name: str, entry: TensorEntry, rank: int, box: Region) -> Chunk:
+        file = self._file(name, rank, box)
+        offsets, sizes = box
+        key = chunk_key(name, offsets)
+        found = self.index(file).chunks.get(key)
+        if found is None:
+            raise CorruptCheckpointError(
+                f"{self.where}: tensor {name!r}: the header of {file} has no chunk {key[:120]!r}, which its sharding "
+                "places there"
+            )
+        if found.code != SAFETENSORS_DTYPES[entry.dtype] or found.sizes != sizes:
+            raise CorruptCheckpointError(
+                f"{self.where}: tensor {name!r}: chunk {key[:120]!r} of {file} is a {found.code} {list(found.sizes)}, "
+                f"its sharding says {SAFETENSORS_DTYPES[entry.dtype]} {list(sizes)}"
+            )
+        return Chunk(offsets, sizes, file, key, found.begin, found.end, found.checksums, found.digest, None)
+
+
+def expand(source: ChunkSource) -> Manifest:
+    """The manifest with every ruled tensor's chunks listed (reading every index it needs): for
+    readers of the whole checkpoint (export, conversion) that work from listed chunks."""
+    m = source.manifest
+    tensors = {
+        name: t if t.sharding is None else TensorEntry(t.dtype, t.shape, tuple(source.chunks(name)))
+        for name, t in m.tensors.items()
+    }
+    return dataclasses.replace(m, tensors=tensors)
