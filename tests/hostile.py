@@ -161,8 +161,8 @@ def rewrite_header(path: Path, name: str, text: bytes, *, pad: bool = True) -> N
             header_bytes=len(header), header_checksum=xxhash.xxh3_64_hexdigest(header), size=entry["size"] + shift
         )
         for t in doc["tensors"].values():
-            for c in t["chunks"]:
-                if c["file"] == name:
+            for c in t.get("chunks", []) if isinstance(t, dict) else []:  # (a ruled tensor lists none)
+                if isinstance(c, dict) and c.get("file") == name:
                     c["begin"] += shift
                     c["end"] += shift
 

@@ -120,9 +120,7 @@ def test_overlapping_finds_exactly_the_boxes_that_meet_a_region() -> None:
         size = tuple(rng.randrange(1, n - o + 1) for o, n in zip(lo, shape, strict=True))
 
         def meets(box: tuple[tuple[int, ...], tuple[int, ...]], lo: Any = lo, size: Any = size) -> bool:
-            return all(
-                max(a, b) < min(a + s, b + t) for a, s, b, t in zip(box[0], box[1], lo, size, strict=True)
-            )
+            return all(max(a, b) < min(a + s, b + t) for a, s, b, t in zip(box[0], box[1], lo, size, strict=True))
 
         want = sorted((i, b) for i, b in all_boxes(shape, rule, mesh) if meets(b))
         assert sorted(overlapping(shape, rule, mesh, (lo, size))) == want, (shape, mesh_shape, placements, lo, size)
