@@ -127,17 +127,24 @@ def rules_of(items: Sequence[TensorItem], world_size: int) -> Rules:
     (:class:`~shardsafe.state.layout.Rule`) with writers inside the saving world; meshes in order of
     first use."""
     meshes: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+    known: dict[int, tuple[tuple[int, ...], tuple[int, ...], int]] = {}  # id of a rank tuple -> (it, shape, mesh)
     tensors: dict[str, Sharding] = {}
     for item in items:
         rule = item.rule
         if rule is None or item.replicated:
             continue
-        key = (rule.mesh_shape, rule.ranks)
-        index = meshes.get(key)
-        if index is None:
-            if any(not 0 <= r < world_size for r in rule.ranks):
-                continue
-            index = meshes[key] = len(meshes)
+        seen = known.get(id(rule.ranks))  # tensors on one mesh share its rank tuple: no rehash of it per tensor
+        if seen is not None and seen[0] is rule.ranks and seen[1] == rule.mesh_shape:
+            index = seen[2]
+        else:
+            key = (rule.mesh_shape, rule.ranks)
+            found = meshes.get(key)
+            if found is None:
+                if any(not 0 <= r < world_size for r in rule.ranks):
+                    continue  # writers outside the saving group: listed chunk by chunk
+                found = meshes[key] = len(meshes)
+            index = found
+            known[id(rule.ranks)] = (rule.ranks, rule.mesh_shape, index)
         tensors[item.name] = Sharding(index, rule.dims)
     return Rules(tensors, [Mesh(shape, ranks) for shape, ranks in meshes])
 
@@ -163,13 +170,18 @@ def plan_save(flat: FlatState, rank: int, world_size: int, *, ruled: bool = True
     layout would make a manifest that places chunks where they are not: refused, naming the tensor)."""
     chunks = plan_writes(flat.items, rank, world_size) + own_chunks(flat)
     rules = rules_of(flat.items, world_size) if ruled else Rules()
+    memo: dict[tuple[tuple[int, ...], Sharding], list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
     for item in flat.items:
         rule = rules.tensors.get(item.name)
         if rule is None:
             continue
         mesh = rules.meshes[rule.mesh]
         held = sorted((o, tuple(d.shape)) for o, d in item.boxes() if item.owner and d.numel() > 0)
-        want = sorted(b for i in mesh.positions(rank) for b in boxes(item.shape, rule, mesh, mesh.coordinate(i)))
+        want = memo.get((item.shape, rule))  # tensors of one shape and rule (every layer's) share their boxes
+        if want is None:
+            want = memo[(item.shape, rule)] = sorted(
+                b for i in mesh.positions(rank) for b in boxes(item.shape, rule, mesh, mesh.coordinate(i))
+            )
         if held != want:
             raise CheckpointError(
                 f"shardsafe: rank {rank}: the sharding rule of tensor {item.name!r} places boxes {want[:4]} on this "

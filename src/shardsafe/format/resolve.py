@@ -49,6 +49,7 @@ class ChunkSource:
         self._read = read_index
         self.where = where
         self.indexes: dict[str, FileIndex] = {}
+        self._found: dict[tuple[str, Region | None], list[Chunk]] = {}  # a load asks twice (sizes, then reads)
 
     def index(self, file: str) -> FileIndex:
         """The index of ``file`` (read once)."""
@@ -63,9 +64,13 @@ class ChunkSource:
         rule = entry.sharding
         if rule is None:
             return list(entry.chunks) if region is None else [c for c in entry.chunks if meets(c, region)]
+        known = self._found.get((name, region))
+        if known is not None:
+            return list(known)
         mesh = self.manifest.meshes[rule.mesh]
         found = all_boxes(entry.shape, rule, mesh) if region is None else overlapping(entry.shape, rule, mesh, region)
-        return [self._resolve(name, entry, mesh.ranks[i], box) for i, box in found]
+        out = self._found[(name, region)] = [self._resolve(name, entry, mesh.ranks[i], box) for i, box in found]
+        return list(out)
 
     def files_of(self, name: str, region: Region | None = None) -> list[str]:
         """The data files holding the chunks of ``name`` that meet ``region`` (ruled: without reading them)."""

@@ -178,6 +178,8 @@ def overlapping(shape: Sequence[int], rule: Sharding, mesh: Mesh, region: Region
     levels: list[list[tuple[int, int, int]]] = [[] for _ in shape]  # per tensor dim: (mesh dim, n, f)
     for i, ((d, f), n) in enumerate(zip(rule.dims, mesh.shape, strict=True)):
         levels[d].append((i, n, f))
+    if all(len(lv) <= 1 and all(f == 1 for _, _, f in lv) for lv in levels):
+        return _plain_overlapping(shape, mesh, levels, lo, size)
     per_dim: list[list[tuple[dict[int, int], Runs]]] = []
     for t, n_t in enumerate(shape):
         a, b = lo[t], lo[t] + size[t]
@@ -201,6 +203,34 @@ def overlapping(shape: Sequence[int], rule: Sharding, mesh: Mesh, region: Region
         index = mesh.index(coord)
         for box in itertools.product(*(runs for _, runs in combo)):
             out.append((index, (tuple(x for x, _ in box), tuple(y - x for x, y in box))))
+    return out
+
+
+def _plain_overlapping(
+    shape: Sequence[int], mesh: Mesh, levels: list[list[tuple[int, int, int]]], lo: Sequence[int], size: Sequence[int]
+) -> list[tuple[int, Region]]:
+    """:func:`overlapping` where each tensor dimension is split at most once, with factor 1 (FSDP2,
+    HSDP, tensor parallelism without FSDP over it): the pieces met are a range of numbers per
+    dimension, each piece one run."""
+    per_dim: list[list[tuple[int, int, int, int]]] = []  # per tensor dim: (mesh dim, piece, start, stop)
+    for t, n_t in enumerate(shape):
+        a, b = lo[t], lo[t] + size[t]
+        if not levels[t]:
+            per_dim.append([(-1, 0, 0, n_t)])
+            continue
+        ((i, n, _),) = levels[t]
+        q = -(-n_t // n)
+        if not q:
+            return []
+        per_dim.append([(i, j, j * q, min((j + 1) * q, n_t)) for j in range(a // q, min((b - 1) // q, n - 1) + 1)])
+    out: list[tuple[int, Region]] = []
+    for combo in itertools.product(*per_dim):
+        coord = [0] * len(mesh.shape)
+        for i, j, _, _ in combo:
+            if i >= 0:
+                coord[i] = j
+        if all(x < y for _, _, x, y in combo):
+            out.append((mesh.index(coord), (tuple(x for _, _, x, _ in combo), tuple(y - x for _, _, x, y in combo))))
     return out
 
 

@@ -93,12 +93,18 @@ def _dtensor_layout(dt: Any, roles: bool) -> Layout:
     owner = (all(coord[i] == 0 for i in replicate_dims) and _first_slice(mesh)) if roles else True
     replicated = len(replicate_dims) == len(placements) and (_spans_world(mesh) if roles else True)
     if all(p.is_replicate() or type(p).__name__ == "Shard" for p in placements):
-        _, offsets = compute_local_shape_and_global_offset(dt.shape, mesh, placements)
-        boxes = [(tuple(int(o) for o in offsets), local)]
+        boxes = [(_offsets(shape, mesh, placements), local)]
     else:
         boxes = _indexed_boxes(shape, local, mesh, placements, coord)
     rule = _rule(mesh, placements, len(shape)) if roles and not replicated else None
     return Layout(shape, local.dtype, boxes, replicated, owner, rule)
+
+
+@functools.lru_cache(maxsize=4096)  # once per shape, mesh and placements: every layer's tensors share them
+def _offsets(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...]) -> tuple[int, ...]:
+    """This rank's global offsets of a DTensor of ``shape`` (``Shard``/``Replicate`` placements)."""
+    _, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(int(o) for o in offsets)
 
 
 def _rule(mesh: Any, placements: tuple[Any, ...], ndim: int) -> Rule | None:
@@ -162,16 +168,7 @@ def _indexed_boxes(
     of every local row is found by splitting an index tensor exactly as the placements split data
     (each placement's own ``_split_tensor``, mesh dimensions left to right); runs of consecutive
     indices become boxes."""
-    index = [torch.arange(n).view([n if d == k else 1 for k in range(len(shape))]) for d, n in enumerate(shape)]
-    for i, p in enumerate(placements):
-        if p.is_replicate():
-            continue
-        split = getattr(p, "_split_tensor", None)
-        if split is None or not hasattr(p, "dim"):
-            raise UnsafeValueError(f"DTensor placement {p!r} is not supported (Shard, _StridedShard, Replicate are)")
-        parts, _ = split(index[p.dim], mesh.size(i), with_padding=False)
-        index[p.dim] = parts[coord[i]] if coord[i] < len(parts) else index[p.dim][..., :0]
-    runs = [_runs(index[d].reshape(-1).tolist()) for d in range(len(shape))]
+    runs = _index_runs(shape, mesh, placements, tuple(coord))
     for d, n in enumerate(local.shape):
         if sum(r[2] for r in runs[d]) != n:
             raise UnsafeValueError(
@@ -184,6 +181,23 @@ def _indexed_boxes(
         view = local[tuple(slice(lo, lo + n) for _, lo, n in combo)]
         boxes.append((offsets, view))
     return boxes
+
+
+@functools.lru_cache(maxsize=1024)  # once per shape, mesh and placements: every layer's tensors share them
+def _index_runs(
+    shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...], coord: tuple[int, ...]
+) -> list[list[tuple[int, int, int]]]:
+    """Per dimension, the runs of global indices (:func:`_runs`) this coordinate's local shard holds."""
+    index = [torch.arange(n).view([n if d == k else 1 for k in range(len(shape))]) for d, n in enumerate(shape)]
+    for i, p in enumerate(placements):
+        if p.is_replicate():
+            continue
+        split = getattr(p, "_split_tensor", None)
+        if split is None or not hasattr(p, "dim"):
+            raise UnsafeValueError(f"DTensor placement {p!r} is not supported (Shard, _StridedShard, Replicate are)")
+        parts, _ = split(index[p.dim], mesh.size(i), with_padding=False)
+        index[p.dim] = parts[coord[i]] if coord[i] < len(parts) else index[p.dim][..., :0]
+    return [_runs(index[d].reshape(-1).tolist()) for d in range(len(shape))]
 
 
 def _runs(indices: list[int]) -> list[tuple[int, int, int]]:

@@ -1,0 +1,187 @@
+"""Tables and chart of bench/scale_sim.py's results (``scale.json``): what every rank reads, each rank's
+load planning, rank 0's commit step, the write reports and store requests, DCP beside each.
+
+DCP figures that were not measured (its metadata too large for the machine) are extrapolated
+linearly in the number of chunks (tensors x ranks) from the two largest worlds measured for the same
+model and strategy, and printed in italics with a trailing ``*``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+MiB = 2**20
+
+
+def _cells(results: dict[str, Any]) -> list[dict[str, Any]]:
+    order = {"7B": 0, "70B": 1, "405B": 2}
+    strat = {"fsdp2": 0, "hsdp": 1, "fsdp_tp": 2}
+    return sorted(results["cells"], key=lambda c: (order[c["model"]], strat[c["strategy"]], c["world"]))
+
+
+def _worst(cell: dict[str, Any], who: str, key: str) -> float | None:
+    values = [r[who][key] for r in cell["load"].values() if r.get(who)]
+    return max(values) if values else None
+
+
+def dcp_figures(results: dict[str, Any], cell: dict[str, Any]) -> tuple[dict[str, float], bool]:
+    """DCP's metadata bytes, coordinator seconds, per-rank load planning seconds and memory for
+    ``cell``: measured, or extrapolated (second value True) from the same model and strategy."""
+    if cell.get("dcp") and _worst(cell, "dcp", "seconds") is not None:
+        return {
+            "metadata_bytes": cell["dcp"]["metadata_bytes"],
+            "global_seconds": cell["dcp"]["seconds"] + cell["dcp"]["pickle_seconds"],
+            "load_seconds": _worst(cell, "dcp", "seconds") or 0.0,
+            "load_rss": _worst(cell, "dcp", "rss_growth") or 0.0,
+        }, False
+    peers = [
+        c
+        for c in results["cells"]
+        if (c["model"], c["strategy"]) == (cell["model"], cell["strategy"])
+        and c.get("dcp")
+        and _worst(c, "dcp", "seconds")
+    ]
+    peers.sort(key=lambda c: c["world"])
+    if len(peers) < 2:
+        return {}, True
+    a, b = peers[-2], peers[-1]
+    fa, fb = dcp_figures(results, a)[0], dcp_figures(results, b)[0]
+    x = cell["world"]
+    out = {}
+    for k in fa:
+        slope = (fb[k] - fa[k]) / (b["world"] - a["world"])
+        out[k] = fb[k] + slope * (x - b["world"])
+    return out, True
+
+
+def _fmt(x: float | None, spec: str, extrapolated: bool = False) -> str:
+    if x is None:
+        return "-"
+    text = format(x, spec)
+    return f"*{text}\\**" if extrapolated else text
+
+
+def markdown(results: dict[str, Any]) -> str:
+    m = results.get("machine", {})
+    lines = [
+        f"# Metadata and coordination at scale ({m.get('when', '?')}, {m.get('cpus', '?')} cores, "
+        f"torch {m.get('torch', '?')})",
+        "",
+        "Simulated ranks run shardsafe's real save planning, write reports, commit step, commit protocol",
+        "and load planning (`bench/scale_sim.py`; the method and what is simulated are in its docstring and",
+        "in `bench/README.md`). Llama-style models with AdamW, float32; FSDP2 on one mesh of N ranks, HSDP",
+        "with shard groups of 64, FSDP x TP with tp = 8. *Italics\\** are DCP figures extrapolated linearly in",
+        "chunks (tensors x ranks) from the two largest worlds measured: its metadata did not fit this machine.",
+        "",
+        "## What every rank reads, and how long its load planning takes",
+        "",
+        "Metadata a rank reads to plan its load: shardsafe the manifest plus the header and index of each",
+        "data file its shards meet (the worst of ranks 0, N/2+1, N-1); DCP the `.metadata` file, pickled.",
+        "Planning: shardsafe's `plan_load` (manifest read and validated, indexes read, reads planned) and",
+        "DCP's (`.metadata` read and unpickled, `set_up_planner`, `create_local_plan`), median seconds and",
+        "peak resident growth, the worst of the sampled ranks.",
+        "",
+        "| model | strategy | ranks | tensors | shardsafe metadata read (MiB) | manifest (MiB) | DCP .metadata (MiB) "
+        "| shardsafe planning (s) | DCP planning (s) | ratio | shardsafe planning memory (MiB) | DCP (MiB) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in _cells(results):
+        dcp, ex = dcp_figures(results, c)
+        mine_s = _worst(c, "shardsafe", "seconds")
+        ratio = mine_s / dcp["load_seconds"] if dcp.get("load_seconds") and mine_s else None
+        lines.append(
+            f"| {c['model']} | {c['strategy']} | {c['world']} | {c['tensors']} "
+            f"| {_fmt((_worst(c, 'shardsafe', 'metadata_bytes') or 0) / MiB, '.2f')} "
+            f"| {_fmt(c['commit']['manifest_bytes'] / MiB, '.2f')} "
+            f"| {_fmt(dcp.get('metadata_bytes', 0) / MiB if dcp else None, '.1f', ex)} "
+            f"| {_fmt(mine_s, '.3f')} | {_fmt(dcp.get('load_seconds'), '.2f', ex)} | {_fmt(ratio, '.3f', ex)}x "
+            f"| {_fmt((_worst(c, 'shardsafe', 'rss_growth') or 0) / MiB, '.0f')} "
+            f"| {_fmt(dcp.get('load_rss', 0) / MiB if dcp else None, '.0f', ex)} |"
+        )
+    lines += [
+        "",
+        "## Rank 0's commit step, the write reports and the store",
+        "",
+        "Rank 0's commit step: the `written` round's messages read (one string from the store), parsed,",
+        "`build_manifest`, `to_bytes`, `parse_manifest` (what it does before the decision), seconds and",
+        "peak resident growth; DCP's coordinator: `create_global_plan` and the pickling of `.metadata`.",
+        "Write report: the envelope each rank sends in `written` (largest, median). Store requests: waited",
+        "(posted) per rank, from the commit protocol run with a thread per rank on one `TCPStore`.",
+        "",
+        "| model | strategy | ranks | commit step (s) | of which reading reports (s) | memory (MiB) "
+        "| DCP global plan (s) | report max (B) | report median (B) | save planning per rank (s, median) "
+        "| store: rank 0 | store: others |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in _cells(results):
+        dcp, ex = dcp_figures(results, c)
+        p = c.get("protocol")
+        store0 = f"{p['rank0_waited']} ({p['rank0_posted']})" if p else "-"
+        others = f"{p['others_waited_max']} ({p['others_posted_max']})" if p else "-"
+        lines.append(
+            f"| {c['model']} | {c['strategy']} | {c['world']} | {c['commit']['seconds']:.3f} "
+            f"| {c['commit']['read_reports_seconds']:.3f} | {c['commit']['rss_growth'] / MiB:.0f} "
+            f"| {_fmt(dcp.get('global_seconds'), '.2f', ex)} | {c['save']['report_bytes_max']} "
+            f"| {c['save']['report_bytes_median']:.0f} | {c['save']['plan_seconds_median']:.3f} | {store0} | {others} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def chart(results: dict[str, Any], path: str) -> None:
+    """Time and memory against ranks: per-rank load planning and rank 0's commit (shardsafe, DCP), and
+    the metadata a rank reads."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.2))
+    colors = {"7B": "tab:green", "70B": "tab:blue", "405B": "tab:red"}
+    for model, strategy in sorted({(c["model"], c["strategy"]) for c in results["cells"]}):
+        if strategy != "fsdp2":
+            continue
+        cells = sorted(
+            (c for c in results["cells"] if (c["model"], c["strategy"]) == (model, strategy)), key=lambda c: c["world"]
+        )
+        x = [c["world"] for c in cells]
+        dcp = [dcp_figures(results, c) for c in cells]
+        color = colors.get(model, "black")
+        axes[0].plot(
+            x, [_worst(c, "shardsafe", "seconds") for c in cells], "o-", color=color, label=f"{model} shardsafe"
+        )
+        axes[0].plot(x, [d[0].get("load_seconds") for d in dcp], "s--", color=color, alpha=0.6, label=f"{model} DCP")
+        axes[1].plot(
+            x,
+            [(_worst(c, "shardsafe", "rss_growth") or 0) / MiB for c in cells],
+            "o-",
+            color=color,
+            label=f"{model} shardsafe",
+        )
+        axes[1].plot(
+            x, [d[0].get("load_rss", 0) / MiB for d in dcp], "s--", color=color, alpha=0.6, label=f"{model} DCP"
+        )
+        axes[2].plot(
+            x,
+            [(_worst(c, "shardsafe", "metadata_bytes") or 0) / MiB for c in cells],
+            "o-",
+            color=color,
+            label=f"{model} shardsafe",
+        )
+        axes[2].plot(
+            x, [d[0].get("metadata_bytes", 0) / MiB for d in dcp], "s--", color=color, alpha=0.6, label=f"{model} DCP"
+        )
+        axes[0].plot(x, [c["commit"]["seconds"] for c in cells], "^:", color=color, label=f"{model} rank 0 commit step")
+    titles = [
+        "load planning per rank (s)",
+        "load planning memory per rank (MiB, peak growth)",
+        "metadata a rank reads (MiB)",
+    ]
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("ranks (FSDP2, AdamW)")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("shardsafe format v3 vs DCP at scale (dashed: DCP; extrapolated where its metadata did not fit)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
