@@ -7,8 +7,8 @@ layout's world size, this rank's coordinate, real DTensors over untouched memory
 ``load``: shardsafe's ``engine/load.py:plan_load`` on the committed checkpoint (what a rank does
 before the go/no-go: the manifest, the indexes of the data files its shards meet, the reads), and DCP's
 load planning (read and unpickle ``.metadata``, ``DefaultLoadPlanner.set_up_planner`` and
-``create_local_plan``), each three times after a warm-up: the median seconds, the peak growth of the
-resident memory of the first, the metadata bytes read.
+``create_local_plan``): the median seconds of three runs after a first (DCP: ``dcp_reps``), the peak
+growth of the resident memory of the first (cold), the metadata bytes read.
 
 ``check``: shardsafe's real ``flatten`` of the real state against bench/scale_layouts.py's synthetic
 one (names, rules, boxes, owners), and DCP's real ``create_local_plan`` against bench/scale_dcp.py's
@@ -37,23 +37,28 @@ def rss() -> tuple[int, int]:
     return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
 
 
-def measured(fn: Any, reps: int = 3) -> tuple[float, int, Any]:
-    """(median seconds of ``reps`` runs after a warm-up, peak resident growth of the first measured, result)."""
-    fn()  # warm-up: imports, caches, the page cache
+def measured(fn: Any, reps: int = 3) -> tuple[float, int, Any, dict[str, float]]:
+    """(median seconds of ``reps`` runs after the first, peak resident growth of the first (cold: lazy
+    imports and caches included), result, the cold run's seconds and the warm runs' growth)."""
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM back to the current resident size
     before, _ = rss()
     started = time.perf_counter()
     out = fn()
-    times = [time.perf_counter() - started]
-    growth = rss()[1] - before
-    for _ in range(reps - 1):
+    cold_seconds = time.perf_counter() - started
+    cold = rss()[1] - before
+    times, warm = [], 0
+    for _ in range(reps):
         gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before, _ = rss()
         started = time.perf_counter()
         fn()
         times.append(time.perf_counter() - started)
-    return statistics.median(times), growth, out
+        warm = max(warm, rss()[1] - before)
+    return statistics.median(times), cold, out, {"cold_seconds": cold_seconds, "warm_rss_growth": warm}
 
 
 def setup(spec: dict[str, Any]) -> Any:
@@ -104,12 +109,9 @@ def load(spec: dict[str, Any]) -> dict[str, Any]:
             rest="values",
         )
 
-    seconds, growth, plan = measured(mine)
+    seconds, growth, plan, extra = measured(mine)
     manifest_bytes = Path(path, "MANIFEST.json").stat().st_size
-    index_bytes = sum(
-        plan.manifest.files[f].header_bytes + sum(16 + 8 * len(e.checksums) for e in idx.chunks.values())
-        for f, idx in plan.source.indexes.items()
-    )
+    index_bytes = sum(plan.manifest.files[f].header_bytes + idx.nbytes for f, idx in plan.source.indexes.items())
     own = {
         "seconds": seconds,
         "rss_growth": growth,
@@ -119,6 +121,7 @@ def load(spec: dict[str, Any]) -> dict[str, Any]:
         "metadata_bytes": manifest_bytes + index_bytes,
         "tasks": len(plan.tasks),
         "bytes_to_read": sum(t.chunk.end - t.chunk.begin for t in plan.tasks),
+        **extra,
     }
     del plan
     gc.collect()
@@ -131,10 +134,11 @@ def load(spec: dict[str, Any]) -> dict[str, Any]:
         planner.set_up_planner(dcp_state, metadata, is_coordinator=False)
         return planner.create_local_plan()
 
-    seconds, growth, plan = measured(dcp)
+    seconds, growth, plan, extra = measured(dcp, reps=spec.get("dcp_reps", 3))
     theirs = {
         "seconds": seconds,
         "rss_growth": growth,
+        **extra,
         "metadata_bytes": Path(spec["dcp_metadata"]).stat().st_size,
         "items": len(plan.items),
     }
@@ -162,7 +166,7 @@ def check(spec: dict[str, Any]) -> dict[str, Any]:
         ]
 
     same_flat = described(real) == described(sim) and real.objects == sim.objects
-    mine_s, _, plan = measured(lambda: plan_save(real, rank, world))
+    mine_s, _, plan, _ = measured(lambda: plan_save(real, rank, world))
     same_rules = plan.rules == plan_save(sim, rank, world).rules
 
     def dcp() -> Any:
@@ -170,7 +174,7 @@ def check(spec: dict[str, Any]) -> dict[str, Any]:
         planner.set_up_planner(dcp_state, storage_meta=None, is_coordinator=rank == 0)
         return planner.create_local_plan()
 
-    dcp_s, _, theirs = measured(dcp)
+    dcp_s, _, theirs, _ = measured(dcp)
     ours = local_plan(layout, rank)
 
     def items(plan: Any) -> list[Any]:

@@ -1,9 +1,10 @@
 """Tables and chart of bench/scale_sim.py's results (``scale.json``): what every rank reads, each rank's
 load planning, rank 0's commit step, the write reports and store requests, DCP beside each.
 
-DCP figures that were not measured (its metadata too large for the machine) are extrapolated
-linearly in the number of chunks (tensors x ranks) from the two largest worlds measured for the same
-model and strategy, and printed in italics with a trailing ``*``."""
+DCP figures that were not measured (its metadata too large for the machine) are extrapolated in the
+number of chunks (tensors x ranks, here the world, the tensors being fixed): linearly from the two
+largest worlds measured for the same model and strategy, or in proportion from the one measured, and
+printed in italics with a trailing ``*``."""
 
 from __future__ import annotations
 
@@ -41,11 +42,14 @@ def dcp_figures(results: dict[str, Any], cell: dict[str, Any]) -> tuple[dict[str
         and _worst(c, "dcp", "seconds")
     ]
     peers.sort(key=lambda c: c["world"])
-    if len(peers) < 2:
+    if not peers:
         return {}, True
-    a, b = peers[-2], peers[-1]
-    fa, fb = dcp_figures(results, a)[0], dcp_figures(results, b)[0]
     x = cell["world"]
+    fb = dcp_figures(results, peers[-1])[0]
+    if len(peers) < 2:  # proportional to the chunks, from the one world measured
+        return {k: v * x / peers[-1]["world"] for k, v in fb.items()}, True
+    a, b = peers[-2], peers[-1]
+    fa = dcp_figures(results, a)[0]
     out = {}
     for k in fa:
         slope = (fb[k] - fa[k]) / (b["world"] - a["world"])
@@ -69,8 +73,8 @@ def markdown(results: dict[str, Any]) -> str:
         "Simulated ranks run shardsafe's real save planning, write reports, commit step, commit protocol",
         "and load planning (`bench/scale_sim.py`; the method and what is simulated are in its docstring and",
         "in `bench/README.md`). Llama-style models with AdamW, float32; FSDP2 on one mesh of N ranks, HSDP",
-        "with shard groups of 64, FSDP x TP with tp = 8. *Italics\\** are DCP figures extrapolated linearly in",
-        "chunks (tensors x ranks) from the two largest worlds measured: its metadata did not fit this machine.",
+        "with shard groups of 64, FSDP x TP with tp = 8. *Italics\\** are DCP figures extrapolated in chunks",
+        "(tensors x ranks) from the largest worlds measured: its metadata did not fit this machine.",
         "",
         "## What every rank reads, and how long its load planning takes",
         "",

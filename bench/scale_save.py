@@ -41,27 +41,32 @@ BLOCK = 8 << 20
 
 
 def fake_write(directory: Path, plan: SavePlan, save_id: str, block: int) -> tuple[FileEntry, list[Chunk]] | None:
-    """The data file ``write_file`` would write for ``plan`` (its header and index, around a sparse
-    hole where the chunks' bytes go), and the chunk records it would return (zero checksums)."""
+    """The data file ``write_file`` would write for ``plan`` (its header and index, around a sparse hole
+    where the chunks' bytes go), and the chunk records it would return (zero checksums)."""
     chunks = plan.chunks
     if not chunks:
         return None
     name = data_file(plan.rank, save_id)
-    header = build_header(chunks, block)
+    header = build_header(chunks, plan.ruled, block)
     sums = [["0" * 16] * blocks(c.nbytes, block) for c in chunks]
-    index = encode_index(["0" * 32] * len(chunks), sums)
-    assert len(index) == index_bytes([c.nbytes for c in chunks], block)
+    ruled = len(chunks) - plan.ruled
+    index = encode_index(sums[ruled:]) if plan.ruled else b""
+    assert len(index) == (index_bytes([c.nbytes for c in chunks[ruled:]], block) if plan.ruled else 0)
     data = sum(c.nbytes for c in chunks)
     with open(directory / name, "wb") as f:
         f.write(header)
         f.seek(len(header) + data)
         f.write(index)
+        f.truncate(len(header) + data + len(index))
     records, pos = [], len(header)
     for c, s in zip(chunks, sums, strict=True):
         records.append(Chunk(c.offsets, c.sizes, name, c.key, pos, pos + c.nbytes, tuple(s), "0" * 32))
         pos += c.nbytes
     entry = FileEntry(
-        len(header) + data + len(index), len(header), xxhash.xxh3_64_hexdigest(header), xxhash.xxh3_64_hexdigest(index)
+        len(header) + data + len(index),
+        len(header),
+        xxhash.xxh3_64_hexdigest(header),
+        xxhash.xxh3_64_hexdigest(index) if plan.ruled else None,
     )
     return entry, records
 
@@ -194,11 +199,104 @@ def commit_step(
     }
 
 
+STORE_HOST = """
+import sys, time
+from datetime import timedelta
+from torch.distributed import TCPStore
+store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=3600))
+print(store.port, flush=True)
+sys.stdin.read()  # until the parent closes it
+"""
+
+
 def protocol(
-    model: str, strategy: str, world: int, texts: list[str], target: str, pending: str, save_id: str
+    model: str,
+    strategy: str,
+    world: int,
+    texts: list[str],
+    target: str,
+    pending: str,
+    save_id: str,
+    processes: int = 16,
 ) -> dict[str, Any]:
-    """Every rank a thread with its own store connection: the save's ``arrive`` agreement and the real
-    ``Committer`` (rank 0 publishes); each rank's store requests and the round's wall time."""
+    """The save's two agreements with the real ``Operation``, ``agree`` and
+    ``engine/commit.py:Committer.run`` (rank 0 builds, stages, decides, publishes, waits for every
+    acknowledgement), a thread per rank with its own store connection, the ranks spread over
+    ``processes`` processes, the ``TCPStore`` hosted by a process of its own (as under torchrun):
+    each rank's store requests and the round's wall time."""
+    import subprocess
+    import sys
+
+    host = subprocess.Popen(
+        [sys.executable, "-c", STORE_HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert host.stdout is not None
+        port = int(host.stdout.readline())
+        ctx = mp.get_context("fork")
+        queue = ctx.Queue()
+        started = time.monotonic()
+        workers = [
+            ctx.Process(
+                target=_protocol_ranks,
+                args=(
+                    model,
+                    strategy,
+                    world,
+                    list(range(p, world, processes)),
+                    texts,
+                    target,
+                    pending,
+                    save_id,
+                    port,
+                    queue,
+                ),
+            )
+            for p in range(processes)
+        ]
+        for w in workers:
+            w.start()
+        results: dict[int, Any] = {}
+        errors: list[str] = []
+        for _ in workers:
+            part, errs = queue.get(timeout=3600)
+            results.update(part)
+            errors += errs
+        for w in workers:
+            w.join(60)
+        took = time.monotonic() - started
+    finally:
+        host.kill()
+        host.wait()
+    if errors:
+        raise RuntimeError("; ".join(errors[:5]))
+    others = [results[r][0] for r in results if r]
+    return {
+        "wall_seconds": took,
+        "processes": processes,
+        "rank0_waited": results[0][0],
+        "rank0_posted": results[0][1],
+        "others_waited_max": max(others),
+        "others_waited_min": min(others),
+        "others_posted_max": max(results[r][1] for r in results if r),
+        "rank0_kinds": results[0][2],
+        "others_kinds": results[max(results)][2],
+    }
+
+
+def _protocol_ranks(
+    model: str,
+    strategy: str,
+    world: int,
+    ranks: list[int],
+    texts: list[str],
+    target: str,
+    pending: str,
+    save_id: str,
+    port: int,
+    queue: Any,
+) -> None:
+    """(one process of :func:`protocol`) A thread per rank of ``ranks``; puts (tallies, errors)."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
@@ -209,55 +307,61 @@ def protocol(
     from shardsafe.progress.tracker import Tracker
 
     layout = Layout(MODELS[model], strategy, world)
-    inputs = commit_inputs(layout, target, pending, save_id)  # rank 0's; the others only read path and save id
-    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=900))
+    inputs = commit_inputs(layout, target, pending, save_id) if 0 in ranks else None
     threading.stack_size(1 << 20)
     tallies: dict[int, Any] = {}
     errors: list[str] = []
-    budget = Deadlines(arrive=900, io=900)
-    barrier = threading.Barrier(world)
+    budget = Deadlines(arrive=1800, io=1800)
 
     def rank_main(rank: int) -> None:
         try:
             store = TCPStore(
-                "127.0.0.1", server.port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=900)
+                "127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=1800)
             )
-            barrier.wait()
             op = Operation.begin("save", target, budget.start(), store=store, rank=rank, world_size=world)
             try:
                 start = SaveStart(save_id, pending, BLOCK, {}, [], [], [""] * world)
                 op.agree("arrive", SaveArrival({}, {}, ""), (lambda _e: start) if rank == 0 else None)
                 report = WriteReport.from_json(Envelope.from_text(texts[rank]).body)
+                mine = inputs if inputs is not None and rank == 0 else _follower_inputs(target, pending, save_id)
                 tracker = Tracker("save", target, None)
                 tracker.start(op, lambda: "commit")
                 try:
-                    Committer(op, inputs, tracker, lambda _p: None).run(report, None)
+                    Committer(op, mine, tracker, lambda _p: None).run(report, None)
                 finally:
                     tracker.end(None)
             finally:
                 op.close()
                 tallies[rank] = op.tally
-        except BaseException as err:  # reported by the caller
-            errors.append(f"rank {rank}: {type(err).__name__}: {err}")
+        except BaseException as err:  # reported by the parent
+            errors.append(f"rank {rank}: {type(err).__name__}: {err}"[:2000])
 
-    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world)]
-    started = time.monotonic()
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in ranks]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(1200)
-    took = time.monotonic() - started
-    if errors:
-        raise RuntimeError("; ".join(errors[:5]))
-    waited = {r: sum(t.waited.values()) for r, t in tallies.items()}
-    posted = {r: sum(t.posted.values()) for r, t in tallies.items()}
-    others = [waited[r] for r in waited if r]
-    return {
-        "wall_seconds": took,
-        "rank0_waited": waited[0],
-        "rank0_posted": posted[0],
-        "others_waited_max": max(others),
-        "others_waited_min": min(others),
-        "others_posted_max": max(posted[r] for r in posted if r),
-        "rank0_kinds": dict(tallies[0].waited),
-    }
+        t.join(3000)
+    out = {r: (sum(t.waited.values()), sum(t.posted.values()), dict(t.waited)) for r, t in tallies.items()}
+    queue.put((out, errors))
+
+
+def _follower_inputs(target: str, pending: str, save_id: str) -> Any:
+    """What a rank other than 0 needs of the save's inputs (its path, save id, pending directory)."""
+    from shardsafe.engine.commit import CommitInputs
+    from shardsafe.state.flatten import FlatState
+    from shardsafe.storage.local import LocalStorage
+
+    return CommitInputs(
+        path=target,
+        storage=LocalStorage(),
+        save_id=save_id,
+        pending=pending,
+        overwrite=False,
+        block_bytes=BLOCK,
+        flat=FlatState(objects={}, items=[], strategy="fsdp"),
+        metadata=None,
+        base_manifest=None,
+        base_name="",
+        started=time.monotonic(),
+        blocking_seconds=0.0,
+    )

@@ -17,8 +17,8 @@ Per cell (model, strategy, world):
   untouched memory): shardsafe's ``plan_load`` and DCP's load planning for ranks 0, N/2+1 and N-1;
 - DCP: every rank's local save plan, the coordinator's ``create_global_plan`` and the ``.metadata``
   it writes (pickled), in a fresh process. Where DCP's metadata would not fit this machine's memory
-  (``--dcp-max-items``), its figures are extrapolated linearly in the number of chunks from the two
-  largest worlds measured, and marked so.
+  (``--dcp-max-items``), its figures are extrapolated in the number of chunks (tensors x ranks) from
+  the largest worlds measured for the same model and strategy (bench/scale_report.py), and marked so.
 
 Writes bench/results/scale.json, scale.md and scale.png (``--out``); keeps nothing else (the scratch
 checkpoints are removed after each cell).
@@ -74,7 +74,11 @@ def main(a):
 """
 
 PROTOCOL = """
+import os
 from pathlib import Path
+os.environ.setdefault("SHARDSAFE_HEARTBEAT_SECONDS", "5")  # thousands of ranks' watchdogs on 2 cores
+os.environ.setdefault("SHARDSAFE_POLL_SECONDS", "2")
+os.environ.setdefault("SHARDSAFE_DEAD_AFTER", "300")
 from bench.scale_save import protocol
 def main(a):
     texts = Path(a["messages"]).read_text().splitlines()
@@ -150,6 +154,7 @@ def run_cell(model: str, strategy: str, world: int, scratch: Path, args: argpars
         print(f"[{model} {strategy} {world}] load planning of rank {rank} ...", flush=True)
         spec = {"model": model, "strategy": strategy, "world": world, "rank": rank, "path": target}
         spec["dcp_metadata"] = str(dcp_meta) if dcp_meta.exists() else ""
+        spec["dcp_reps"] = 3 if world < 1024 else 1
         spec_file = root / f"load-{rank}.json"
         spec_file.write_text(json.dumps(spec))
         run = subprocess.run(
@@ -181,7 +186,7 @@ def main() -> None:
     parser.add_argument("--strategies", default="fsdp2,hsdp,fsdp_tp")
     parser.add_argument("--worlds", default="256,1024,4096")
     parser.add_argument("--protocol", type=int, default=4096, help="run the threaded commit protocol up to this world")
-    parser.add_argument("--dcp-max-items", type=int, default=3_000_000, help="largest DCP plan (tensors x ranks) built")
+    parser.add_argument("--dcp-max-items", type=int, default=3_500_000, help="largest DCP plan (tensors x ranks) built")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--scratch", default=str(HERE / "results" / "scale-scratch"))

@@ -4,18 +4,18 @@ tests/test_fuzz_v3.py (run by tests/fuzz_child.py like tests/fuzz_cases.py's).
 The base is tests/hostile.py's state saved in one process, then rewritten as a 4-rank save would
 have written two of its tensors (:func:`rule_base`): ``x`` (10 x 4) split over a mesh of ranks 1, 2, 3
 (rows 0-3, 4-7, 8-9), and ``optim/state/weight/exp_avg`` (3 x 4) over ranks 2, 3 with a strided split
-(rank 2 holds rows 0 and 2 as two boxes); their chunks are in the data files of those ranks, found
-through the files' indexes. Each case damages it one way, in one of two families:
+(rank 2 holds rows 0 and 2 as two boxes); their chunks are in the ruled regions of those ranks' data
+files, their checksums in the files' indexes. Each case damages it one way, in one of two families:
 
 - ``manifest`` (v3 manifests): one to three JSON edits of the meshes, the sharding rules, the
   ruled tensors' entries and the files' ``index_checksum``, re-sealed (tests/fuzz_cases.py's
   ``mutate``, aimed there), or a rule made to claim what the files do not hold (a 2^40-coordinate
   mesh, huge split factors, ranks without files, another tensor's rule);
-- ``index`` (v3 data file indexes): bytes of a ruled file's index flipped, zeroed, truncated or
-  appended to; or, as a hostile author would, the index rewritten (checksums swapped, changed,
-  dropped, duplicated) with ``index_checksum`` made right again, the ``/index`` header entry moved or
-  resized, a ruled chunk's header entry removed, renamed, reshaped or retyped, with the header's
-  checksum and length made right again; or a ruled file removed or replaced by a FIFO.
+- ``index`` (v3 data files' ruled regions and indexes): bytes of a ruled file's index flipped, zeroed,
+  truncated or appended to; or, as a hostile author would, the index rewritten (checksums swapped,
+  changed, dropped, duplicated) with ``index_checksum`` made right again, the ``/shards`` or ``/index``
+  header entry moved, resized, retyped, swapped, dropped or renamed, another entry added, with the
+  header's checksum and length made right again; or a ruled file removed or replaced by a FIFO.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from fuzz_cases import mutate
 from hostile import (
     PLACEHOLDER,
     Doc,
-    _Bytes,
     _write,
     header_of,
     manifest_of,
@@ -44,7 +43,6 @@ from hostile import (
     write_raw_manifest,
 )
 from shardsafe.engine.plan import PendingChunk
-from shardsafe.format.datafile import write_file
 from shardsafe.format.manifest import STORABLE_DTYPES
 from shardsafe.format.sharding import Mesh, Sharding, boxes
 
@@ -86,13 +84,12 @@ def rule_base(path: Path) -> None:
     _write(path, doc, old, [k[1] for k in kept], block, [k[0] for k in kept])
     meshes: list[Doc] = []
     per_rank: dict[int, list[PendingChunk]] = {r: [] for r in RULED_RANKS}
-    for name, (mesh, dims) in RULES.items():
+    for name in [n for n in doc["tensors"] if n in RULES]:  # the file's order: tensors in manifest order
+        mesh, dims = RULES[name]
         meshes.append(mesh)
         t = value(name)
-        rule, m = (
-            Sharding(len(meshes) - 1, tuple((d, f) for d, f in dims)),
-            Mesh(tuple(mesh["shape"]), tuple(mesh["ranks"])),
-        )
+        rule = Sharding(len(meshes) - 1, tuple((d, f) for d, f in dims))
+        m = Mesh(tuple(mesh["shape"]), tuple(mesh["ranks"]))
         for i, rank in enumerate(m.ranks):
             for offsets, sizes in boxes(tuple(t.shape), rule, m, m.coordinate(i)):
                 part = t[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))].contiguous()
@@ -103,16 +100,7 @@ def rule_base(path: Path) -> None:
             "sharding": rule.to_json(),
         }
     for rank, chunks in per_rank.items():
-        name = f"data-{rank:05d}-{sid}.safetensors"
-        out = _Bytes()
-        entry, _ = write_file(out, name, chunks, block, lambda: None)
-        (path / name).write_bytes(bytes(out.data))
-        doc["files"][name] = {
-            "size": entry.size,
-            "header_bytes": entry.header_bytes,
-            "header_checksum": entry.header_checksum,
-            "index_checksum": entry.index_checksum,
-        }
+        _write(path, doc, f"data-{rank:05d}-{sid}.safetensors", chunks, block, [], ruled=len(chunks))
     doc["meshes"] = meshes
     doc["world_size"] = 4
     write_manifest(path, doc)
@@ -284,58 +272,36 @@ def _index_rewrite(rng: random.Random, ckpt: Path) -> str:
 
 
 def _header_entry(rng: random.Random, ckpt: Path) -> str:
-    """A ruled file's header entries edited (the index entry, or a ruled chunk's), the header's checksum
-    and length made right again (tests/hostile.py ``rewrite_header``)."""
+    """A ruled file's header edited (its ``/shards`` or ``/index`` entry, or another entry added), the
+    header's checksum and length made right again (tests/hostile.py ``rewrite_header``)."""
     name = rng.choice(_ruled_files(ckpt))
     text, _ = header_of(ckpt, name)
     header: Doc = json.loads(text)
-    keys = [k for k in header if k not in ("__metadata__", "/index")]
+    key = rng.choice(["/shards", "/index"])
     op = rng.choice(
-        [
-            "index shape",
-            "index offsets",
-            "index dtype",
-            "index first",
-            "no index",
-            "drop",
-            "rename",
-            "shape",
-            "dtype",
-            "offsets",
-            "order",
-            "mutate",
-        ]
+        ["shape", "offsets", "dtype", "swap", "drop", "rename", "extra", "extra first", "grow", "mutate", "mutate"]
     )
-    key = rng.choice(keys)
-    if op == "index shape":
-        header["/index"]["shape"] = [header["/index"]["shape"][0] + rng.choice([-8, -1, 1, 8, 2**40])]
-    elif op == "index offsets":
-        a, b = header["/index"]["data_offsets"]
-        header["/index"]["data_offsets"] = [a + rng.choice([-1, 1, 0]), b + rng.choice([-8, 1, 0, 2**40])]
-    elif op == "index dtype":
-        header["/index"]["dtype"] = rng.choice(["I8", "F32", "BOOL"])
-    elif op == "index first":
-        header = {
-            "__metadata__": header["__metadata__"],
-            "/index": header.pop("/index"),
-            **{k: v for k, v in header.items() if k != "__metadata__"},
-        }
-    elif op == "no index":
-        header.pop("/index")
+    if op == "shape":
+        header[key]["shape"] = [header[key]["shape"][0] + rng.choice([-8, -1, 1, 8, 2**40])]
+    elif op == "offsets":
+        a, b = header[key]["data_offsets"]
+        header[key]["data_offsets"] = [a + rng.choice([-1, 1, 0, 8]), b + rng.choice([-8, 1, 0, 2**40])]
+    elif op == "dtype":
+        header[key]["dtype"] = rng.choice(["I8", "F32", "BOOL", "I64"])
+    elif op == "swap":
+        header = {"__metadata__": header["__metadata__"], "/index": header["/index"], "/shards": header["/shards"]}
     elif op == "drop":
         header.pop(key)
     elif op == "rename":
-        header[key + "@1"] = header.pop(key)
-    elif op == "shape":
-        header[key]["shape"] = [max(0, header[key]["shape"][0] + rng.choice([-1, 1])), *header[key]["shape"][1:]]
-    elif op == "dtype":
-        header[key]["dtype"] = rng.choice(["F64", "I32", "BF16", "U8"])
-    elif op == "offsets":
-        a, b = header[key]["data_offsets"]
-        header[key]["data_offsets"] = [a + rng.choice([-4, 4, 0]), b + rng.choice([-4, 4, 0])]
-    elif op == "order" and len(keys) > 1:
-        rng.shuffle(keys)
-        header = {"__metadata__": header["__metadata__"], **{k: header[k] for k in keys}, "/index": header["/index"]}
+        header[key + "x"] = header.pop(key)
+    elif op in ("extra", "extra first"):
+        extra = {"x": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}}
+        rest = {k: v for k, v in header.items() if k != "__metadata__"}
+        header = {"__metadata__": header["__metadata__"], **(extra | rest if op == "extra first" else rest | extra)}
+    elif op == "grow":  # the ruled region claims one more chunk's worth, the index with it
+        header["/shards"]["shape"] = [header["/shards"]["shape"][0] + 16]
+        header["/shards"]["data_offsets"][1] += 16
+        header["/index"]["data_offsets"] = [o + 16 for o in header["/index"]["data_offsets"]]
     else:
         header, what, fragment = mutate(rng, header)
         raw = json.dumps(header, separators=(",", ":"))

@@ -20,7 +20,7 @@ import xxhash
 import shardsafe
 from shardsafe.engine.plan import PendingChunk
 from shardsafe.format.datafile import write_file
-from shardsafe.format.manifest import SELF_CHECKSUM, STORABLE_DTYPES, seal_manifest
+from shardsafe.format.manifest import SELF_CHECKSUM, seal_manifest
 
 Doc = dict[str, Any]
 BLOCK = 64  # checksum block: tensor "x" (160 bytes) spans three blocks
@@ -176,42 +176,16 @@ def edit_header(path: Path, name: str, change: Callable[[Doc], None]) -> None:
     rewrite_header(path, name, json.dumps(header, separators=(",", ":")).encode())
 
 
-def rewrite_index(path: Path, doc: Doc, name: str) -> None:
-    """(format v3) Make data file ``name``'s index hold the digests and block checksums that ``doc``'s
-    chunk records give for its chunks (in header order), and ``doc``'s ``index_checksum`` for it match:
-    what a hostile author who edits checksums does too. ``doc`` is updated, not written."""
-    text, start = header_of(path, name)
-    header = json.loads(text)
-    records = {c["key"]: c for t in doc["tensors"].values() for c in t.get("chunks", []) if c["file"] == name}
-    keys = [k for k in header if k not in ("__metadata__", "/index")]
-    index = b"".join(bytes.fromhex(records[k]["digest"] + "".join(records[k]["checksums"])) for k in keys)
-    lo, hi = header["/index"]["data_offsets"]
-    assert hi - lo == len(index)
-    raw = bytearray((path / name).read_bytes())
-    raw[start + lo :] = index
-    (path / name).write_bytes(bytes(raw))
-    doc["files"][name]["index_checksum"] = xxhash.xxh3_64_hexdigest(index)
-
-
 def as_version(path: Path, version: int) -> None:
-    """Rewrite the (single-process, v3) checkpoint at ``path`` as a version-``version`` writer (1 or 2)
-    wrote it: data files without their index, no ``meshes`` nor ``index_checksum``; for version 1
-    also no ``refs`` nor chunk ``digest``/``ref``. It loads and verifies as that version."""
-    for name in data_files(path):
-        text, _ = header_of(path, name)
-        header = json.loads(text)
-        lo, _ = header.pop("/index")["data_offsets"]
-        rewrite_header(path, name, json.dumps(header, separators=(",", ":")).encode())
-        _, start = header_of(path, name)
-        raw = (path / name).read_bytes()
-        (path / name).write_bytes(raw[: start + lo])
+    """Rewrite the manifest of the (single-process, v3) checkpoint at ``path`` as a version-``version``
+    writer (1 or 2) wrote it: no ``meshes`` nor ``index_checksum`` (its data files, which hold no ruled
+    chunk, are laid out as in v2); for version 1 also no ``refs`` nor chunk ``digest``/``ref``."""
     doc = manifest_of(path)
+    assert not doc["meshes"] and all(f["index_checksum"] is None for f in doc["files"].values())
     doc["format_version"] = version
     del doc["meshes"]
-    for name in data_files(path):
-        entry = doc["files"][name]
+    for entry in doc["files"].values():
         del entry["index_checksum"]
-        entry["size"] = (path / name).stat().st_size
     for ref in doc.get("refs", {}).values():
         for entry in ref["files"].values():
             entry.pop("index_checksum", None)
@@ -242,24 +216,11 @@ class _Bytes:
 def reshard(path: Path, tensor: str, rows: list[int]) -> None:
     """Rewrite ``tensor`` (saved whole) as row ranges starting at ``rows`` (e.g. ``[0, 3, 7]``), each in
     a data file of its own, as a multi-rank save would have written it. The result is a valid
-    checkpoint: it loads and verifies. (The file that held it is written again without it: a v3 data
-    file's chunks lie back to back, and its index lists exactly them.)"""
+    checkpoint: it loads and verifies."""
     whole = shardsafe.load(path)
+    (old,) = {c["file"] for c in manifest_of(path)["tensors"][tensor]["chunks"]}
+    edit_header(path, old, lambda header: header.pop(tensor))  # its bytes stay, unreferenced
     doc = manifest_of(path)
-    (old,) = {c["file"] for c in doc["tensors"][tensor]["chunks"]}
-    block = doc["checksum"]["block_bytes"]
-    raw = (path / old).read_bytes()
-    kept: list[tuple[str, Doc, PendingChunk]] = []
-    for name, entry in doc["tensors"].items():
-        for c in entry["chunks"]:
-            if c["file"] == old and name != tensor:
-                dtype = STORABLE_DTYPES[entry["dtype"]]
-                data = torch.empty(c["sizes"], dtype=dtype)
-                if c["end"] > c["begin"]:
-                    data = torch.frombuffer(bytearray(raw[c["begin"] : c["end"]]), dtype=dtype).reshape(c["sizes"])
-                kept.append((name, c, PendingChunk(name, tuple(c["offsets"]), tuple(c["sizes"]), data)))
-    kept.sort(key=lambda k: k[1]["begin"])
-    _write(path, doc, old, [k[2] for k in kept], block, [k[1] for k in kept])
     value = whole[tensor.split("/")[0]]
     for part in tensor.split("/")[1:]:
         value = value[part]
@@ -272,17 +233,20 @@ def reshard(path: Path, tensor: str, rows: list[int]) -> None:
         offsets = (lo, *([0] * (value.dim() - 1)))
         pending = PendingChunk(tensor, offsets, tuple(value[lo:hi].shape), value[lo:hi].contiguous())
         record: Doc = {}
-        _write(path, doc, name, [pending], block, [record])
+        _write(path, doc, name, [pending], doc["checksum"]["block_bytes"], [record])
         chunks.append(record)
     entry["chunks"] = chunks
     write_manifest(path, doc)
 
 
-def _write(path: Path, doc: Doc, name: str, chunks: list[PendingChunk], block: int, records: list[Doc]) -> None:
-    """Write data file ``name`` of ``chunks``, and update its ``files`` entry in ``doc`` and ``records``
-    (each chunk's record, in place) to match."""
+def _write(
+    path: Path, doc: Doc, name: str, chunks: list[PendingChunk], block: int, records: list[Doc], ruled: int = 0
+) -> None:
+    """Write data file ``name`` of ``chunks`` (the last ``ruled`` of them in its ruled region, format v3),
+    and update its ``files`` entry in ``doc`` and ``records`` (the first chunks' records, in place) to
+    match."""
     out = _Bytes()
-    fentry, written = write_file(out, name, chunks, block, lambda: None)
+    fentry, written = write_file(out, name, chunks, block, lambda: None, ruled=ruled)
     (path / name).write_bytes(bytes(out.data))
     doc["files"][name] = {
         "size": fentry.size,
@@ -290,7 +254,7 @@ def _write(path: Path, doc: Doc, name: str, chunks: list[PendingChunk], block: i
         "header_checksum": fentry.header_checksum,
         "index_checksum": fentry.index_checksum,
     }
-    for record, r in zip(records, written, strict=True):
+    for record, r in zip(records, written[: len(records)], strict=True):
         record.clear()
         record.update(r.to_json())
 

@@ -7,7 +7,7 @@ runs past its deadline or allocates beyond a small cap (a rule claiming 2^40 sha
 nothing is written, a load that succeeds on a damaged checkpoint gives the original bytes, and a
 failed ``load(state)`` lands no damaged byte.
 
-``SHARDSAFE_FUZZ_V3_CASES`` (default 40: half manifests, half indexes) and ``SHARDSAFE_FUZZ_SEED``
+``SHARDSAFE_FUZZ_V3_CASES`` (default 24: half manifests, half indexes) and ``SHARDSAFE_FUZZ_SEED``
 (default 12) choose the run; the long run is e.g. ``SHARDSAFE_FUZZ_V3_CASES=4000``.
 """
 
@@ -28,10 +28,11 @@ import pytest
 import shardsafe
 from fuzz_v3_cases import build, rule_base
 from hostile import manifest_of, save_base
-from test_fuzz import CLI_SAMPLES, WORKERS, _cli_sample, _report, _tree, _worker
+from test_fuzz import WORKERS, _cli_sample, _report, _tree, _worker
 
-CASES = int(os.environ.get("SHARDSAFE_FUZZ_V3_CASES", "40"))
+CASES = int(os.environ.get("SHARDSAFE_FUZZ_V3_CASES", "24"))
 SEED = int(os.environ.get("SHARDSAFE_FUZZ_SEED", "12"))
+CLI_SAMPLES = max(1, CASES // 200)  # each a fresh interpreter: a handful in the long run
 pytestmark = pytest.mark.timeout(300 + CASES)
 
 

@@ -36,6 +36,8 @@ def _save_then_load_own(rank: int, world: int, path: str) -> dict[str, Any]:
         shardsafe.load(path, {"model": fresh, "optim": fresh_opt}, timeout=60)
     finally:
         resolve.ChunkSource.index = real  # type: ignore[method-assign]
+    # an incremental save on the ruled checkpoint: the unchanged chunks refer into its ruled regions
+    shardsafe.save(path + "-inc", {"model": model, "optim": opt, "step": 3}, base=path, timeout=60)
     return {"saved": full_state(model, opt), "loaded": full_state(fresh, fresh_opt), "read": sorted(read)}
 
 
@@ -71,3 +73,12 @@ def test_fsdp2_saves_rules_and_each_rank_reads_only_its_own_index(tmp_path: Path
     assert summary.files == 4 and summary.bytes == sum((tmp_path / "ckpt" / f).stat().st_size for f in doc["files"])
     info = {e.name: e for e in shardsafe.inspect(path).entries}
     assert info["model/head.bias"].chunks == 3  # 3 rows on 4 ranks: the last holds none
+    inc = json.loads((tmp_path / "ckpt-inc" / "MANIFEST.json").read_text())
+    refs = [c["ref"] for t in inc["tensors"].values() for c in t["chunks"]]  # an incremental save lists every chunk
+    assert refs.count("ckpt") >= 18 * 3 and set(inc["refs"]) == {"ckpt"}, refs  # every ruled chunk referred to
+    assert inc["files"] == {} or all(f["index_checksum"] is None for f in inc["files"].values())
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    shardsafe.load(tmp_path / "ckpt-inc", {"model": model, "optim": opt})
+    assert_same(saved, full_state(model, opt))
+    assert shardsafe.verify(tmp_path / "ckpt-inc").files == 4

@@ -29,6 +29,7 @@ Call order within a save (:class:`~shardsafe.engine.save.SaveJob`):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -153,8 +154,14 @@ def match(
                     unreadable.add(c.name)  # one warning: every chunk the base rules is written in full
                     listed = []
             old = next((b for b in listed if b.offsets == c.offsets and b.sizes == c.sizes), None)
-        if old is not None and old.digest is not None and chunk_digest(c.data) == old.digest:
+        if old is None:
+            continue
+        if old.digest is not None and chunk_digest(c.data) == old.digest:
             candidates.append((c, old))
+        elif entry is not None and entry.sharding is not None and chunk_sums(c.data, block_bytes) == old.checksums:
+            # a ruled chunk (format v3) has no digest: compared by its block checksums; its bytes read back
+            # must then have this chunk's digest, which the reference records
+            candidates.append((c, dataclasses.replace(old, digest=chunk_digest(c.data))))
     sound: set[int] = set()
     if candidates:  # nothing to read back: no worker thread
         sound = run_bounded(
@@ -193,10 +200,11 @@ def _verified(
         members.sort(key=lambda i: candidates[i][1].begin)
         save_id, entry = _file_entry(base, base_name, holder, name)
         path = storage.join(sibling(storage, target, holder), name)
-        olds = [candidates[i][1] for i in members]
+        keyed = [i for i in members if not _ruled(base, candidates[i])]  # ruled ones: checked with the index
+        olds = [candidates[i][1] for i in keyed]
         try:
             _check_name(name, save_id)
-            verify_header(storage, path, entry, olds, [candidates[i][0].data.dtype for i in members], subset=True)
+            verify_header(storage, path, entry, olds, [candidates[i][0].data.dtype for i in keyed], subset=True)
         except (CorruptCheckpointError, OSError, EOFError) as err:
             _warn(target, holder, path, len(members), len(members), _reason(err))
             continue
@@ -216,6 +224,21 @@ def _verified(
         if failed:
             _warn(target, holder, path, len(failed), len(members), failed[0])
     return sound
+
+
+def _ruled(base: Manifest, candidate: tuple[PendingChunk, Chunk]) -> bool:
+    """Whether the base holds ``candidate``'s chunk by a sharding rule (format v3): in its file's ruled
+    region, found (and the header and index checked) through the file's index, not a header entry."""
+    new, old = candidate
+    return old.ref is None and base.tensors[new.name].sharding is not None
+
+
+def chunk_sums(data: torch.Tensor, block: int) -> tuple[str, ...]:
+    """The block checksums (xxh3-64 per ``block`` bytes) of a tensor's bytes, as a data file records them."""
+    raw = tensor_bytes(data.detach().cpu().contiguous())
+    if not len(raw):
+        return (xxhash.xxh3_64_hexdigest(b""),)
+    return tuple(xxhash.xxh3_64_hexdigest(raw[i : i + block]) for i in range(0, len(raw), block))
 
 
 def _file_entry(base: Manifest, base_name: str, holder: str, name: str) -> tuple[str, FileEntry]:

@@ -16,7 +16,7 @@ from shardsafe.engine.guard import entry_point, mapped_errors
 from shardsafe.engine.memory import available_memory
 from shardsafe.engine.read import chunk_source, open_manifest
 from shardsafe.errors import CheckpointError, CorruptCheckpointError
-from shardsafe.format.datafile import read_blocks, verify_header, verify_index
+from shardsafe.format.datafile import read_blocks, verify_header
 from shardsafe.format.manifest import Chunk, Manifest, TensorEntry
 from shardsafe.format.sharding import all_boxes
 from shardsafe.format.values import decode, dtype_name
@@ -143,13 +143,13 @@ def _verify_files(
         try:
             chunks = listed + ([] if ref else source.in_file(fname))
             dtypes = [manifest.tensors[t].dtype for t, _ in chunks]
-            verify_header(storage, fpath, fentry, [c for _, c in chunks], dtypes, subset=bool(ref))
+            verify_header(storage, fpath, fentry, [c for _, c in listed], dtypes[: len(listed)], subset=bool(ref))
             tracker.add(fentry.header_bytes)
             for tname, c in chunks:  # one block buffer per chunk, verified in place and counted
                 read_blocks(storage, fpath, c, manifest.block_bytes, 0, c.end - c.begin, tname, None, tracker.count)
                 total += c.end - c.begin
-            if not ref:  # the index last, as the file holds it (a ruled chunk's checksums came from it, checked)
-                index = verify_index(storage, fpath, fentry, [c for _, c in listed], manifest.block_bytes)
+            if not ref and fname in source.indexes:  # read and checked whole before its ruled chunks
+                index = source.indexes[fname].nbytes
                 tracker.add(index)
                 total += index
         except (FileNotFoundError, EOFError) as err:

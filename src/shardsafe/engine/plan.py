@@ -93,14 +93,17 @@ def own_chunks(flat: FlatState) -> list[PendingChunk]:
     return [PendingChunk(i.name, (0,) * len(i.shape), i.shape, i.local) for i in flat.per_rank]
 
 
-def file_bytes(chunks: Sequence[PendingChunk], block: int) -> tuple[int, int]:
-    """(a writing rank) The size of the data file ``chunks`` make with checksum blocks of ``block``
-    bytes, and how much of it is not the chunks' bytes: header and index (0, 0: no file)."""
+def file_bytes(chunks: Sequence[PendingChunk], block: int, ruled: int = 0) -> tuple[int, int]:
+    """(a writing rank) The size of the data file ``chunks`` make (the last ``ruled`` of them described by
+    a rule, format v3, with checksum blocks of ``block`` bytes), and how much of it is not the chunks'
+    bytes: header and index (0, 0: no file)."""
     if not chunks:
         return 0, 0
     from shardsafe.format.datafile import build_header
 
-    other = len(build_header(chunks, block)) + index_bytes([c.nbytes for c in chunks], block)
+    other = len(build_header(chunks, ruled, block))
+    if ruled:
+        other += index_bytes([c.nbytes for c in chunks[len(chunks) - ruled :]], block)
     return other + sum(c.nbytes for c in chunks), other
 
 
@@ -151,12 +154,15 @@ def rules_of(items: Sequence[TensorItem], world_size: int) -> Rules:
 
 @dataclass
 class SavePlan:
-    """(every rank) This rank's part of a save: the ``chunks`` it writes, in file order, and the save's
-    ``rules``. Its write report lists only the chunks no rule describes (:meth:`listed`)."""
+    """(every rank) This rank's part of a save: the ``chunks`` it writes, in file order (those listed in
+    the manifest, then the last ``ruled``, those a rule describes, in the order the rules give them,
+    docs/format.md section 2), and the save's ``rules``. Its write report lists only the first ones
+    (:meth:`listed`)."""
 
     rank: int
     chunks: list[PendingChunk]
     rules: Rules
+    ruled: int = 0
 
     def listed(self, name: str) -> bool:
         """Whether chunks of tensor ``name`` are listed in the manifest (not described by a rule)."""
@@ -170,6 +176,10 @@ def plan_save(flat: FlatState, rank: int, world_size: int, *, ruled: bool = True
     layout would make a manifest that places chunks where they are not: refused, naming the tensor)."""
     chunks = plan_writes(flat.items, rank, world_size) + own_chunks(flat)
     rules = rules_of(flat.items, world_size) if ruled else Rules()
+    if not rules.tensors:
+        return SavePlan(rank, chunks, rules)
+    mine = {(c.name, c.offsets): c for c in chunks if c.name in rules.tensors}
+    ordered: list[PendingChunk] = []  # the ruled chunks in file order: tensors in state order, boxes in rule order
     memo: dict[tuple[tuple[int, ...], Sharding], list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
     for item in flat.items:
         rule = rules.tensors.get(item.name)
@@ -179,13 +189,15 @@ def plan_save(flat: FlatState, rank: int, world_size: int, *, ruled: bool = True
         held = sorted((o, tuple(d.shape)) for o, d in item.boxes() if item.owner and d.numel() > 0)
         want = memo.get((item.shape, rule))  # tensors of one shape and rule (every layer's) share their boxes
         if want is None:
-            want = memo[(item.shape, rule)] = sorted(
+            want = memo[(item.shape, rule)] = [
                 b for i in mesh.positions(rank) for b in boxes(item.shape, rule, mesh, mesh.coordinate(i))
-            )
-        if held != want:
+            ]
+        if held != sorted(want):
             raise CheckpointError(
                 f"shardsafe: rank {rank}: the sharding rule of tensor {item.name!r} places boxes {want[:4]} on this "
                 f"rank, which holds {held[:4]} to write; this is a bug in shardsafe's reading of DTensor placements "
                 "(please report it with the tensor's placements and mesh)"
             )
-    return SavePlan(rank, chunks, rules)
+        ordered += [mine[(item.name, offsets)] for offsets, _ in want]
+    listed = [c for c in chunks if c.name not in rules.tensors]
+    return SavePlan(rank, listed + ordered, rules, len(ordered))

@@ -66,7 +66,7 @@ def chunk_source(storage: Storage, path: str, manifest: Manifest) -> ChunkSource
     (:class:`~shardsafe.format.resolve.ChunkSource`)."""
 
     def index(file: str) -> Any:
-        return read_index(storage, storage.join(path, file), manifest.files[file], manifest.block_bytes)
+        return read_index(storage, storage.join(path, file), manifest.files[file])
 
     return ChunkSource(manifest, index, storage.join(path, MANIFEST_NAME))
 

@@ -79,6 +79,7 @@ class SaveJob:
         self.metadata_json: Any = None
         self.chunks: list[PendingChunk] = []
         self.rules = Rules()  # the tensors described by a sharding rule (format v3): their chunks are not reported
+        self.ruled = 0  # the last chunks of self.chunks are those a rule describes (written as the file's region)
         self.staged: staging.Staged | None = None
         self.background: snapshot.BackgroundStaging | None = None  # staging="background": copies still to make
         self.started = time.monotonic()
@@ -162,7 +163,7 @@ class SaveJob:
             if not self.deferred:
                 self.metadata_json = encode(self.options["metadata"], "metadata", _no_tensors)
             plan = plan_save(self.flat, op.rank, op.world_size, ruled=not start.base and _whole_world(op.world_size))
-            self.chunks, self.rules = plan.chunks, plan.rules
+            self.chunks, self.rules, self.ruled = plan.chunks, plan.rules, plan.ruled
             if self.base_manifest is not None:
                 self.chunks, self.ref_chunks = incremental.match(
                     self.chunks,
@@ -173,7 +174,7 @@ class SaveJob:
                     self.path,
                     self.clock.work,
                 )
-            size, self.header_bytes = file_bytes(self.chunks, self.block_bytes)  # references excluded
+            size, self.header_bytes = file_bytes(self.chunks, self.block_bytes, self.ruled)  # references excluded
             self.tracker.set_total(size)
             fault_point("save.plan", op.global_rank)
             self.phase = "stage"
@@ -359,6 +360,7 @@ class SaveJob:
                     self.block_bytes,
                     lambda: fault_point("save.write", op.global_rank),
                     self.tracker.counted(staging.windows(self.staged), self.header_bytes),
+                    self.ruled,
                 )
                 w, writer = writer, None
                 w.close()

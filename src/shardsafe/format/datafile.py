@@ -1,6 +1,6 @@
 """Data files: valid safetensors files (8-byte little-endian header length, JSON header padded with
 spaces to a multiple of 8, then the raw bytes of each chunk, back to back, in header order, then
-(format v3) the file's index: every chunk's digest and block checksums, :mod:`shardsafe.format.index`).
+(format v3) the file's ruled chunks in one region and their block checksums, :mod:`shardsafe.format.index`).
 
 Checksums are xxh3-64 over fixed-size blocks of each chunk, computed while the bytes are written (no
 read-back pass) and verified for every block read, so a partial read is verified on its own. A block is
@@ -19,7 +19,7 @@ import torch
 import xxhash
 
 from shardsafe.errors import CorruptCheckpointError
-from shardsafe.format.index import INDEX_KEY, encode_index, entries, index_bytes, layout, parse_header
+from shardsafe.format.index import INDEX_KEY, SHARDS_KEY, encode_index, index_bytes, parse_header, regions
 from shardsafe.format.manifest import SAFETENSORS_DTYPES, Chunk, FileEntry
 from shardsafe.storage.base import Storage, Writer
 
@@ -61,21 +61,25 @@ class ChunkToWrite(Protocol):
     def nbytes(self) -> int: ...
 
 
-def build_header(chunks: Sequence[ChunkToWrite], block: int | None = None) -> bytes:
-    """The safetensors header (length prefix included) for ``chunks`` laid out in order; with
-    ``block`` (format v3), followed by the index entry for checksum blocks of that size."""
+def build_header(chunks: Sequence[ChunkToWrite], ruled: int = 0, block: int = 1) -> bytes:
+    """The safetensors header (length prefix included) for ``chunks`` laid out in order: one entry per
+    chunk, except (format v3) the last ``ruled`` ones, whose bytes are the ``/shards`` entry, followed by
+    the ``/index`` entry of their checksum blocks of ``block`` bytes."""
     header: dict[str, object] = {"__metadata__": {"format": "pt", "writer": "shardsafe"}}
     pos = 0
-    for c in chunks:
+    listed = len(chunks) - ruled
+    for c in chunks[:listed]:
         header[c.key] = {
             "dtype": SAFETENSORS_DTYPES[c.data.dtype],
             "shape": list(c.sizes),
             "data_offsets": [pos, pos + c.nbytes],
         }
         pos += c.nbytes
-    if block is not None:
-        n = index_bytes([c.nbytes for c in chunks], block)
-        header[INDEX_KEY] = {"dtype": "U8", "shape": [n], "data_offsets": [pos, pos + n]}
+    if ruled:
+        sizes = [c.nbytes for c in chunks[listed:]]
+        n, m = sum(sizes), index_bytes(sizes, block)
+        header[SHARDS_KEY] = {"dtype": "U8", "shape": [n], "data_offsets": [pos, pos + n]}
+        header[INDEX_KEY] = {"dtype": "U8", "shape": [m], "data_offsets": [pos + n, pos + n + m]}
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(len(text) + 8) % 8)
     return struct.pack("<Q", len(text)) + text
@@ -88,13 +92,15 @@ def write_file(
     block: int,
     on_first_piece: Callable[[], None],
     windows: Iterable[memoryview] | None = None,
+    ruled: int = 0,
 ) -> tuple[FileEntry, list[Chunk]]:
     """(a writing rank) Stream ``chunks`` into ``writer`` as one safetensors file, hashing each block as
-    it goes, then its index (format v3). ``windows`` are the chunks' bytes in order, cut anywhere (the
-    save pipeline's staging windows); by default each chunk's own memory (contiguous CPU tensors). A
-    window is hashed, then written, before the next is asked for. The caller closes (makes durable)
-    or aborts the writer."""
-    header = build_header(chunks, block)
+    it goes; the last ``ruled`` chunks (format v3: those a sharding rule describes, in the order of
+    section 2) as its ``/shards`` region, followed by its index of their block checksums. ``windows``
+    are the chunks' bytes in order, cut anywhere (the save pipeline's staging windows); by default
+    each chunk's own memory (contiguous CPU tensors). A window is hashed, then written, before the
+    next is asked for. The caller closes (makes durable) or aborts the writer."""
+    header = build_header(chunks, ruled, block)
     writer.write(memoryview(header))
     if windows is None:
         windows = _own_memory(chunks, block)
@@ -110,15 +116,19 @@ def write_file(
     sums = hasher.finish(file)
     if first:
         on_first_piece()
-    index = encode_index(hasher.digests, sums)
-    writer.write(memoryview(index))
+    index = encode_index(sums[len(chunks) - ruled :]) if ruled else b""
+    if index:
+        writer.write(memoryview(index))
     records: list[Chunk] = []
     pos = len(header)
     for c, chunk_sums, chunk_digest in zip(chunks, sums, hasher.digests, strict=True):
         records.append(Chunk(c.offsets, c.sizes, file, c.key, pos, pos + c.nbytes, tuple(chunk_sums), chunk_digest))
         pos += c.nbytes
     entry = FileEntry(
-        size=pos + len(index), header_bytes=len(header), header_checksum=digest(header), index_checksum=digest(index)
+        size=pos + len(index),
+        header_bytes=len(header),
+        header_checksum=digest(header),
+        index_checksum=digest(index) if ruled else None,
     )
     return entry, records
 
@@ -254,10 +264,12 @@ def verify_header(
 ) -> None:
     """Check a data file's size, header checksum, and that its safetensors header is strict (UTF-8
     JSON object, space padding, ``__metadata__`` of strings) and holds exactly the manifest's chunks
-    of this file (and, format v3, the index entry), each with its dtype, shape and byte range.
+    of this file listed in the manifest (format v3: and, for a file with ruled chunks, its ``/shards``
+    and ``/index`` entries, the last two, back to back), each with its dtype, shape and byte range.
     ``subset``: a file of a sibling checkpoint that the manifest refers to, whose header may hold
-    chunks the manifest does not use. The index itself: :func:`verify_index`. Only
-    :class:`CorruptCheckpointError`."""
+    chunks the manifest does not use, and whose ruled region may hold a referenced chunk. The ruled
+    chunks and the index: :func:`~shardsafe.format.index.read_index`.
+    Only :class:`CorruptCheckpointError`."""
     size = storage.size(path)
     if size != entry.size:
         raise CorruptCheckpointError(f"{path}: {size} bytes, the manifest says {entry.size} (truncated or altered)")
@@ -268,13 +280,17 @@ def verify_header(
     header = parse_header(raw, path, entry)
     keys = {c.key for c in chunks}
     indexed = entry.index_checksum is not None
-    extra = [k for k in header if k != "__metadata__" and k not in keys and not (indexed and k == INDEX_KEY)]
+    shards = regions(header, path, entry).shards if indexed else (0, 0)  # entries back to back, index last
+    ours = (SHARDS_KEY, INDEX_KEY) if indexed else ()
+    extra = [k for k in header if k != "__metadata__" and k not in keys and k not in ours]
     if extra and not subset:
         raise CorruptCheckpointError(
             f"{path}: the safetensors header has entries the manifest does not list: {[k[:80] for k in extra[:3]]}"
         )
     for c, dtype in zip(chunks, dtypes, strict=True):
         info = header.get(c.key)
+        if info is None and subset and shards[0] <= c.begin <= c.end <= shards[1]:
+            continue  # a chunk a sibling holds by rule (v3): in its ruled region, checked by its block checksums
         want = {
             "dtype": SAFETENSORS_DTYPES[dtype],
             "shape": list(c.sizes),
@@ -282,30 +298,3 @@ def verify_header(
         }
         if info != want:
             raise CorruptCheckpointError(f"{path}: header entry {c.key!r} disagrees with the manifest")
-
-
-def verify_index(storage: Storage, path: str, entry: FileEntry, chunks: Sequence[Chunk], block: int) -> int:
-    """(format v3) Check a data file's index: where its header puts it (the last entry, ending the
-    file, as long as the header's chunks need), its bytes against ``index_checksum``, and its block
-    checksums against those of ``chunks`` (the manifest's records of chunks in this file). Returns its
-    length (0 for a file without one). Only :class:`CorruptCheckpointError`."""
-    if entry.index_checksum is None:
-        return 0
-    raw = bytearray(entry.header_bytes)
-    storage.read_into(path, 0, memoryview(raw))
-    if digest(raw) != entry.header_checksum:
-        raise CorruptCheckpointError(f"{path}: safetensors header checksum mismatch: the file is corrupt")
-    lay = layout(parse_header(raw, path, entry), path, entry, block)
-    index = bytearray(lay.index_hi - lay.index_lo)
-    storage.read_into(path, entry.header_bytes + lay.index_lo, memoryview(index))
-    if digest(index) != entry.index_checksum:
-        raise CorruptCheckpointError(f"{path}: index checksum mismatch: the file is corrupt")
-    found = entries(lay, entry, bytes(index))
-    for c in chunks:
-        got = found.get(c.key)
-        if got is None or got.checksums != c.checksums:
-            raise CorruptCheckpointError(
-                f"{path}: checksum mismatch between the file's index and the manifest for chunk {c.key!r} (one of "
-                "them was altered or damaged). Load an older checkpoint."
-            )
-    return len(index)

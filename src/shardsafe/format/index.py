@@ -1,13 +1,16 @@
-"""The index of a data file (format v3, docs/format.md section 2): the content digest and block
-checksums of every chunk, in header order, written as the file's last safetensors entry (``/index``,
-a ``U8`` tensor) once the chunks' bytes are written and hashed, and covered as a whole by the
-manifest's ``index_checksum`` for the file.
+"""The ruled chunks of a data file (format v3, docs/format.md section 2): their bytes lie in one
+region, the safetensors entry ``/shards``, in the order the manifest's rules give (each chunk located
+by that order and the sizes of the boxes before it, so no chunk needs an entry of its own), and
+their block checksums in the file's index, the entry ``/index`` that ends the file, written once
+the chunks' bytes are written and hashed and covered as a whole by the manifest's
+``index_checksum`` for the file. A file without ruled chunks has neither entry (it is laid out as
+in format v2).
 
-A reader that needs chunks of a file reads its header (checked against ``header_checksum``) and its
-index (checked against ``index_checksum``), once per file (:func:`read_index`): together they give
-each chunk's dtype code, sizes, byte range, block checksums and digest. Nothing is taken on trust
-beyond the manifest: both checksums come from it, the header is parsed strictly and bounded by
-``header_bytes``, and the index's length is what the header's chunks imply.
+A reader that needs ruled chunks of a file reads its header (checked against ``header_checksum``)
+and its index (checked against ``index_checksum``), once per file (:func:`read_index`). Nothing is
+taken on trust beyond the manifest: both checksums come from it, the header is parsed strictly and
+bounded by ``header_bytes``, the entries lie back to back, and :mod:`shardsafe.format.resolve` checks
+the region's and the index's lengths against the chunks the rules place in the file.
 """
 
 from __future__ import annotations
@@ -26,15 +29,17 @@ from shardsafe.format.model import SAFETENSORS_DTYPES, FileEntry
 from shardsafe.format.values import INT_LIMIT
 from shardsafe.storage.base import Storage
 
+SHARDS_KEY = "/shards"
+"""The safetensors key of a data file's region of ruled chunks: no tensor name starts with ``/`` but
+per-rank ones (``/rank<r>/...``), so it names no chunk."""
 INDEX_KEY = "/index"
-"""The safetensors key of a data file's index: no tensor name starts with ``/`` but per-rank ones
-(``/rank<r>/...``), so it names no chunk."""
-DIGEST_BYTES = 16
-"""A chunk's digest in the index: xxh3-128, canonical (big-endian) bytes."""
+"""The safetensors key of a data file's index (the block checksums of its ruled chunks)."""
 SUM_BYTES = 8
 """A block checksum in the index: xxh3-64, canonical (big-endian) bytes."""
 HEADER_DEPTH = 3
 """A safetensors header nests three levels: the object, an entry, its ``shape``/``data_offsets``."""
+MAX_INDEX_BYTES = 2**30
+"""Largest index a reader reads (a chunk of 1 TiB in 8 MiB blocks takes 1 MiB of it)."""
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1}
 _ITEMSIZE |= {"BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8, "C64": 8}
 assert set(_ITEMSIZE) == set(SAFETENSORS_DTYPES.values())
@@ -46,26 +51,13 @@ def blocks(nbytes: int, block: int) -> int:
 
 
 def index_bytes(sizes: Sequence[int], block: int) -> int:
-    """The length of the index of a file whose chunks have ``sizes`` bytes."""
-    return sum(DIGEST_BYTES + SUM_BYTES * blocks(n, block) for n in sizes)
+    """The length of the index of a file whose ruled chunks have ``sizes`` bytes."""
+    return SUM_BYTES * sum(blocks(n, block) for n in sizes)
 
 
-def encode_index(digests: Sequence[str], sums: Sequence[Sequence[str]]) -> bytes:
-    """The index bytes of chunks with these digests and block checksums (hex, as the hashes print)."""
-    return b"".join(bytes.fromhex(d) + bytes.fromhex("".join(s)) for d, s in zip(digests, sums, strict=True))
-
-
-@dataclass(frozen=True)
-class IndexEntry:
-    """One chunk of a data file, as its header and index describe it: safetensors dtype code, sizes,
-    absolute byte range, block checksums and digest."""
-
-    code: str
-    sizes: tuple[int, ...]
-    begin: int
-    end: int
-    checksums: tuple[str, ...]
-    digest: str
+def encode_index(sums: Sequence[Sequence[str]]) -> bytes:
+    """The index bytes of ruled chunks with these block checksums (hex, as the hashes print)."""
+    return bytes.fromhex("".join(s for chunk in sums for s in chunk))
 
 
 def parse_header(raw: bytes | bytearray, path: str, entry: FileEntry) -> dict[str, Any]:
@@ -101,93 +93,73 @@ def parse_header(raw: bytes | bytearray, path: str, entry: FileEntry) -> dict[st
     return header
 
 
-MAX_INDEX_BYTES = 2**30
-"""Largest index a reader reads (a chunk of 1 TiB in 8 MiB blocks takes 1 MiB of it)."""
-
-
 @dataclass(frozen=True)
-class _Layout:
-    """What a strict header says of a v3 file: its chunks (key, dtype code, sizes, byte range relative
-    to the data region, block count) and where the index lies (relative to the data region)."""
+class Regions:
+    """Where a v3 data file's ruled chunks and their index lie (absolute byte ranges), from its header."""
 
-    chunks: list[tuple[str, str, tuple[int, ...], int, int, int]]
-    index_lo: int
-    index_hi: int
+    shards: tuple[int, int]
+    index: tuple[int, int]
 
 
-def layout(header: dict[str, Any], path: str, entry: FileEntry, block: int) -> _Layout:
-    """The chunks and index of a v3 file from its parsed header: chunks back to back from the data
-    region's start in header order, each as long as its dtype and shape say, then the index entry
-    (``U8``, as long as the chunks' digests and checksums take), which ends the file. Only
+def regions(header: dict[str, Any], path: str, entry: FileEntry) -> Regions:
+    """The ``/shards`` and ``/index`` entries of a v3 data file's (parsed, strict) header: its last two,
+    in that order, each ``U8`` of one dimension, back to back after the file's other entries (which
+    lie back to back from the data region's start, each as long as its dtype and shape say), the
+    index ending the file and a whole number of checksums, at most :data:`MAX_INDEX_BYTES`. Only
     :class:`CorruptCheckpointError`."""
     keys = [k for k in header if k != "__metadata__"]
-    if not keys or keys[-1] != INDEX_KEY:
-        raise CorruptCheckpointError(f"{path}: the safetensors header does not end with the index entry {INDEX_KEY!r}")
-    chunks: list[tuple[str, str, tuple[int, ...], int, int, int]] = []
-    pos = 0  # in the data region
-    need = 0  # index bytes
-    for key in keys[:-1]:
+    if keys[-2:] != [SHARDS_KEY, INDEX_KEY]:
+        raise CorruptCheckpointError(
+            f"{path}: the safetensors header does not end with the entries {SHARDS_KEY!r} and {INDEX_KEY!r}"
+        )
+    pos = 0
+    for key in keys[:-2]:
         info = header[key]
         a, b = info["data_offsets"]
-        nbytes = math.prod(info["shape"]) * _ITEMSIZE[info["dtype"]]
-        if a != pos or b - a != nbytes:
+        if a != pos or b - a != math.prod(info["shape"]) * _ITEMSIZE[info["dtype"]]:
             raise CorruptCheckpointError(
-                f"{path}: header entry {key[:80]!r} has bytes [{a}, {b}), expected {nbytes} bytes from {pos} (chunks "
-                "lie back to back, in header order)"
+                f"{path}: header entry {key[:80]!r} has bytes [{a}, {b}), not its {info['dtype']} {info['shape']} from "
+                f"{pos} (entries lie back to back, in header order)"
             )
-        k = blocks(nbytes, block)
-        chunks.append((key, info["dtype"], tuple(info["shape"]), a, b, k))
-        need += DIGEST_BYTES + SUM_BYTES * k
         pos = b
-    info = header[INDEX_KEY]
-    a, b = info["data_offsets"]
-    if info["dtype"] != "U8" or info["shape"] != [need] or a != pos or b != pos + need:
-        raise CorruptCheckpointError(
-            f"{path}: the index entry {info} does not hold the {need} index bytes of the header's chunks right after "
-            "them"
-        )
-    if entry.header_bytes + b != entry.size:
+    spans = []
+    for key in (SHARDS_KEY, INDEX_KEY):
+        info = header[key]
+        a, b = info["data_offsets"]
+        if info["dtype"] != "U8" or info["shape"] != [b - a] or a != pos:
+            raise CorruptCheckpointError(f"{path}: the {key!r} entry {info} is not the U8 bytes that follow from {pos}")
+        spans.append((entry.header_bytes + a, entry.header_bytes + b))
+        pos = b
+    if entry.header_bytes + pos != entry.size:
         raise CorruptCheckpointError(f"{path}: the index does not end the file ({entry.size} bytes)")
-    if need > MAX_INDEX_BYTES:
-        raise CorruptCheckpointError(f"{path}: an index of {need} bytes, more than a reader reads ({MAX_INDEX_BYTES})")
-    return _Layout(chunks, a, b)
-
-
-def entries(lay: _Layout, entry: FileEntry, index: bytes) -> dict[str, IndexEntry]:
-    """Every chunk of a v3 file (:func:`layout`) with its checksums and digest from ``index`` (its
-    bytes, already checked against ``index_checksum``)."""
-    out: dict[str, IndexEntry] = {}
-    at = 0
-    base = entry.header_bytes
-    width = 2 * SUM_BYTES
-    for key, code, sizes, a, b, k in lay.chunks:
-        take = DIGEST_BYTES + SUM_BYTES * k
-        sums = index[at + DIGEST_BYTES : at + take].hex()
-        out[key] = IndexEntry(
-            code,
-            sizes,
-            base + a,
-            base + b,
-            tuple(sums[i : i + width] for i in range(0, len(sums), width)),
-            index[at : at + DIGEST_BYTES].hex(),
+    length = spans[1][1] - spans[1][0]
+    if length % SUM_BYTES or length > MAX_INDEX_BYTES:
+        raise CorruptCheckpointError(
+            f"{path}: an index of {length} bytes (a whole number of 8-byte checksums, at most 2^30)"
         )
-        at += take
-    return out
+    return Regions(spans[0], spans[1])
 
 
 @dataclass(frozen=True)
 class FileIndex:
-    """A data file's chunks by key (:class:`IndexEntry`), read and checked once (:func:`read_index`)."""
+    """A v3 data file's ruled region and index, read and checked once (:func:`read_index`): ``sums`` are
+    the block checksums of its ruled chunks, in order, as hex."""
 
     path: str
-    chunks: dict[str, IndexEntry]
+    shards: tuple[int, int]
+    sums: list[str]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the index."""
+        return SUM_BYTES * len(self.sums)
 
 
-def read_index(storage: Storage, path: str, entry: FileEntry, block: int) -> FileIndex:
-    """(a reader) The index of the v3 data file at ``path``: its size checked against the manifest
-    (a regular file), its header against ``header_checksum``, its index against ``index_checksum``;
-    at most ``header_bytes`` plus the index are read. Raises :class:`CorruptCheckpointError` naming
-    the file (a missing file included); ``OSError`` of the storage otherwise."""
+def read_index(storage: Storage, path: str, entry: FileEntry) -> FileIndex:
+    """(a reader) The ruled region and index of the v3 data file at ``path``: its size checked against
+    the manifest (a regular file), its header against ``header_checksum`` (and parsed strictly), its
+    index against ``index_checksum``; at most ``header_bytes`` plus the index are read. Raises
+    :class:`CorruptCheckpointError` naming the file (a missing file included)."""
     if entry.index_checksum is None:
         raise CorruptCheckpointError(
             f"{path}: the manifest lists no index for this file, yet a rule places chunks in it"
@@ -205,13 +177,14 @@ def read_index(storage: Storage, path: str, entry: FileEntry, block: int) -> Fil
         raise CorruptCheckpointError(f"{path}: cannot read its header: {err}") from err
     if xxhash.xxh3_64_hexdigest(raw) != entry.header_checksum:
         raise CorruptCheckpointError(f"{path}: safetensors header checksum mismatch: the file is corrupt")
-    header = parse_header(raw, path, entry)
-    lay = layout(header, path, entry, block)
-    index = bytearray(lay.index_hi - lay.index_lo)
+    where = regions(parse_header(raw, path, entry), path, entry)
+    index = bytearray(where.index[1] - where.index[0])
     try:
-        storage.read_into(path, entry.header_bytes + lay.index_lo, memoryview(index))
+        storage.read_into(path, where.index[0], memoryview(index))
     except EOFError as err:
         raise CorruptCheckpointError(f"{path}: cannot read its index: {err}") from err
     if xxhash.xxh3_64_hexdigest(index) != entry.index_checksum:
         raise CorruptCheckpointError(f"{path}: index checksum mismatch: the file is corrupt")
-    return FileIndex(path, entries(lay, entry, bytes(index)))
+    text = index.hex()
+    width = 2 * SUM_BYTES
+    return FileIndex(path, where.shards, [text[i : i + width] for i in range(0, len(text), width)])

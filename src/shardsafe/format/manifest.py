@@ -274,16 +274,15 @@ def _refs(value: Any, where: str, version: int) -> dict[str, RefEntry]:
             check_file_name(fname, f"{where}: {what}")
             if not is_data_file_of(fname, sid):
                 raise CorruptCheckpointError(f"{where}: {what} lists {_short(fname)}, not a data file of save {sid}")
-            files[fname] = _file(fname, f, where, version, referenced=True)
+            files[fname] = _file(fname, f, where, version)
         if not files:
             raise CorruptCheckpointError(f"{where}: {what} lists no files")
         out[name] = RefEntry(save_id=sid, files=files)
     return out
 
 
-def _file(name: str, f: Any, where: str, version: int, *, referenced: bool = False) -> FileEntry:
-    """A ``files`` entry (v3: with the index checksum; ``null`` only for a referenced file a v1 or v2
-    save wrote, which has no index)."""
+def _file(name: str, f: Any, where: str, version: int) -> FileEntry:
+    """A ``files`` entry (v3: with the index checksum, ``null`` for a file holding no ruled chunk)."""
     what = f"files[{name}]"
     f = _obj(f, what, where, _FILE_FIELDS if version >= 3 else _FILE_FIELDS_V2)
     size = _int(f["size"], f"{what}.size", where, 8)
@@ -292,14 +291,14 @@ def _file(name: str, f: Any, where: str, version: int, *, referenced: bool = Fal
         raise CorruptCheckpointError(f"{where}: {what}.header_bytes is {header}, not a multiple of 8")
     digest = _text(f["header_checksum"], f"{what}.header_checksum", where, _DIGEST)
     index = None
-    if version >= 3 and not (referenced and f["index_checksum"] is None):
+    if version >= 3 and f["index_checksum"] is not None:
         index = _text(f["index_checksum"], f"{what}.index_checksum", where, _DIGEST)
     return FileEntry(size=size, header_bytes=header, header_checksum=digest, index_checksum=index)
 
 
 def _meshes(value: Any, world: int, where: str) -> list[Mesh]:
     """The writers' meshes (v3): each a shape of at most :data:`MAX_MESH_DIMS` dimensions, each >= 1,
-    and as many ranks as the shape has coordinates, each a rank of the saving world."""
+    and as many ranks as the shape has coordinates, each a rank of the saving world, none twice."""
     out = []
     for i, m in enumerate(_list(value, "meshes", where)):
         what = f"meshes[{i}]"
@@ -318,7 +317,10 @@ def _meshes(value: Any, world: int, where: str) -> list[Mesh]:
             raise CorruptCheckpointError(
                 f"{where}: {what} lists {len(ranks)} ranks, not one per coordinate of its shape {list(shape)}"
             )
-        out.append(Mesh(shape, tuple(_int(r, f"a rank of {what}", where, 0, world - 1) for r in ranks)))
+        writers = tuple(_int(r, f"a rank of {what}", where, 0, world - 1) for r in ranks)
+        if len(set(writers)) != len(writers):
+            raise CorruptCheckpointError(f"{where}: {what} lists a rank more than once (each writes one coordinate)")
+        out.append(Mesh(shape, writers))
     return out
 
 

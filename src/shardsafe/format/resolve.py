@@ -6,21 +6,23 @@ files that hold them, each index read once, and only for the files a reader meet
 of a file (:meth:`ChunkSource.in_file`) or of the checkpoint (:func:`expand`).
 
 Every chunk resolved from a rule is checked as a listed one is when the manifest is read: its file is
-a data file of this save that the manifest lists, and its header entry has the tensor's dtype, the
-box's sizes and a byte range inside the file (:mod:`shardsafe.format.index`); otherwise a
-:class:`CorruptCheckpointError` names the tensor and the file.
+a data file of this save that the manifest lists, whose ruled region and index (checked against the
+manifest, :mod:`shardsafe.format.index`) hold exactly the chunks the rules place there, so each one's
+byte range lies inside the file and has its checksums; otherwise a :class:`CorruptCheckpointError`
+names the tensor and the file.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 from shardsafe.errors import CorruptCheckpointError
-from shardsafe.format.index import FileIndex
-from shardsafe.format.model import SAFETENSORS_DTYPES, Chunk, Manifest, TensorEntry
+from shardsafe.format.index import SHARDS_KEY, FileIndex, blocks
+from shardsafe.format.model import Chunk, Manifest, TensorEntry
 from shardsafe.format.names import DATA_FILE, data_file
-from shardsafe.format.sharding import Region, all_boxes, boxes, overlapping
+from shardsafe.format.sharding import Region, Sharding, all_boxes, boxes, overlapping
 
 
 def chunk_key(name: str, offsets: tuple[int, ...]) -> str:
@@ -41,18 +43,19 @@ def meets(chunk: Chunk, region: Region) -> bool:
 
 class ChunkSource:
     """Chunks of ``manifest``'s tensors on demand; ``read_index(file)`` reads and checks a data file's
-    index (:func:`~shardsafe.format.index.read_index`), called at most once per file. ``where`` (the
-    manifest's path) prefixes errors. One thread at a time."""
+    ruled region and index (:func:`~shardsafe.format.index.read_index`), called at most once per
+    file. ``where`` (the manifest's path) prefixes errors. One thread at a time."""
 
     def __init__(self, manifest: Manifest, read_index: Callable[[str], FileIndex], where: str) -> None:
         self.manifest = manifest
         self._read = read_index
         self.where = where
         self.indexes: dict[str, FileIndex] = {}
+        self._placed: dict[str, dict[tuple[str, tuple[int, ...]], Chunk]] = {}
         self._found: dict[tuple[str, Region | None], list[Chunk]] = {}  # a load asks twice (sizes, then reads)
 
     def index(self, file: str) -> FileIndex:
-        """The index of ``file`` (read once)."""
+        """The ruled region and index of ``file`` (read once)."""
         found = self.indexes.get(file)
         if found is None:
             found = self.indexes[file] = self._read(file)
@@ -69,7 +72,7 @@ class ChunkSource:
             return list(known)
         mesh = self.manifest.meshes[rule.mesh]
         found = all_boxes(entry.shape, rule, mesh) if region is None else overlapping(entry.shape, rule, mesh, region)
-        out = self._found[(name, region)] = [self._resolve(name, entry, mesh.ranks[i], box) for i, box in found]
+        out = self._found[(name, region)] = [self._resolve(name, mesh.ranks[i], box) for i, box in found]
         return list(out)
 
     def files_of(self, name: str, region: Region | None = None) -> list[str]:
@@ -83,22 +86,17 @@ class ChunkSource:
         return sorted({self._file(name, mesh.ranks[i], box) for i, box in found})
 
     def in_file(self, file: str) -> list[tuple[str, Chunk]]:
-        """(tensor name, chunk) of every ruled chunk the rules place in ``file`` (listed chunks are
-        the manifest's own), in tensor order."""
+        """(tensor name, chunk) of every ruled chunk the rules place in ``file``, in the file's order
+        (listed chunks are the manifest's own); reads its index if any rule places chunks there."""
         m = DATA_FILE.match(file)
-        if m is None or m["sid"] != self.manifest.save_id:
+        if m is None or m["sid"] != self.manifest.save_id or file not in self.manifest.files:
             return []
         rank = int(m["rank"])
-        out = []
-        for name, entry in self.manifest.tensors.items():
-            rule = entry.sharding
-            if rule is None:
-                continue
-            mesh = self.manifest.meshes[rule.mesh]
-            for i in mesh.positions(rank):
-                for box in boxes(entry.shape, rule, mesh, mesh.coordinate(i)):
-                    out.append((name, self._resolve(name, entry, rank, box)))
-        return out
+        rules = [t.sharding for t in self.manifest.tensors.values() if t.sharding is not None]
+        placed = any(self.manifest.meshes[r.mesh].positions(rank) for r in rules)
+        if not placed and self.manifest.files[file].index_checksum is None:
+            return []
+        return [(key[0], c) for key, c in self._place(file, rank).items()]  # an index none fills is refused there
 
     def _file(self, name: str, rank: int, box: Region) -> str:
         file = data_file(rank, self.manifest.save_id)
@@ -109,22 +107,59 @@ class ChunkSource:
             )
         return file
 
-    def _resolve(self, name: str, entry: TensorEntry, rank: int, box: Region) -> Chunk:
+    def _resolve(self, name: str, rank: int, box: Region) -> Chunk:
         file = self._file(name, rank, box)
-        offsets, sizes = box
-        key = chunk_key(name, offsets)
-        found = self.index(file).chunks.get(key)
-        if found is None:
+        found = self._place(file, rank).get((name, box[0]))
+        if found is None or found.sizes != box[1]:  # both come from the rules: only a bug gets here
+            raise CorruptCheckpointError(f"{self.where}: tensor {name!r}: no chunk at {list(box[0])} in {file}")
+        return found
+
+    def _place(self, file: str, rank: int) -> dict[tuple[str, tuple[int, ...]], Chunk]:
+        """Every ruled chunk of ``file`` (written by ``rank``), in the file's order (docs/format.md,
+        section 2): the ruled tensors in manifest order, each one's boxes at the rank's coordinate in
+        order; each chunk's bytes follow the one before it in the ``/shards`` region, its block
+        checksums the one before it's in the index. The region and the index must hold exactly these
+        chunks (a rule cannot make a reader go past what the file holds: the walk stops there)."""
+        placed = self._placed.get(file)
+        if placed is not None:
+            return placed
+        idx = self.index(file)
+        block = self.manifest.block_bytes
+        pos, stop = idx.shards
+        k = 0
+        placed = {}
+        memo: dict[tuple[tuple[int, ...], Sharding, int], list[Region]] = {}
+        for name, entry in self.manifest.tensors.items():
+            rule = entry.sharding
+            if rule is None:
+                continue
+            mesh = self.manifest.meshes[rule.mesh]
+            for i in mesh.positions(rank):
+                found = memo.get((entry.shape, rule, i))
+                if found is None:
+                    found = memo[(entry.shape, rule, i)] = boxes(entry.shape, rule, mesh, mesh.coordinate(i))
+                for offsets, sizes in found:
+                    n = math.prod(sizes) * entry.dtype.itemsize
+                    count = blocks(n, block)
+                    if pos + n > stop or k + count > len(idx.sums):
+                        raise CorruptCheckpointError(
+                            f"{self.where}: the sharding rules place more in {file} than its {SHARDS_KEY!r} region "
+                            f"({stop - idx.shards[0]} bytes) and index ({len(idx.sums)} checksums) hold (at tensor "
+                            f"{name!r}, chunk {list(offsets)})"
+                        )
+                    key = chunk_key(name, offsets)
+                    placed[(name, offsets)] = Chunk(
+                        offsets, sizes, file, key, pos, pos + n, tuple(idx.sums[k : k + count]), None, None
+                    )
+                    pos += n
+                    k += count
+        if pos != stop or k != len(idx.sums):
             raise CorruptCheckpointError(
-                f"{self.where}: tensor {name!r}: the header of {file} has no chunk {key[:120]!r}, which its sharding "
-                "places there"
+                f"{self.where}: {file} holds {stop - idx.shards[0]} bytes of ruled chunks and {len(idx.sums)} "
+                f"checksums, its sharding rules place {pos - idx.shards[0]} bytes and {k} checksums there"
             )
-        if found.code != SAFETENSORS_DTYPES[entry.dtype] or found.sizes != sizes:
-            raise CorruptCheckpointError(
-                f"{self.where}: tensor {name!r}: chunk {key[:120]!r} of {file} is a {found.code} {list(found.sizes)}, "
-                f"its sharding says {SAFETENSORS_DTYPES[entry.dtype]} {list(sizes)}"
-            )
-        return Chunk(offsets, sizes, file, key, found.begin, found.end, found.checksums, found.digest, None)
+        self._placed[file] = placed
+        return placed
 
 
 def expand(source: ChunkSource) -> Manifest:
