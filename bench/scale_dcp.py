@@ -125,9 +125,9 @@ def global_plan(plans: list[SavePlan], layout: Layout) -> dict[str, Any]:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     planner = DefaultSavePlanner()
-    started = time.perf_counter()
+    started, used = time.perf_counter(), time.process_time()
     final, metadata = planner.create_global_plan(plans)
-    planned = time.perf_counter() - started
+    planned, planned_cpu = time.perf_counter() - started, time.process_time() - used
     params_bytes = len(_torch_bytes([n for n, _, _ in layout.model.params()]))
     storage: dict[MetadataIndex, _StorageInfo] = {}
     for rank, plan in enumerate(final):
@@ -144,11 +144,18 @@ def global_plan(plans: list[SavePlan], layout: Layout) -> dict[str, Any]:
     metadata = dataclasses.replace(metadata, storage_data=storage)
     metadata.version = "1.0.0"
     metadata.storage_meta = StorageMeta(checkpoint_id="/ckpt", save_id="a" * 32, load_id=None)
-    started = time.perf_counter()
+    started, used = time.perf_counter(), time.process_time()
     raw = pickle.dumps(metadata)
-    pickled = time.perf_counter() - started
+    pickled, pickled_cpu = time.perf_counter() - started, time.process_time() - used
     chunks = sum(len(p.items) for p in final)
-    return {"seconds": planned, "pickle_seconds": pickled, "raw": raw, "items": chunks}
+    return {
+        "seconds": planned,
+        "cpu_seconds": planned_cpu,
+        "pickle_seconds": pickled,
+        "pickle_cpu_seconds": pickled_cpu,
+        "raw": raw,
+        "items": chunks,
+    }
 
 
 def _torch_bytes(value: Any) -> bytes:

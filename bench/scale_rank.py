@@ -38,8 +38,9 @@ def rss() -> tuple[int, int]:
 
 
 def measured(fn: Any, reps: int = 3) -> tuple[float, int, Any, dict[str, float]]:
-    """(median seconds of ``reps`` runs after the first, peak resident growth of the first (cold: lazy
-    imports and caches included), result, the cold run's seconds and the warm runs' growth)."""
+    """(median wall seconds of ``reps`` runs after the first, peak resident growth of the first (cold:
+    lazy imports and caches included), result, and: the median CPU seconds of those runs (what the
+    planning costs, whatever else shares the machine), the cold run's seconds, the warm runs' growth)."""
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM back to the current resident size
@@ -48,17 +49,19 @@ def measured(fn: Any, reps: int = 3) -> tuple[float, int, Any, dict[str, float]]
     out = fn()
     cold_seconds = time.perf_counter() - started
     cold = rss()[1] - before
-    times, warm = [], 0
+    times, cpu, warm = [], [], 0
     for _ in range(reps):
         gc.collect()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         before, _ = rss()
-        started = time.perf_counter()
+        started, used = time.perf_counter(), time.process_time()
         fn()
         times.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - used)
         warm = max(warm, rss()[1] - before)
-    return statistics.median(times), cold, out, {"cold_seconds": cold_seconds, "warm_rss_growth": warm}
+    extra = {"cpu_seconds": statistics.median(cpu), "cold_seconds": cold_seconds, "warm_rss_growth": warm}
+    return statistics.median(times), cold, out, extra
 
 
 def setup(spec: dict[str, Any]) -> Any:

@@ -19,8 +19,13 @@ def _cells(results: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted(results["cells"], key=lambda c: (order[c["model"]], strat[c["strategy"]], c["world"]))
 
 
+def _secs(d: dict[str, Any], wall: str = "seconds", cpu: str = "cpu_seconds") -> float:
+    """CPU seconds where measured (what the work costs, whatever shares the machine), else wall."""
+    return float(d[cpu] if cpu in d else d[wall])
+
+
 def _worst(cell: dict[str, Any], who: str, key: str) -> float | None:
-    values = [r[who][key] for r in cell["load"].values() if r.get(who)]
+    values = [(_secs(r[who]) if key == "seconds" else r[who][key]) for r in cell["load"].values() if r.get(who)]
     return max(values) if values else None
 
 
@@ -30,7 +35,7 @@ def dcp_figures(results: dict[str, Any], cell: dict[str, Any]) -> tuple[dict[str
     if cell.get("dcp") and _worst(cell, "dcp", "seconds") is not None:
         return {
             "metadata_bytes": cell["dcp"]["metadata_bytes"],
-            "global_seconds": cell["dcp"]["seconds"] + cell["dcp"]["pickle_seconds"],
+            "global_seconds": _secs(cell["dcp"]) + _secs(cell["dcp"], "pickle_seconds", "pickle_cpu_seconds"),
             "load_seconds": _worst(cell, "dcp", "seconds") or 0.0,
             "load_rss": _worst(cell, "dcp", "rss_growth") or 0.0,
         }, False
@@ -81,8 +86,9 @@ def markdown(results: dict[str, Any]) -> str:
         "Metadata a rank reads to plan its load: shardsafe the manifest plus the header and index of each",
         "data file its shards meet (the worst of ranks 0, N/2+1, N-1); DCP the `.metadata` file, pickled.",
         "Planning: shardsafe's `plan_load` (manifest read and validated, indexes read, reads planned) and",
-        "DCP's (`.metadata` read and unpickled, `set_up_planner`, `create_local_plan`), median seconds and",
-        "peak resident growth, the worst of the sampled ranks.",
+        "DCP's (`.metadata` read and unpickled, `set_up_planner`, `create_local_plan`): median CPU seconds",
+        "of the process (the machine is shared with other jobs: wall times, in scale.json, vary with them)",
+        "and peak resident growth of the first run, the worst of the sampled ranks.",
         "",
         "| model | strategy | ranks | tensors | shardsafe metadata read (MiB) | manifest (MiB) | DCP .metadata (MiB) "
         "| shardsafe planning (s) | DCP planning (s) | ratio | shardsafe planning memory (MiB) | DCP (MiB) |",
@@ -106,7 +112,7 @@ def markdown(results: dict[str, Any]) -> str:
         "## Rank 0's commit step, the write reports and the store",
         "",
         "Rank 0's commit step: the `written` round's messages read (one string from the store), parsed,",
-        "`build_manifest`, `to_bytes`, `parse_manifest` (what it does before the decision), seconds and",
+        "`build_manifest`, `to_bytes`, `parse_manifest` (what it does before the decision), CPU seconds and",
         "peak resident growth; DCP's coordinator: `create_global_plan` and the pickling of `.metadata`.",
         "Write report: the envelope each rank sends in `written` (largest, median). Store requests: waited",
         "(posted) per rank, from the commit protocol run with a thread per rank on one `TCPStore`.",
@@ -122,7 +128,7 @@ def markdown(results: dict[str, Any]) -> str:
         store0 = f"{p['rank0_waited']} ({p['rank0_posted']})" if p else "-"
         others = f"{p['others_waited_max']} ({p['others_posted_max']})" if p else "-"
         lines.append(
-            f"| {c['model']} | {c['strategy']} | {c['world']} | {c['commit']['seconds']:.3f} "
+            f"| {c['model']} | {c['strategy']} | {c['world']} | {_secs(c['commit']):.3f} "
             f"| {c['commit']['read_reports_seconds']:.3f} | {c['commit']['rss_growth'] / MiB:.0f} "
             f"| {_fmt(dcp.get('global_seconds'), '.2f', ex)} | {c['save']['report_bytes_max']} "
             f"| {c['save']['report_bytes_median']:.0f} | {c['save']['plan_seconds_median']:.3f} | {store0} | {others} |"
@@ -173,7 +179,7 @@ def chart(results: dict[str, Any], path: str) -> None:
         axes[2].plot(
             x, [d[0].get("metadata_bytes", 0) / MiB for d in dcp], "s--", color=color, alpha=0.6, label=f"{model} DCP"
         )
-        axes[0].plot(x, [c["commit"]["seconds"] for c in cells], "^:", color=color, label=f"{model} rank 0 commit step")
+        axes[0].plot(x, [_secs(c["commit"]) for c in cells], "^:", color=color, label=f"{model} rank 0 commit step")
     titles = [
         "load planning per rank (s)",
         "load planning memory per rank (MiB, peak growth)",
