@@ -220,9 +220,10 @@ def build_manifest(doc: dict[str, Any], where: str) -> Manifest:
     }
     refs = _refs(doc["refs"], where, version) if version >= 2 else {}
     meshes = _meshes(doc["meshes"], world, where) if version >= 3 else []
+    memo: dict[Any, Sharding] = {}
     tensors = {
         _text(name, "a tensor name", where, limit=65536, printable=False): _tensor(
-            name, t, files, refs, meshes, block, where, version
+            name, t, files, refs, meshes, block, where, version, memo
         )
         for name, t in _obj(doc["tensors"], "tensors", where).items()
     }
@@ -324,9 +325,16 @@ def _meshes(value: Any, world: int, where: str) -> list[Mesh]:
     return out
 
 
-def _sharding(rule: Any, shape: tuple[int, ...], meshes: list[Mesh], here: str) -> Sharding:
+def _sharding(
+    rule: Any, shape: tuple[int, ...], meshes: list[Mesh], here: str, memo: dict[Any, Sharding] | None = None
+) -> Sharding:
     """A tensor's sharding rule (v3): a mesh of ``meshes``, and per mesh dimension a tensor dimension
-    and a split factor from 1 to :data:`BOX_BUDGET`, the boxes of one coordinate at most that many."""
+    and a split factor from 1 to :data:`BOX_BUDGET`, the boxes of one coordinate at most that many.
+    ``memo``: rules already checked (every layer's tensors repeat a few), by their plain-integer form."""
+    key = _plain_rule(rule, len(shape))
+    known = memo.get(key) if memo is not None and key is not None else None
+    if known is not None:
+        return known
     rule = _obj(rule, "the sharding", here, _SHARDING_FIELDS)
     if not meshes:
         raise CorruptCheckpointError(f"{here}: a sharding rule, but the manifest lists no meshes")
@@ -354,7 +362,23 @@ def _sharding(rule: Any, shape: tuple[int, ...], meshes: list[Mesh], here: str) 
             f"{here}: the sharding's split factors could make {box_bound(pairs)} boxes per coordinate, more than "
             f"{BOX_BUDGET}"
         )
-    return Sharding(mesh, tuple(pairs))
+    out = Sharding(mesh, tuple(pairs))
+    if memo is not None and key is not None:
+        memo[key] = out
+    return out
+
+
+def _plain_rule(rule: Any, ndim: int) -> tuple[Any, ...] | None:
+    """A sharding made of plain JSON integers only, as a hashable key (with the tensor's rank, which
+    bounds its dims); ``None`` for anything else (checked field by field instead)."""
+    if type(rule) is not dict or rule.keys() != _SHARDING_FIELDS or type(rule["mesh"]) is not int:
+        return None
+    dims = rule["dims"]
+    if type(dims) is not list or not all(
+        type(p) is list and len(p) == 2 and type(p[0]) is int and type(p[1]) is int for p in dims
+    ):
+        return None
+    return (rule["mesh"], tuple((p[0], p[1]) for p in dims), ndim)
 
 
 def _object(key: Any, obj: Any, tensors: dict[str, TensorEntry], where: str) -> dict[str, Any]:
@@ -379,6 +403,7 @@ def _tensor(
     block: int,
     where: str,
     version: int,
+    memo: dict[Any, Sharding] | None = None,
 ) -> TensorEntry:
     here = f"{where}: tensor {name!r}"
     ruled = version >= 3 and isinstance(t, dict) and "sharding" in t
@@ -395,7 +420,8 @@ def _tensor(
     if math.prod(max(d, 1) for d in shape) * dtype.itemsize > INT_LIMIT:
         raise CorruptCheckpointError(f"{here}: shape {list(shape)} is absurdly large")
     if ruled:
-        return TensorEntry(dtype=dtype, shape=shape, chunks=(), sharding=_sharding(t["sharding"], shape, meshes, here))
+        rule = _sharding(t["sharding"], shape, meshes, here, memo)
+        return TensorEntry(dtype=dtype, shape=shape, chunks=(), sharding=rule)
     records = _list(t["chunks"], "chunks", here)
     if not records:
         raise CorruptCheckpointError(

@@ -85,7 +85,8 @@ def _dtensor_layout(dt: Any, roles: bool) -> Layout:
         )
     mesh = dt.device_mesh
     shape = tuple(int(n) for n in dt.shape)
-    local = dt.to_local().detach()
+    inner = getattr(dt, "_local_tensor", None)  # what to_local() returns, without its autograd node
+    local = (inner if isinstance(inner, torch.Tensor) else dt.to_local()).detach()
     coord = mesh.get_coordinate()
     if coord is None:  # this rank is not in the mesh: it holds nothing of the tensor
         return Layout(shape, local.dtype, [], False, False)
