@@ -203,3 +203,47 @@ def test_hostile_rules_are_refused_when_read(tmp_path: Any, what: str, change: A
     raw = json.dumps(seal_manifest(doc)).encode()
     with pytest.raises(shardsafe.CorruptCheckpointError, match=words):
         parse_manifest(raw, "ckpt/MANIFEST.json")
+
+
+# ------------------------------------------------------------------------------- the save's plan
+
+
+def _item(name: str, shape: tuple[int, ...], rank: int, boxes_held: list[Any], rule: Any) -> Any:
+    from shardsafe.state.flatten import TensorItem
+
+    pieces = [(o, torch.empty(s, device="meta")) for o, s in boxes_held]
+    first = pieces[0] if pieces else ((0,) * len(shape), torch.empty((0,) * len(shape), device="meta"))
+    return TensorItem(name, first[1], shape, first[0], False, True, True, pieces, rule)
+
+
+def test_save_plan_orders_ruled_chunks_as_the_format_does_and_refuses_a_rule_its_boxes_contradict() -> None:
+    """Rank 1 of 4 (10 rows: 3, 3, 3, 1; a strided tensor's two boxes): its ruled chunks in manifest
+    order, each tensor's boxes in rule order; rank 0: its listed chunk (the step) first; a rule that places other boxes
+    on the rank than it holds is refused before anything is written (a manifest would place chunks
+    where they are not)."""
+    from shardsafe.engine.plan import plan_save
+    from shardsafe.errors import CheckpointError
+    from shardsafe.state.flatten import FlatState, TensorItem
+    from shardsafe.state.layout import Rule
+
+    even = Rule((4,), (0, 1, 2, 3), ((0, 1),))
+    strided = Rule((2,), (1, 3), ((0, 2),))  # rank 1 at coordinate 0: rows 0-2 and 5-7 of 10
+    step = TensorItem("s", torch.empty((), device="meta"), (), (), True, True)
+    items = [
+        _item("b", (10, 2), 1, [((5, 0), (3, 2)), ((0, 0), (3, 2))], strided),
+        _item("a", (10, 2), 1, [((3, 0), (3, 2))], even),
+        step,
+    ]
+    plan = plan_save(FlatState(objects={}, items=items, strategy="fsdp"), 1, 4)
+    assert plan.ruled == 3 and set(plan.rules.tensors) == {"a", "b"}
+    assert [(c.name, c.offsets) for c in plan.chunks] == [("b", (0, 0)), ("b", (5, 0)), ("a", (3, 0))]
+    rank0 = [_item("a", (10, 2), 0, [((0, 0), (3, 2))], even), step]
+    zero = plan_save(FlatState(objects={}, items=rank0, strategy="fsdp"), 0, 4)  # rank 0 writes the step
+    assert [(c.name, c.offsets) for c in zero.chunks] == [("s", ()), ("a", (0, 0))] and zero.ruled == 1
+    assert [m.ranks for m in plan.rules.meshes] == [(1, 3), (0, 1, 2, 3)]
+    wrong = [_item("a", (10, 2), 1, [((2, 0), (4, 2))], even)]
+    with pytest.raises(CheckpointError, match="sharding rule of tensor 'a'"):
+        plan_save(FlatState(objects={}, items=wrong, strategy="fsdp"), 1, 4)
+    outside = [_item("a", (10, 2), 1, [((3, 0), (3, 2))], Rule((4,), (0, 1, 2, 9), ((0, 1),)))]
+    plan = plan_save(FlatState(objects={}, items=outside, strategy="fsdp"), 1, 4)
+    assert plan.ruled == 0 and not plan.rules.tensors  # writers outside the saving group: listed
