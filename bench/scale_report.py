@@ -133,7 +133,83 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {_fmt(dcp.get('global_seconds'), '.2f', ex)} | {c['save']['report_bytes_max']} "
             f"| {c['save']['report_bytes_median']:.0f} | {c['save']['plan_seconds_median']:.3f} | {store0} | {others} |"
         )
+    lines += _targets(results)
+    lines += _real(results.get("real"))
     return "\n".join(lines) + "\n"
+
+
+def _targets(results: dict[str, Any]) -> list[str]:
+    """The targets of the scale work, per model under FSDP2 at its largest world (and the same at
+    the others): metadata read, planning time and memory, commit step, store requests, ratio to DCP."""
+    lines = ["", "## Targets (FSDP2, AdamW)", ""]
+    lines.append(
+        "| model | ranks | metadata read <= 16 MiB | planning <= 1 s | planning memory <= 256 MiB | "
+        "commit step <= 2 s | store requests as at 16 ranks | planning <= 0.5x DCP |"
+    )
+    lines.append("|---|---:|---|---|---|---|---|---|")
+    ref = next(
+        (c["protocol"] for c in _cells(results) if c["world"] == 16 and c.get("protocol")),
+        {"rank0_waited": 8, "others_waited_max": 5},  # tests/test_core.py and bench/protocol.py at 16 ranks
+    )
+
+    def mark(ok: bool | None, text: str) -> str:
+        return f"{text} {'**met**' if ok else '**missed**' if ok is not None else '(not measured)'}"
+
+    for c in _cells(results):
+        if c["strategy"] != "fsdp2" or c["world"] < 256:
+            continue
+        dcp, ex = dcp_figures(results, c)
+        read = (_worst(c, "shardsafe", "metadata_bytes") or 0) / MiB
+        secs = _worst(c, "shardsafe", "seconds") or 0.0
+        mem = (_worst(c, "shardsafe", "rss_growth") or 0) / MiB
+        commit = _secs(c["commit"])
+        p = c.get("protocol")
+        same = (
+            None
+            if not p
+            else (p["rank0_waited"], p["others_waited_max"]) == (ref["rank0_waited"], ref["others_waited_max"])
+        )
+        store = f"{p['rank0_waited']} / {p['others_waited_max']}" if p else "-"
+        ratio = secs / dcp["load_seconds"] if dcp.get("load_seconds") else None
+        cols = [
+            mark(read <= 16, f"{read:.2f} MiB"),
+            mark(secs <= 1, f"{secs:.2f} s"),
+            mark(mem <= 256, f"{mem:.0f} MiB"),
+            mark(commit <= 2, f"{commit:.2f} s"),
+            mark(same, store),
+            mark(None if ratio is None else ratio <= 0.5, _fmt(ratio, ".3f", ex) + "x"),
+        ]
+        lines.append(f"| {c['model']} | {c['world']} | " + " | ".join(cols) + " |")
+    return lines
+
+
+def _real(real: dict[str, Any] | None) -> list[str]:
+    """bench/scale_real.py's figures, when present."""
+    if not real:
+        return []
+    lines = [
+        "",
+        "## A real FSDP2 save of 720 tensors (bench/scale_real.py)",
+        "",
+        "Metadata written (bytes): the manifest, the headers and the indexes of every data file, against",
+        "DCP's `.metadata` for the same state saved in the same session.",
+        "",
+        "| ranks | manifest | headers | indexes | total | DCP .metadata | ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for world, r in sorted(real["worlds"].items(), key=lambda kv: int(kv[0])):
+        m = r["shardsafe"]
+        lines.append(
+            f"| {world} | {m['manifest']} | {m['headers']} | {m['indexes']} | {m['total']} | {r['dcp_metadata']} "
+            f"| {r['ratio_to_dcp']:.2f}x |"
+        )
+    lines += [
+        "",
+        f"Growth of shardsafe's metadata from the fewest to the most ranks: {real['growth']:.2f}x. The checkpoint of "
+        f"the most ranks loads into one plain process equal: {real['one_process_equal']}; into 3 FSDP2 ranks equal: "
+        f"{real['three_ranks_equal']}.",
+    ]
+    return lines
 
 
 def chart(results: dict[str, Any], path: str) -> None:

@@ -214,6 +214,9 @@ def main() -> None:
                     results["machine"] = _machine()
                     results_path.write_text(json.dumps(results, indent=1))
         shutil.rmtree(scratch, ignore_errors=True)
+    real = out / "scale_real.json"
+    if real.exists():
+        results["real"] = json.loads(real.read_text())
     from bench.scale_report import chart, markdown
 
     (out / "scale.md").write_text(markdown(results))
