@@ -99,6 +99,8 @@ def test_rule_boxes_are_the_dtensor_placements_boxes() -> None:
 
 
 def test_every_element_is_in_exactly_one_box() -> None:
+    """Also: all_boxes (which skips coordinates without elements) and count_boxes are the boxes of
+    every coordinate, walked one by one."""
     rng = random.Random(5)
     for _ in range(200):
         shape, mesh_shape, placements = _random_layout(rng)
@@ -107,6 +109,20 @@ def test_every_element_is_in_exactly_one_box() -> None:
         for _, (offsets, sizes) in all_boxes(shape, rule, mesh):
             covered[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))] += 1
         assert bool((covered == 1).all()), (shape, mesh_shape, placements)
+        walked = sorted((i, b) for i in range(len(mesh.ranks)) for b in boxes(shape, rule, mesh, mesh.coordinate(i)))
+        assert sorted(all_boxes(shape, rule, mesh)) == walked
+        assert sharding.count_boxes(shape, rule, mesh) == len(walked)
+
+
+def test_a_huge_mesh_costs_only_its_boxes() -> None:
+    """A 3-row tensor ruled over 2^22 writers (a manifest may list that many): its 3 boxes are found
+    without visiting the 2^22 coordinates, and counted from the rule alone (inspect)."""
+    n = 2**22
+    mesh = Mesh((n,), tuple(range(n)))
+    for dims in (((0, 1),), ((0, 2),)):
+        rule = Sharding(0, dims)
+        found = list(all_boxes((3, 5), rule, mesh))
+        assert len(found) == 3 and sharding.count_boxes((3, 5), rule, mesh) == 3
 
 
 def test_overlapping_finds_exactly_the_boxes_that_meet_a_region() -> None:

@@ -16,9 +16,9 @@ from shardsafe.engine.guard import entry_point, mapped_errors
 from shardsafe.engine.memory import available_memory
 from shardsafe.engine.read import chunk_source, open_manifest
 from shardsafe.errors import CheckpointError, CorruptCheckpointError
+from shardsafe.format import sharding
 from shardsafe.format.datafile import read_blocks, verify_header
 from shardsafe.format.manifest import Chunk, Manifest, TensorEntry
-from shardsafe.format.sharding import all_boxes
 from shardsafe.format.values import decode, dtype_name
 from shardsafe.progress.record import ProgressCallback, check_callback
 from shardsafe.progress.tracker import Tracker, tracked
@@ -165,7 +165,7 @@ def _all(by_file: dict[tuple[str, str], list[tuple[str, Chunk]]]) -> list[tuple[
 def count_boxes(manifest: Manifest, entry: TensorEntry) -> int:
     """The chunks a ruled tensor has (its rule's non-empty boxes), from the manifest alone."""
     assert entry.sharding is not None
-    return sum(1 for _ in all_boxes(entry.shape, entry.sharding, manifest.meshes[entry.sharding.mesh]))
+    return sharding.count_boxes(entry.shape, entry.sharding, manifest.meshes[entry.sharding.mesh])
 
 
 @entry_point("inspect", reads=True)

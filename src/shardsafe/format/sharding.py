@@ -159,10 +159,33 @@ def boxes(shape: Sequence[int], rule: Sharding, mesh: Mesh, coord: Sequence[int]
 
 
 def all_boxes(shape: Sequence[int], rule: Sharding, mesh: Mesh) -> Iterator[tuple[int, Region]]:
-    """(index into ``mesh.ranks``, box) of every box the rule stores, coordinate by coordinate."""
-    for i in range(len(mesh.ranks)):
-        for box in boxes(shape, rule, mesh, mesh.coordinate(i)):
-            yield i, box
+    """(index into ``mesh.ranks``, box) of every box the rule stores: those that meet the whole tensor
+    (:func:`overlapping`, which visits no coordinate without elements, however large the mesh)."""
+    if not shape:
+        yield 0, ((), ())
+        return
+    if any(n == 0 for n in shape):
+        return
+    yield from overlapping(shape, rule, mesh, ((0,) * len(shape), tuple(shape)))
+
+
+def count_boxes(shape: Sequence[int], rule: Sharding, mesh: Mesh) -> int:
+    """How many boxes the rule stores: from the pieces' sizes alone where each dimension is split at
+    most once with factor 1 (FSDP2, HSDP, TP); else by :func:`all_boxes`."""
+    if not shape:
+        return 1
+    if any(n == 0 for n in shape):
+        return 0
+    counts = []
+    for t, n_t in enumerate(shape):
+        levels = [(n, f) for (d, f), n in zip(rule.dims, mesh.shape, strict=True) if d == t]
+        if len(levels) > 1 or any(f != 1 for _, f in levels):
+            return sum(1 for _ in all_boxes(shape, rule, mesh))
+        if levels:
+            n = levels[0][0]
+            q = -(-n_t // n)
+            counts.append(-(-n_t // q) if q else 0)
+    return math.prod(counts)
 
 
 def overlapping(shape: Sequence[int], rule: Sharding, mesh: Mesh, region: Region) -> list[tuple[int, Region]]:
