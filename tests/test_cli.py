@@ -46,7 +46,7 @@ def test_inspect_table(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     info = shardsafe.inspect(path)
     lines = out.splitlines()
     assert lines[0].split() == ["checkpoint:", str(path)]
-    assert "format version: 2" in out and f"save id:        {info.save_id}" in out
+    assert "format version: 3" in out and f"save id:        {info.save_id}" in out
     assert "world size:     1" in out and "strategy:       plain" in out
     assert f"total size:     {info.total_bytes} bytes in 1 data file(s)" in out
     assert 'metadata:       {"step": 12, "note": ["a", "nan"]}' in out
@@ -65,7 +65,7 @@ def test_inspect_json(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", str(path), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     info = shardsafe.inspect(path)
-    assert doc["path"] == str(path) and doc["format_version"] == 2 and doc["save_id"] == info.save_id
+    assert doc["path"] == str(path) and doc["format_version"] == 3 and doc["save_id"] == info.save_id
     assert doc["created"] == info.created and doc["world_size"] == 1 and doc["strategy"] == "plain"
     assert doc["total_bytes"] == info.total_bytes and doc["files"] == info.files
     assert doc["metadata"] == {"step": 12, "note": ["a", "nan"]}

@@ -52,10 +52,9 @@ from shardsafe.coord.agreement import Round
 from shardsafe.coord.failures import Failure, wrap
 from shardsafe.coord.messages import Committed, Envelope, Outcome, Timeout, WriteReport
 from shardsafe.engine import incremental, replicas, sidefiles, unremoved
+from shardsafe.engine.plan import Rules
 from shardsafe.errors import CheckpointError, CorruptCheckpointError, RankDeadError, UnsafeValueError
 from shardsafe.format.manifest import (
-    FORMAT_VERSION,
-    SIDE_FILES_VERSION,
     Chunk,
     FileEntry,
     Manifest,
@@ -92,6 +91,8 @@ class CommitInputs:
     blocking_seconds: float
     side_written: tuple[str, ...] = ()
     """(rank 0) The side files this save wrote into its pending directory: an abort removes them by name."""
+    rules: Rules = field(default_factory=Rules)
+    """The tensors described by a sharding rule (format v3): no rank reports their chunks."""
 
 
 @dataclass
@@ -598,8 +599,8 @@ def build_manifest(i: CommitInputs, world_size: int, reports: dict[int, WriteRep
     files: dict[str, FileEntry] = {}
     for rank in sorted(reports):
         rep = reports[rank]
-        for fname, (size, header_bytes, header_sum) in rep.files.items():
-            files[fname] = FileEntry(size, header_bytes, header_sum)
+        for fname, (size, header_bytes, header_sum, *index) in rep.files.items():
+            files[fname] = FileEntry(size, header_bytes, header_sum, index[0] if index else None)
         for name, c in rep.chunks:
             chunks.setdefault(name, []).append(
                 Chunk(
@@ -619,6 +620,10 @@ def build_manifest(i: CommitInputs, world_size: int, reports: dict[int, WriteRep
     own = per_rank.merge_reports(flat, legacy, chunks)
     tensors = {}
     for item in flat.items:
+        rule = i.rules.tensors.get(item.name)
+        if rule is not None:  # its chunks follow from the rule; each writer checked its own against it
+            tensors[item.name] = TensorEntry(item.local.dtype, item.shape, (), rule)
+            continue
         mine = sorted(chunks.get(item.name, []), key=lambda c: c.offsets)
         if sum(math.prod(c.sizes) for c in mine) != math.prod(item.shape):
             raise CheckpointError(
@@ -644,6 +649,6 @@ def build_manifest(i: CommitInputs, world_size: int, reports: dict[int, WriteRep
         refs=incremental.ref_table(i.base_manifest, i.base_name, [c for cs in chunks.values() for c in cs])
         if i.base_manifest is not None
         else {},
-        format_version=SIDE_FILES_VERSION if side else FORMAT_VERSION,
         side_files=side,
+        meshes=i.rules.meshes,
     )

@@ -26,7 +26,7 @@ from shardsafe.engine.plan import PendingChunk, file_bytes
 from shardsafe.engine.read import read_manifest
 from shardsafe.errors import CheckpointExistsError, CorruptCheckpointError
 from shardsafe.format.datafile import read_blocks, write_file
-from shardsafe.format.manifest import Chunk, FileEntry, Manifest, TensorEntry, parse_manifest
+from shardsafe.format.manifest import FORMAT_VERSION, Chunk, FileEntry, Manifest, TensorEntry, parse_manifest
 from shardsafe.interop.outdir import check_parents, make_parents, remove_created
 from shardsafe.progress.record import ProgressCallback, check_callback
 from shardsafe.progress.tracker import Tracker, tracked
@@ -67,7 +67,7 @@ def consolidate(
 def _consolidate(src: str, out: str, storage_options: dict[str, Any] | None, tracker: Tracker) -> ConsolidateResult:
     storage, dest = get_storage(src, storage_options), get_storage(out, storage_options)
     with mapped_errors("export", src):
-        manifest = read_manifest(storage, src)
+        manifest = read_manifest(storage, src)  # every chunk listed: each is copied
     local = not is_remote(out)
     if local:
         if os.path.islink(out):
@@ -120,7 +120,7 @@ def _copy(
     plans = []
     for _, members in sorted(groups.items()):
         chunks = [PendingChunk(n, c.offsets, c.sizes, _meta(manifest, n, c)) for n, c in members]
-        plans.append((members, chunks, file_bytes(chunks)))
+        plans.append((members, chunks, file_bytes(chunks, manifest.block_bytes)))
     tracker.set_total(sum(size for _, _, (size, _) in plans))
     tracker.phase = "write"
     for i, (members, chunks, (_, header)) in enumerate(plans):
@@ -141,7 +141,16 @@ def _copy(
         n: TensorEntry(t.dtype, t.shape, tuple(sorted(new_chunks[n], key=lambda c: c.offsets)))
         for n, t in manifest.tensors.items()
     }
-    copy = replace(manifest, save_id=save_id, created=time.time(), tensors=tensors, files=files, refs={})
+    copy = replace(
+        manifest,
+        save_id=save_id,
+        created=time.time(),
+        tensors=tensors,
+        files=files,
+        refs={},
+        format_version=FORMAT_VERSION,  # the files just written have an index
+        meshes=[],
+    )
     raw = copy.to_bytes()
     parse_manifest(raw, dest.join(out, "MANIFEST.json"))  # never commit what a loader would refuse
     commit = commit_of(pending, out, save_id, raw, files)
