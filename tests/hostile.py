@@ -161,8 +161,8 @@ def rewrite_header(path: Path, name: str, text: bytes, *, pad: bool = True) -> N
             header_bytes=len(header), header_checksum=xxhash.xxh3_64_hexdigest(header), size=entry["size"] + shift
         )
         for t in doc["tensors"].values():
-            for c in t["chunks"]:
-                if c["file"] == name:
+            for c in t.get("chunks", []) if isinstance(t, dict) else []:  # (a ruled tensor lists none)
+                if isinstance(c, dict) and c.get("file") == name:
                     c["begin"] += shift
                     c["end"] += shift
 
@@ -174,6 +174,27 @@ def edit_header(path: Path, name: str, change: Callable[[Doc], None]) -> None:
     header: Doc = json.loads(text)
     change(header)
     rewrite_header(path, name, json.dumps(header, separators=(",", ":")).encode())
+
+
+def as_version(path: Path, version: int) -> None:
+    """Rewrite the manifest of the (single-process, v3) checkpoint at ``path`` as a version-``version``
+    writer (1 or 2) wrote it: no ``meshes`` nor ``index_checksum`` (its data files, which hold no ruled
+    chunk, are laid out as in v2); for version 1 also no ``refs`` nor chunk ``digest``/``ref``."""
+    doc = manifest_of(path)
+    assert not doc["meshes"] and all(f["index_checksum"] is None for f in doc["files"].values())
+    doc["format_version"] = version
+    del doc["meshes"]
+    for entry in doc["files"].values():
+        del entry["index_checksum"]
+    for ref in doc.get("refs", {}).values():
+        for entry in ref["files"].values():
+            entry.pop("index_checksum", None)
+    if version == 1:
+        del doc["refs"]
+        for t in doc["tensors"].values():
+            for c in t["chunks"]:
+                del c["digest"], c["ref"]
+    write_manifest(path, doc)
 
 
 class _Bytes:
@@ -211,17 +232,31 @@ def reshard(path: Path, tensor: str, rows: list[int]) -> None:
         name = f"data-{90 + i:05d}-{doc['save_id']}.safetensors"
         offsets = (lo, *([0] * (value.dim() - 1)))
         pending = PendingChunk(tensor, offsets, tuple(value[lo:hi].shape), value[lo:hi].contiguous())
-        out = _Bytes()
-        fentry, records = write_file(out, name, [pending], doc["checksum"]["block_bytes"], lambda: None)
-        (path / name).write_bytes(bytes(out.data))
-        doc["files"][name] = {
-            "size": fentry.size,
-            "header_bytes": fentry.header_bytes,
-            "header_checksum": fentry.header_checksum,
-        }
-        chunks += [r.to_json() for r in records]
+        record: Doc = {}
+        _write(path, doc, name, [pending], doc["checksum"]["block_bytes"], [record])
+        chunks.append(record)
     entry["chunks"] = chunks
     write_manifest(path, doc)
+
+
+def _write(
+    path: Path, doc: Doc, name: str, chunks: list[PendingChunk], block: int, records: list[Doc], ruled: int = 0
+) -> None:
+    """Write data file ``name`` of ``chunks`` (the last ``ruled`` of them in its ruled region, format v3),
+    and update its ``files`` entry in ``doc`` and ``records`` (the first chunks' records, in place) to
+    match."""
+    out = _Bytes()
+    fentry, written = write_file(out, name, chunks, block, lambda: None, ruled=ruled)
+    (path / name).write_bytes(bytes(out.data))
+    doc["files"][name] = {
+        "size": fentry.size,
+        "header_bytes": fentry.header_bytes,
+        "header_checksum": fentry.header_checksum,
+        "index_checksum": fentry.index_checksum,
+    }
+    for record, r in zip(records, written[: len(records)], strict=True):
+        record.clear()
+        record.update(r.to_json())
 
 
 def all_tensors(value: Any, prefix: str = "") -> dict[str, bytes]:

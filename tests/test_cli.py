@@ -46,7 +46,7 @@ def test_inspect_table(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     info = shardsafe.inspect(path)
     lines = out.splitlines()
     assert lines[0].split() == ["checkpoint:", str(path)]
-    assert "format version: 2" in out and f"save id:        {info.save_id}" in out
+    assert "format version: 3" in out and f"save id:        {info.save_id}" in out
     assert "world size:     1" in out and "strategy:       plain" in out
     assert f"total size:     {info.total_bytes} bytes in 1 data file(s)" in out
     assert 'metadata:       {"step": 12, "note": ["a", "nan"]}' in out
@@ -65,7 +65,7 @@ def test_inspect_json(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", str(path), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     info = shardsafe.inspect(path)
-    assert doc["path"] == str(path) and doc["format_version"] == 2 and doc["save_id"] == info.save_id
+    assert doc["path"] == str(path) and doc["format_version"] == 3 and doc["save_id"] == info.save_id
     assert doc["created"] == info.created and doc["world_size"] == 1 and doc["strategy"] == "plain"
     assert doc["total_bytes"] == info.total_bytes and doc["files"] == info.files
     assert doc["metadata"] == {"step": 12, "note": ["a", "nan"]}
@@ -167,3 +167,29 @@ def test_python_dash_m(root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pyte
         runpy.run_module("shardsafe", run_name="__main__")
     assert stop.value.code == 0
     assert capsys.readouterr().out.startswith(f"OK {root / 'step-12'}: ")
+
+
+def test_refusals_name_the_command_s_flags_not_the_library_s_keywords(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``shardsafe import`` into a committed checkpoint said "pass overwrite=True", a keyword the command
+    has no way to pass; it says ``--overwrite``."""
+    src = tmp_path / "model.pt"
+    torch.save(torch.nn.Linear(3, 2).state_dict(), src)
+    assert main(["import", str(src), str(tmp_path / "dest")]) == 0
+    capsys.readouterr()
+    assert main(["import", str(src), str(tmp_path / "dest")]) == 1
+    err = capsys.readouterr().err
+    assert "--overwrite" in err and "overwrite=" not in err, err
+    assert main(["import", str(src), str(tmp_path / "dest"), "--overwrite"]) == 0
+    assert main(["export", str(tmp_path / "dest"), str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "dest"), str(tmp_path / "hf")]) == 1
+    err = capsys.readouterr().err
+    assert "--overwrite" in err and "overwrite=" not in err, err
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    assert main(["import", str(src), str(foreign), "--overwrite"]) == 1
+    err = capsys.readouterr().err
+    assert "whatever --overwrite says" in err and "overwrite=" not in err, err

@@ -56,6 +56,29 @@ def test_help_imports_nothing_heavy(args: list[str]) -> None:
     assert not heavy, f"`shardsafe {' '.join(args)}` imported {sorted(heavy)}"
 
 
+@pytest.mark.parametrize("command", ["inspect", "verify", "ls"])
+def test_a_path_where_nothing_is_is_said_without_importing_torch(command: str, tmp_path: Path) -> None:
+    """A typo in the path used to cost seconds (torch and the engine imported) before "nothing is there"."""
+    missing = str(tmp_path / "no-such-run")
+    run = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "shardsafe", command, missing],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    heavy = _imported(run.stderr) & set(HEAVY)
+    assert not heavy, f"`shardsafe {command} MISSING` imported {sorted(heavy)}"
+    said = [line for line in run.stderr.splitlines() if not line.startswith("import time:")]
+    if command == "ls":
+        assert run.returncode == 2 and said == [
+            f"shardsafe ls: {missing!r} does not exist; give the directory that holds the checkpoints"
+        ], said
+        return
+    with pytest.raises(shardsafe.CheckpointNotFoundError) as raised:  # the library's own words
+        shardsafe.inspect(missing)
+    assert run.returncode == 1 and said == [f"shardsafe {command}: NOT A CHECKPOINT: {raised.value}"], said
+
+
 def test_installed_script_help_imports_no_torch() -> None:
     script = Path(sys.executable).parent / "shardsafe"
     assert script.exists(), f"{script} missing: install the package with `pip install -e .`"

@@ -25,13 +25,13 @@ GATE = {"catalog/unlink.py"}
 PUBLICATION = {"catalog/publish.py"}
 BACKENDS = "storage/"
 
-# (file, call) -> why it is not the gate's or the publication's. The local tier's two are its own
-# branch's to move (they predate the gate's folder and scratch entries).
+# (file, call) -> why it is not the gate's or the publication's. The local tier's are its own branch's
+# to move (they predate the gate's folder and scratch entries); none of them is recursive.
 ALLOWED_REMOVALS = {
-    ("manager/tiers.py", "shutil.rmtree"): "local tier: an .incoming- transfer folder (its branch moves it)",
     ("manager/tiers.py", "os.rmdir"): "local tier: an emptied step folder (its branch moves it)",
     ("manager/tiers.py", ".remove_dir_if_empty"): "local tier: an emptied share folder (its branch moves it)",
-    ("manager/replica.py", "shutil.rmtree"): "local tier: a failed transfer's folder (its branch moves it)",
+    ("manager/replica.py", "os.unlink"): "local tier: the files a failed transfer wrote in its own folder",
+    ("manager/replica.py", "os.rmdir"): "local tier: a failed transfer's emptied folder (its branch moves it)",
     ("accelerate.py", "os.unlink"): "an integration (public API only): the files its hooks left in its own temp folder",
     ("accelerate.py", "os.rmdir"): "an integration (public API only): its own emptied temp folder",
 }
@@ -78,9 +78,9 @@ def test_every_removal_goes_through_the_gate() -> None:
     assert not bad, "removals outside the gate (use shardsafe.catalog.unlink / catalog.delete):\n" + "\n".join(bad)
 
 
-def test_nothing_removes_recursively_but_the_local_tier_awaiting_its_branch() -> None:
-    recursive = {(rel, call) for rel, _, call in _sites() if call == "shutil.rmtree"}
-    assert recursive <= {k for k in ALLOWED_REMOVALS if k[1] == "shutil.rmtree"}, recursive
+def test_nothing_removes_recursively() -> None:
+    recursive = [f"{rel}:{line}" for rel, line, call in _sites() if call == "shutil.rmtree"]
+    assert not recursive, recursive
 
 
 def test_every_publish_step_is_the_publication_transactions() -> None:

@@ -1,4 +1,6 @@
-"""Every ```python snippet of README.md and docs/*.md runs as written.
+"""Every ```python snippet of README.md and docs/*.md runs as written, and so does every ```bash block
+made of ``shardsafe`` commands (each in a folder of its own, through ``shardsafe.cli.main``; optional
+parts written ``[--flag value]`` left out; blocks of other commands, pip or torchrun, are not run).
 
 A page is read top to bottom: its snippets run in order, in one namespace and one working folder of
 their own (what one snippet defines or saves, the next may use). A snippet that needs something the
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -95,6 +98,46 @@ def _snippets(path: Path) -> list[Snippet]:
 SNIPPETS = [s for page in PAGES for s in _snippets(page)]
 
 
+@dataclass(frozen=True)
+class Shell:
+    page: str
+    line: int  # of the ```bash fence
+    commands: tuple[str, ...]
+    needs: tuple[str, ...] = ()
+
+
+def _shell_blocks(path: Path) -> list[Shell]:
+    """The ```bash blocks of ``path`` whose every command is ``shardsafe ...`` (comment lines aside)."""
+    lines = path.read_text().splitlines()
+    page = str(path.relative_to(ROOT))
+    found = []
+    for i, line in enumerate(lines):
+        if line.strip() not in ("```bash", "```sh"):
+            continue
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+        commands = [c for c in lines[i + 1 : end] if c.strip() and not c.strip().startswith("#")]
+        if not commands or not all(c.startswith("shardsafe ") for c in commands):
+            continue
+        mark = _MARK.match(lines[i - 1].strip()) if i > 0 else None
+        needs: tuple[str, ...] = ()
+        if mark is not None:
+            body = mark.group("body")
+            assert body.startswith("needs "), f"{page}:{i}: a shell block takes only 'needs': {body!r}"
+            needs = tuple(n.strip() for n in body.removeprefix("needs ").split(","))
+        found.append(Shell(page, i + 1, tuple(commands), needs))
+    return found
+
+
+SHELL = [b for page in PAGES for b in _shell_blocks(page)]
+
+
+def _argv(command: str) -> list[str]:
+    """A documented command as it runs: its comment and its optional parts (``[--json]``) left out."""
+    text = re.sub(r"\s+#.*$", "", command)
+    text = re.sub(r"\s*\[[^\]]*\]", "", text)
+    return shlex.split(text)
+
+
 # ------------------------------------------------------------------------------- stand-ins
 
 
@@ -148,6 +191,37 @@ def _gpt2(ns: dict[str, Any]) -> dict[str, Any]:
     return {"GPT2LMHeadModel": GPT2LMHeadModel}
 
 
+def _gpt2_at_100(ns: dict[str, Any]) -> dict[str, Any]:
+    """The tiny GPT-2 of ``gpt2`` saved as run/step-100, with its config.json."""
+    names = _gpt2(ns)
+    os.rename("run/step-1000", "run/step-100")
+    return names
+
+
+def _incremental(ns: dict[str, Any]) -> dict[str, Any]:
+    """run/step-300, an incremental checkpoint of run/step-100 (made first when it is not there)."""
+    if not os.path.exists("run/step-100"):
+        _readme_checkpoint(ns)
+    state = shardsafe.load("run/step-100")
+    shardsafe.save("run/step-300", {**state, "step": 300}, base="run/step-100")
+    return {}
+
+
+def _torch_file(ns: dict[str, Any]) -> dict[str, Any]:
+    """model.pt, a torch.save file of a model's state dict."""
+    torch.save(ns["model"].state_dict(), "model.pt")
+    return {}
+
+
+def _hf_folder(ns: dict[str, Any]) -> dict[str, Any]:
+    """hf-model/, the folder save_pretrained writes for a tiny GPT-2."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=32, n_positions=16, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained("hf-model")
+    return {}
+
+
 def _readme_checkpoint(ns: dict[str, Any]) -> dict[str, Any]:
     """run/step-100 as the README saves it: what docs/loading.md loads."""
     shardsafe.save("run/step-100", {"model": ns["model"], "optimizer": ns["opt"], "scheduler": ns["sched"], "step": 1})
@@ -177,6 +251,10 @@ FILES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "run/step-100": _readme_checkpoint,
     "old.ckpt": _fabric_file,
     "gpt2": _gpt2,
+    "gpt2 as run/step-100": _gpt2_at_100,
+    "run/step-300": _incremental,
+    "model.pt": _torch_file,
+    "hf-model/": _hf_folder,
     "dcp-ckpt/": _dcp_folder,
 }
 """Stand-ins made in the page's folder (names a snippet gives in ``needs``), each given the placeholders
@@ -277,6 +355,26 @@ def _run_script(snippet: Snippet, folder: Path) -> None:
     assert run.returncode == 0, f"{snippet.page}:{snippet.line} exited {run.returncode}:\n{run.stderr[-4000:]}"
 
 
+@pytest.mark.parametrize("block", SHELL, ids=[f"{b.page}:{b.line}" for b in SHELL])
+def test_shell_block_runs(
+    block: Shell, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each command of the block, in order, in a folder of its own holding what ``needs`` names: exit 0."""
+    from shardsafe.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    placeholders = _placeholders()
+    for name in block.needs:
+        assert name in FILES, f"{block.page}:{block.line}: no stand-in for {name!r}"
+        FILES[name](placeholders)
+    for command in block.commands:
+        argv = _argv(command)
+        assert argv[0] == "shardsafe", command
+        code = main(argv[1:])
+        out, err = capsys.readouterr()
+        assert code == 0, f"{block.page}:{block.line}: `{command}` exited {code}:\n{out[-1000:]}{err[-2000:]}"
+
+
 def test_every_skip_is_on_purpose() -> None:
     skipped = {(s.page, s.first): s.skip for s in SNIPPETS if s.skip is not None}
     assert set(skipped) == set(SKIPPED), f"skipped now: {sorted(skipped)}"
@@ -287,5 +385,6 @@ def test_every_skip_is_on_purpose() -> None:
 def test_the_docs_have_snippets() -> None:
     """The extraction finds what is there: a page's fences are all seen, none is left unparsed."""
     assert len(SNIPPETS) >= 18, len(SNIPPETS)
+    assert {(b.page, b.line) for b in SHELL} >= {("README.md", 140), ("docs/interop.md", 10)}, SHELL
     for path in PAGES:
         assert path.read_text().count("```python") == sum(s.page == str(path.relative_to(ROOT)) for s in SNIPPETS)

@@ -1,5 +1,7 @@
-"""Format v1 pinned byte for byte (docs/format.md): the data file of a fixed state, the manifest's
-structure, safetensors compatibility, header padding, and rejection of unknown format versions."""
+"""Format v3 pinned byte for byte (docs/format.md): the data file of a fixed state, the manifest's
+structure, safetensors compatibility, header padding, and rejection of unknown format versions; a
+data file holding ruled chunks (its region and index); a version-2 checkpoint, pinned byte for byte
+as v2 wrote it, still loads and verifies."""
 
 from __future__ import annotations
 
@@ -74,7 +76,7 @@ def _chunk(
 
 
 GOLDEN_MANIFEST = {
-    "format_version": 2,
+    "format_version": 3,
     "save_id": "SAVEID",
     "created": "CREATED",
     "world_size": 1,
@@ -141,9 +143,26 @@ GOLDEN_MANIFEST = {
             ],
         },
     },
-    "files": {DATA: {"size": 479, "header_bytes": 416, "header_checksum": "0dcdec85c175dfd7"}},
+    "files": {
+        DATA: {
+            "size": 479,
+            "header_bytes": 416,
+            "header_checksum": "0dcdec85c175dfd7",
+            "index_checksum": None,  # v3: the file holds no ruled chunk, so it has no index
+        }
+    },
     "refs": {},
+    "meshes": [],  # v3: no tensor of one process is sharded
+    "side_files": {},  # v3: no side file
 }
+
+
+def golden_manifest_v2() -> dict[str, Any]:
+    """The manifest a v2 writer wrote for the golden state (no index checksum, no meshes, no side files)."""
+    doc: dict[str, Any] = json.loads(json.dumps(GOLDEN_MANIFEST))
+    doc["format_version"] = 2
+    del doc["meshes"], doc["side_files"], doc["files"][DATA]["index_checksum"]
+    return doc
 
 
 @pytest.fixture
@@ -186,6 +205,38 @@ def test_golden_manifest_structure(golden: Path) -> None:
     assert list(masked) == list(GOLDEN_MANIFEST)  # field order is part of the format
     assert "NaN" not in text and "Infinity" not in text
     assert sorted(os.listdir(golden)) == ["MANIFEST.json", data.name]
+
+
+def _write_v2(path: Path) -> None:
+    """The golden state's checkpoint exactly as a version-2 writer wrote it (the same data file bytes)."""
+    path.mkdir()
+    raw = struct.pack("<Q", 408) + GOLDEN_HEADER_JSON.encode() + b" " * 4 + bytes.fromhex(GOLDEN_DATA_HEX)
+    assert hashlib.sha256(raw).hexdigest() == GOLDEN_SHA256
+    (path / DATA).write_bytes(raw)
+    doc = golden_manifest_v2()
+    doc["created"] = 1795466248.5
+    doc["library"] = {"shardsafe": "0.1.0", "torch": "2.13.0"}
+    (path / "MANIFEST.json").write_text(json.dumps(seal_manifest(doc), separators=(",", ":")))
+
+
+def test_version_2_checkpoint_loads_and_verifies(tmp_path: Path) -> None:
+    """A v2 checkpoint (no meshes, no index checksums) reads as it always did, into a state and whole."""
+    path = tmp_path / "v2"
+    _write_v2(path)
+    out = shardsafe.load(path)
+    state = golden_state()
+    for key, want in state.items():
+        if isinstance(want, torch.Tensor):
+            assert out[key].dtype == want.dtype and torch.equal(_bits(out[key]), _bits(want))
+        else:
+            assert out[key] == want
+    dest = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    shardsafe.load(path, dest)
+    assert all(torch.equal(_bits(dest[k]), _bits(v)) for k, v in state.items() if isinstance(v, torch.Tensor))
+    summary = shardsafe.verify(path)
+    assert (summary.files, summary.tensors, summary.bytes) == (1, 6, 479)
+    info = shardsafe.inspect(path)
+    assert info.format_version == 2 and info.total_bytes == 479
 
 
 def test_checksums_partition_every_byte(golden: Path) -> None:
@@ -290,7 +341,7 @@ def test_unknown_format_version_rejected(golden: Path, version: Any) -> None:
     assert str(manifest) in str(err.value)
     with pytest.raises(shardsafe.CorruptCheckpointError, match="format_version"):
         shardsafe.verify(golden)
-    if version == 2:
+    if version == 4:
         assert "upgrade shardsafe" in str(err.value)
 
 
@@ -327,3 +378,118 @@ def test_worked_example_in_the_spec_is_true(tmp_path: Path, monkeypatch: pytest.
     raw = data.read_bytes()
     assert raw[8:190].decode() == shown_header and raw[190:192] == b"  "
     assert raw[192:].hex() == "0000803f000000400000003f"
+
+
+# Format v3, a checkpoint of 2 ranks whose "w" (6 x 4 float32) and "b" (4 int64) are ruled over a mesh
+# of writers [0, 1] ("dims": [[0, 1]]: rows 0-2 and 0-1 on rank 0, rows 3-5 and 2-3 on rank 1) and
+# whose "step" is listed (written by rank 0); checksum blocks of 16 bytes. Each file: its listed
+# chunks' entries, then "/shards" (the ruled chunks in rule order: w's box, then b's), then "/index"
+# (their block checksums: w's 48 bytes make 3 blocks, b's 16 bytes 1).
+RULED_HEADERS = {
+    0: '{"__metadata__":{"format":"pt","writer":"shardsafe"},'
+    '"step":{"dtype":"F32","shape":[],"data_offsets":[0,4]},'
+    '"/shards":{"dtype":"U8","shape":[64],"data_offsets":[4,68]},'
+    '"/index":{"dtype":"U8","shape":[32],"data_offsets":[68,100]}}',
+    1: '{"__metadata__":{"format":"pt","writer":"shardsafe"},'
+    '"/shards":{"dtype":"U8","shape":[64],"data_offsets":[0,64]},'
+    '"/index":{"dtype":"U8","shape":[32],"data_offsets":[64,96]}}',
+}
+RULED_INDEX_HEX = {
+    0: "0aee2086d517557e" "71a08ac2ec730b43" "4cd842368f6fff4f" "907c0e2051ca2104",
+    1: "3c65b83e8acdeca0" "1059d8df74150a21" "c2c44ea073af1370" "df36c43410b9baa0",
+}  # fmt: skip
+RULED_SHA256 = {
+    0: "a49d6360112af0a62a96cb74ecd1528e0be400e5f480b0ad3a34fb84269b115e",
+    1: "8749e4e58596401491fd74a76014f8c4b5dcda1c9f43de467ca3628683f8f3fc",
+}
+RULED_FILES = {
+    0: {"size": 340, "header_bytes": 240, "header_checksum": "3f1fac950b5d098a", "index_checksum": "e85f720d73777953"},
+    1: {"size": 280, "header_bytes": 184, "header_checksum": "7ed3614445d5e71e", "index_checksum": "8e4663705f43f476"},
+}
+
+
+def _ruled_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    """Write the ruled golden checkpoint at ``path``: its data files as the writer lays them out, and
+    its manifest; the tensors it holds."""
+    w = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    b = torch.tensor([5, -6, 7, 8], dtype=torch.int64)
+    step = torch.tensor(7.0)
+    path.mkdir()
+    files: dict[int, list[PendingChunk]] = {
+        0: [
+            PendingChunk("step", (), (), step),
+            PendingChunk("w", (0, 0), (3, 4), w[0:3].contiguous()),
+            PendingChunk("b", (0,), (2,), b[0:2].contiguous()),
+        ],
+        1: [PendingChunk("w", (3, 0), (3, 4), w[3:6].contiguous()), PendingChunk("b", (2,), (2,), b[2:4].contiguous())],
+    }
+    step_record: dict[str, Any] = {}
+    for rank, chunks in files.items():
+        name = f"data-{rank:05d}-SAVEID.safetensors"
+        writer = LocalWriter(str(path / name))
+        entry, records = write_file(writer, name, chunks, 16, lambda: None, ruled=2)
+        writer.close()
+        assert vars(entry) == RULED_FILES[rank]
+        if rank == 0:
+            step_record = records[0].to_json()
+    rule = {"mesh": 0, "dims": [[0, 1]]}
+    doc = {
+        "format_version": 3,
+        "save_id": "SAVEID",
+        "created": 1795466248.5,
+        "world_size": 2,
+        "strategy": "fsdp",
+        "library": {"shardsafe": "0.1.0", "torch": "2.13.0"},
+        "checksum": {"algorithm": "xxh3-64", "block_bytes": 16},
+        "metadata": None,
+        "objects": {k: {"kind": "value", "value": {"$": "tensor", "ref": k}} for k in ("w", "b", "step")},
+        "tensors": {
+            "w": {"dtype": "float32", "shape": [6, 4], "sharding": rule},
+            "b": {"dtype": "int64", "shape": [4], "sharding": rule},
+            "step": {"dtype": "float32", "shape": [], "chunks": [step_record]},
+        },
+        "files": {f"data-{r:05d}-SAVEID.safetensors": RULED_FILES[r] for r in (0, 1)},
+        "refs": {},
+        "meshes": [{"shape": [2], "ranks": [0, 1]}],
+        "side_files": {},
+    }
+    (path / "MANIFEST.json").write_text(json.dumps(seal_manifest(doc), separators=(",", ":")))
+    return {"w": w, "b": b, "step": step}
+
+
+def test_ruled_data_files_bytes(tmp_path: Path) -> None:
+    """The region of ruled chunks and the index of each data file, byte for byte (docs/format.md section 2)."""
+    _ruled_checkpoint(tmp_path / "c")
+    for rank in (0, 1):
+        raw = (tmp_path / "c" / f"data-{rank:05d}-SAVEID.safetensors").read_bytes()
+        assert hashlib.sha256(raw).hexdigest() == RULED_SHA256[rank]
+        (n,) = struct.unpack("<Q", raw[:8])
+        assert raw[8 : 8 + n].rstrip(b" ").decode() == RULED_HEADERS[rank] and (8 + n) % 8 == 0
+        assert raw[-32:].hex() == RULED_INDEX_HEX[rank]
+        with safe_open(str(tmp_path / "c" / f"data-{rank:05d}-SAVEID.safetensors"), framework="pt") as f:
+            assert set(f.keys()) == ({"step"} if rank == 0 else set()) | {"/shards", "/index"}
+
+
+def test_ruled_checkpoint_loads_verifies_and_partitions_every_byte(tmp_path: Path) -> None:
+    """The ruled golden checkpoint loads whole, verifies (every byte: headers, blocks, indexes), and
+    rank 1's shard of each ruled tensor is read from rank 1's file alone."""
+    want = _ruled_checkpoint(tmp_path / "c")
+    out = shardsafe.load(tmp_path / "c")
+    assert all(torch.equal(out[k], v) for k, v in want.items())
+    summary = shardsafe.verify(tmp_path / "c")
+    assert (summary.files, summary.tensors, summary.bytes) == (2, 3, 340 + 280)
+    info = {e.name: e.chunks for e in shardsafe.inspect(tmp_path / "c").entries if e.kind == "tensor"}
+    assert info == {"w": 2, "b": 2, "step": 1}
+    from shardsafe.engine.read import chunk_source, open_manifest
+    from shardsafe.storage.local import LocalStorage
+
+    storage = LocalStorage()
+    source = chunk_source(storage, str(tmp_path / "c"), open_manifest(storage, str(tmp_path / "c")))
+    (chunk,) = source.chunks("w", ((3, 0), (3, 4)))
+    assert (chunk.file, chunk.begin, chunk.end, chunk.checksums) == (
+        "data-00001-SAVEID.safetensors",
+        184,
+        232,
+        ("3c65b83e8acdeca0", "1059d8df74150a21", "c2c44ea073af1370"),
+    )
+    assert list(source.indexes) == ["data-00001-SAVEID.safetensors"]  # rank 0's file was not opened

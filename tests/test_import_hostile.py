@@ -258,6 +258,30 @@ def test_legacy_files_with_lying_sizes_are_refused_before_allocating(tmp_path: P
         assert not (tmp_path / name).exists()
 
 
+def test_with_allow_pickle_a_view_larger_than_its_storage_allocates_nothing(tmp_path: Path) -> None:
+    """Full unpickling runs torch's own tensor rebuilds, whose ``set_`` grows a storage too small for its
+    view: a legacy file of a few hundred bytes asked for 8 GiB. Storages cannot grow, and the views are
+    checked as in weights-only reading."""
+    data = torch.arange(4, dtype=torch.float32).numpy().tobytes()
+    big = {"w": View(Storage("k", torch.float32, 4), (2**31,), (1,))}  # 8 GiB from 16 bytes
+    empty = {"w": View(Storage("k", torch.float32, 0), (2**31,), (1,))}
+    sources = {
+        "legacy": legacy_file(tmp_path / "legacy.pt", big, [("k", torch.float32, data)]),
+        "legacy-empty": legacy_file(tmp_path / "legacy-empty.pt", empty, [("k", torch.float32, b"")]),
+        "zip": zip_file(tmp_path / "zip.pt", big, {"k": data}),
+        "zip-empty": zip_file(tmp_path / "zip-empty.pt", empty, {"k": b""}),
+    }
+    assert all(src.stat().st_size < 1000 for src in sources.values())
+    codes = [
+        f"shardsafe.import_checkpoint({str(src)!r}, {str(tmp_path / name)!r}, allow_pickle=True)"
+        for name, src in sources.items()
+    ]
+    for (name, src), outcome in zip(sources.items(), _children(codes), strict=True):
+        _refused_without_allocating(outcome, str(src), "reaches element")
+        assert outcome["error"] == "CorruptCheckpointError", (name, outcome)
+        assert not (tmp_path / name).exists()
+
+
 # ---------------------------------------------------------------------------------- refusal vs damage
 
 

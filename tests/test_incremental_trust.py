@@ -426,9 +426,9 @@ def test_a_lone_surrogate_in_metadata_is_refused_by_name(tmp_path: Path) -> None
 def test_a_dtype_the_format_cannot_hold_is_refused_without_naming_an_old_version(tmp_path: Path) -> None:
     with pytest.raises(shardsafe.UnsafeValueError, match="'q'") as err:
         shardsafe.save(tmp_path / "ckpt", {"q": torch.zeros(2, dtype=torch.complex128)})
-    assert "format v1" not in str(err.value) and "format v2" in str(err.value)
+    assert "format v1" not in str(err.value) and "format v3" in str(err.value)
 
 
-def test_the_format_doc_names_version_2() -> None:
+def test_the_format_doc_names_version_3() -> None:
     text = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
-    assert "equal to 1" not in text and "equal to 2" in text
+    assert "equal to 1" not in text and "equal to 3" in text

@@ -320,3 +320,17 @@ def test_a_fifo_named_like_a_pending_directory_stays_and_does_not_stop_the_sweep
     _old(orphan)
     shardsafe.save(str(path), _state(2.0), overwrite=True)
     assert fifo.exists() and not orphan.exists()
+
+
+def test_a_saves_sweep_removes_an_abandoned_pending_directory_of_a_sibling(tmp_path: Path) -> None:
+    """A save killed on its way to ``ck`` leaves ``.ck.staging-<id>``; the job's next saves go to other
+    paths (the next steps), so the pending directory must go with their sweeps, not wait for a save to
+    ``ck`` that never comes. A sibling's pending directory not yet abandoned stays."""
+    pending = _abandoned_pending(tmp_path)
+    young = tmp_path / ".other.staging-ab12"
+    young.mkdir()
+    (young / data_file(0, "ab12")).write_bytes(b"x")
+    shardsafe.save(str(tmp_path / "next"), _state(1.0))
+    assert not pending.exists()
+    assert young.exists() and (young / data_file(0, "ab12")).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.staging-ab12", "next"]

@@ -164,3 +164,32 @@ def test_save_and_async_save_show_every_option_with_its_default() -> None:
         assert {k: params[k].default for k in DEFAULTS} == DEFAULTS
         assert all(params[k].kind is inspect.Parameter.KEYWORD_ONLY for k in DEFAULTS)
     assert DEFAULTS["overwrite"] is False and DEFAULTS["allow_pickle"] is False
+
+
+def _late_rank(rank: int, world: int, root: str) -> list[str]:
+    """Rank 1 reaches the save 4 s after rank 0, whose arrival deadline is 100 s: rank 0 says, long
+    before that deadline, which rank is missing and what the ``if rank == 0:`` guard would cost."""
+    import logging
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    logging.getLogger("shardsafe").addHandler(Keep())
+    if rank == 1:
+        time.sleep(4.0)  # a rank still finishing a long step
+    deadlines = shardsafe.coord.Deadlines(arrive=100, io=120)
+    shardsafe.save(os.path.join(root, "c"), {"w": torch.zeros(4)}, timeout=deadlines)
+    return said
+
+
+def test_a_rank_late_to_arrive_is_named_after_seconds_and_the_save_still_commits(tmp_path: Any) -> None:
+    env = {"SHARDSAFE_ARRIVAL_STALL_SECONDS": "1"}  # the default, 30 s, is what a real job would see
+    r0, _ = check_ok(run_ranks(_late_rank, 2, str(tmp_path), timeout=120, env=env))
+    stalls = [m for m in r0 if "not there yet" in m]
+    assert len(stalls) == 1, r0
+    assert "not there yet: [1]" in stalls[0] and "`if rank == 0:`" in stalls[0], stalls[0]
+    assert "RankTimeoutError in" in stalls[0] and "call save() on every rank" in stalls[0], stalls[0]
+    shardsafe.verify(tmp_path / "c")  # late, not failed

@@ -73,6 +73,18 @@ def test_every_knob_has_an_env_override_and_is_read_somewhere(monkeypatch: pytes
     text = {p: p.read_text() for p in SRC.rglob("*.py") if p.name != "knobs.py"}
     for name, knob in named.items():
         assert callable(knob)
+        assert any(re.search(rf"\bknobs\.{name}\b", t) for t in text.values()), f"knobs.{name} is never read"
+        if isinstance(knob, knobs.Choice):  # a word: each of its words, nothing else
+            for word in knob.choices:
+                monkeypatch.setenv(knob.env, word.upper())
+                assert knob() == word
+            for bad in ("7", "yes", "-1"):
+                monkeypatch.setenv(knob.env, bad)
+                with pytest.raises(shardsafe.InvalidArgumentError, match=knob.env):
+                    knob()
+            monkeypatch.delenv(knob.env)
+            assert knob() == knob.choices[0]
+            continue
         monkeypatch.setenv(knob.env, "7")
         assert knob() == 7, f"knobs.{name} ignores {knob.env}"
         for bad in ("-1", "0", "nan", "inf", "-inf", "1e999"):  # nan/inf: a deadline that never passes
@@ -81,7 +93,6 @@ def test_every_knob_has_an_env_override_and_is_read_somewhere(monkeypatch: pytes
                 knob()
         monkeypatch.delenv(knob.env)
         assert knob() > 0
-        assert any(re.search(rf"\bknobs\.{name}\b", t) for t in text.values()), f"knobs.{name} is never read"
 
 
 def test_docs_list_every_knob_with_its_default() -> None:

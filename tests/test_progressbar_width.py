@@ -72,11 +72,12 @@ def test_every_redraw_fits_a_terminal_of_that_width(columns: int, monkeypatch: p
     assert len(lines) == 3 and text.count("\n") == 1 and text.endswith("\n"), repr(text)
     for line in lines:
         assert _columns(line) <= columns - 1, (columns, line)
-    # what is cut is the tail: the line starts with the operation and, from 40 columns on, shows the percent
-    assert all(line.startswith("verify step-000123456"[: columns - 1]) for line in lines), lines
+    # what goes is the middle of a long label, then the tail: the line starts with the operation and, from
+    # 40 columns on, shows the percent and the outcome
+    assert all(line.startswith("verify step-000123456"[: min(columns - 1, 6)]) for line in lines), lines
     if columns >= 40:
         assert re.search(r"\]\s+50%", lines[1]), lines[1]
-        assert re.search(r"\]\s*100%", lines[2]), lines[2]
+        assert re.search(r"\]\s*100%.*\bdone\b", lines[2]), lines[2]
     if columns >= 120:  # room for everything: nothing cut
         assert lines[2].rstrip().endswith("done in 1:06:40") and "rank 63 at 12%" in lines[1], lines
 
@@ -182,3 +183,42 @@ def test_off_a_terminal_plain_lines_are_not_cut(monkeypatch: pytest.MonkeyPatch)
     assert len(lines) == 3 and "\r" not in log.getvalue() and "#" not in log.getvalue()
     assert all(line.startswith("shardsafe: verify step-000123456 of /ck") for line in lines), lines
     assert max(map(len, lines)) > 40
+
+
+def test_a_long_label_is_shortened_before_the_bar_and_outcome_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``shardsafe ls --verify`` labels each bar ``verify <name>``: with a long name at 80 columns the
+    bar, the percentage and the outcome used to be cut away with the tail of the line."""
+    monkeypatch.setenv("COLUMNS", "80")
+    name = "verify " + "run-with-a-long-descriptive-name-lr3e-4-bs1024-seed17-" * 2 + "step-000123456"
+    tty = _Tty()
+    bar = ProgressBar(tty)
+    bar(_record(op=name))
+    bar(_record(op=name, done_bytes=1023 * 2**30, finished=True, phase="done"))
+    running, done = _drawn(tty.getvalue())
+    for line in (running, done):
+        assert _columns(line) <= 79, line
+        assert line.startswith("verify run-with") and "step-000123456 [" in line, line
+    assert re.search(r"\]\s+50%", running), running
+    assert re.search(r"\]\s*100%\s+done", done), done
+
+
+def test_ls_verify_shows_the_bar_and_outcome_of_a_long_name_at_80_columns(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sys
+
+    import torch
+
+    import shardsafe
+    from shardsafe.cli import main
+
+    name = "pretrain-llama-7b-lr3e-4-warmup2000-bs1024-seq4096-seed17-node32-step-000123456"
+    shardsafe.save(tmp_path / name, {"w": torch.zeros(1000)})
+    monkeypatch.setenv("COLUMNS", "80")
+    tty = _Tty()
+    monkeypatch.setattr(sys, "stderr", tty)
+    assert main(["ls", str(tmp_path), "--verify"]) == 0
+    lines = _drawn(tty.getvalue())
+    assert lines and all(_columns(line) <= 79 for line in lines), lines
+    assert re.search(r"\]\s*100%\s+done", lines[-1]) and "step-000123456 [" in lines[-1], lines[-1]
+    assert name in capsys.readouterr().out  # the table keeps the whole name

@@ -139,7 +139,9 @@ def test_overwrite_never_deletes_what_a_hostile_old_manifest_names(
     target = st.join(base, "ckpt")
     st.prepare_pending(target)
     doc = json.loads(_manifest(SID_OLD, []))
-    doc["files"] = {f: {"size": 8, "header_bytes": 8, "header_checksum": "0" * 16} for f in listed}
+    doc["files"] = {
+        f: {"size": 8, "header_bytes": 8, "header_checksum": "0" * 16, "index_checksum": None} for f in listed
+    }
     st.fs.pipe_file(st._p(st.join(target, MANIFEST_NAME)), json.dumps(seal_manifest(doc)).encode())  # re-sealed
     new = {f"data-00000-{SID_NEW}.safetensors": b"new"}
     assert _save(st, target, SID_NEW, new, overwrite=True) == []  # nothing of it is ever deleted

@@ -62,10 +62,10 @@ def test_files_and_write_files_are_committed_listed_verified_and_read_back(tmp_p
     assert loaded == {}
 
 
-def test_a_checkpoint_without_side_files_stays_version_2(tmp_path: Path) -> None:
+def test_a_checkpoint_without_side_files_lists_none(tmp_path: Path) -> None:
     shardsafe.save(tmp_path / "c", {"model": _model()})
     doc = _manifest(tmp_path / "c")
-    assert doc["format_version"] == 2 and "side_files" not in doc
+    assert doc["format_version"] == 3 and doc["side_files"] == {}
     assert shardsafe.inspect(tmp_path / "c").side_files == {}
 
 

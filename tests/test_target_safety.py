@@ -131,7 +131,7 @@ def test_a_hostile_old_manifest_makes_an_overwrite_delete_nothing_outside(tmp_pa
     ckpt = tmp_path / "ckpt"
     url = str(ckpt) if kind == "local" else f"file://{ckpt}"
     shardsafe.save(url, STATE)
-    entry = {"size": 8, "header_bytes": 8, "header_checksum": "0" * 16}
+    entry = {"size": 8, "header_bytes": 8, "header_checksum": "0" * 16, "index_checksum": None}  # v3: 4 fields
     _rewrite_manifest(ckpt / "MANIFEST.json", {"../victim.txt": entry})
     shardsafe.save(url, {**STATE, "step": 2}, overwrite=True)
     assert victim.read_text() == "precious"
@@ -143,7 +143,7 @@ def test_an_old_manifest_listing_other_names_inside_deletes_only_data_files(tmp_
     ckpt = tmp_path / "ckpt"
     shardsafe.save(str(ckpt), STATE)
     old_data = [n for n in os.listdir(ckpt) if n.startswith("data-")]
-    entry = {"size": 8, "header_bytes": 8, "header_checksum": "0" * 16}
+    entry = {"size": 8, "header_bytes": 8, "header_checksum": "0" * 16, "index_checksum": None}  # v3: 4 fields
     _rewrite_manifest(ckpt / "MANIFEST.json", {"MANIFEST.json": entry, "keep.me": entry})  # valid plain names
     shardsafe.save(str(ckpt), {**STATE, "step": 2}, overwrite=True)
     shardsafe.verify(str(ckpt))  # its own manifest was not deleted
@@ -196,7 +196,7 @@ def test_a_delete_refuses_a_manifest_that_does_not_validate(tmp_path: Path) -> N
     victim.write_text("precious")
     ckpt = tmp_path / "ckpt"
     shardsafe.save(str(ckpt), STATE)
-    entry = {"size": 8, "header_bytes": 8, "header_checksum": "0" * 16}
+    entry = {"size": 8, "header_bytes": 8, "header_checksum": "0" * 16, "index_checksum": None}  # v3: 4 fields
     _rewrite_manifest(ckpt / "MANIFEST.json", {"../victim.txt": entry})
     before = _snapshot(tmp_path)
     with pytest.raises(shardsafe.CorruptCheckpointError, match="victim"):

@@ -79,6 +79,16 @@ def _case(tmp: Path, trained: Path, name: str) -> tuple[str, str, Path]:
     return str(dst / "durable"), str(dst / "local-{node}"), dst
 
 
+def _step(node: Path, step: int) -> Path:
+    """The one save of ``step`` in a node folder's run (``run-<id>/step-<N>-<save id>``)."""
+    (found,) = node.glob(f"run-*/step-{step:08d}-*")
+    return found
+
+
+def _steps(node: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in node.glob("run-*/step-*"))
+
+
 def _corrupt_one_data_file(share: Path) -> None:
     data = sorted(p for p in share.rglob("*") if p.is_file() and p.name != "MANIFEST.json" and p.stat().st_size > 200)
     with open(data[0], "r+b") as f:
@@ -95,8 +105,8 @@ def test_resume_from_local_tier_replicas_and_durable(tmp_path: Path) -> None:
     )
     # retention: local steps 11 and 12 only (10 is durable), the durable store has 5 and 10
     for node in ("0", "1"):
-        assert sorted(os.listdir(trained / f"local-{node}")) == ["step-00000011", "step-00000012"]
-    assert sorted(os.listdir(trained / "local-0" / "step-00000012")) == [
+        assert _steps(trained / f"local-{node}") == [11, 12]
+    assert sorted(os.listdir(_step(trained / "local-0", 12))) == [
         "rank-00000",
         "rank-00001",
         "replica-of-rank-00002",
@@ -109,21 +119,21 @@ def test_resume_from_local_tier_replicas_and_durable(tmp_path: Path) -> None:
     shutil.rmtree(all_dir / "local-0")
     shutil.rmtree(all_dir / "local-1")
     _, _, bad_dir = c3 = _case(tmp_path, trained, "corrupt")
-    _corrupt_one_data_file(bad_dir / "local-0" / "step-00000012" / "rank-00000")
+    _corrupt_one_data_file(_step(bad_dir / "local-0", 12) / "rank-00000")
     _, _, gone_dir = c4 = _case(tmp_path, trained, "missing")
-    shutil.rmtree(gone_dir / "local-0" / "step-00000012" / "rank-00001")
-    shutil.rmtree(gone_dir / "local-1" / "step-00000012" / "replica-of-rank-00001")
+    shutil.rmtree(_step(gone_dir / "local-0", 12) / "rank-00001")
+    shutil.rmtree(_step(gone_dir / "local-1", 12) / "replica-of-rank-00001")
 
     cases = [(c[0], c[1]) for c in (c1, c2, c3, c4)]
     results = check_ok(run_ranks(_resume, 4, cases, rank_env=NODES, timeout=120))
     for rank, per_case in enumerate(results):
         assert per_case == [(12, True), (10, True), (12, True), (11, True)], (rank, per_case)
     # the lost node's shares came back from their replicas, and count again as its own
-    assert (lost_dir / "local-1" / "step-00000012" / "rank-00002" / "MANIFEST.json").exists()
-    assert (lost_dir / "local-1" / "step-00000012" / "rank-00003" / "MANIFEST.json").exists()
-    shardsafe.verify(bad_dir / "local-0" / "step-00000012" / "rank-00000")  # healed from the replica
-    # the incomplete step 12 was dropped once step 11 was chosen: a later save of 12 starts clean
-    assert not (gone_dir / "local-0" / "step-00000012" / "rank-00000").exists()
+    assert (_step(lost_dir / "local-1", 12) / "rank-00002" / "MANIFEST.json").exists()
+    assert (_step(lost_dir / "local-1", 12) / "rank-00003" / "MANIFEST.json").exists()
+    shardsafe.verify(_step(bad_dir / "local-0", 12) / "rank-00000")  # healed from the replica
+    # the incomplete step 12 was dropped once step 11 was chosen
+    assert 12 not in _steps(gone_dir / "local-0")
 
 
 def test_local_tier_config_and_peers() -> None:
@@ -178,7 +188,7 @@ def _save_forever(rank: int, world: int, root: str, local: str, victim: int, del
 def _check_entries(local_glob: str) -> int:
     """Every committed share or replica verifies and holds its own rank's values of its own step."""
     n = 0
-    for manifest in glob.glob(os.path.join(local_glob, "step-*", "*", "MANIFEST.json")):
+    for manifest in glob.glob(os.path.join(local_glob, "run-*", "step-*", "*", "MANIFEST.json")):
         entry = os.path.dirname(manifest)
         name = os.path.basename(entry)
         if name.startswith(".incoming"):
@@ -232,17 +242,18 @@ def test_an_uncommitted_share_folder_loses_only_what_shardsafe_writes(tmp_path: 
     """Retention of a share whose save crashed (no manifest): its data files and temporary manifest go,
     a file shardsafe did not write stays, and so does the folder holding it."""
     from shardsafe.format.names import data_file
-    from shardsafe.manager.tiers import remove_entry, share_name, step_name
+    from shardsafe.manager.tiers import new_save_id, remove_entry, share_name, step_folder
 
-    share = tmp_path / step_name(3) / share_name(1)
-    share.mkdir(parents=True)
+    run = "0123456789abcdef"
+    share = Path(step_folder(str(tmp_path), run, 3, new_save_id(), create=True)) / share_name(1)
+    share.mkdir()
     for name in (data_file(0, "abc"), ".MANIFEST.json.tmp-abc", "notes.txt"):
         (share / name).write_bytes(b"x")
-    remove_entry(str(share))
+    assert not remove_entry(str(share), run)
     assert sorted(os.listdir(share)) == ["notes.txt"]
     (share / "notes.txt").unlink()
     (share / data_file(0, "abc")).write_bytes(b"x")
-    remove_entry(str(share))
+    assert remove_entry(str(share), run)
     assert not share.exists() and not share.parent.exists()
 
 
@@ -251,20 +262,26 @@ def test_a_replica_request_without_the_server_token_is_refused(tmp_path: Path) -
     through the store, can neither push files into the node folder nor pull a share out of it."""
     from shardsafe.deadline import Deadline
     from shardsafe.manager import replica
+    from shardsafe.manager.tiers import new_save_id, share_name, step_folder
 
+    run, save = "0123456789abcdef", new_save_id()
+    meta = {"step": 3, "rank": 1, "world_size": 2, "run": run, "save": save, "incarnation": "0" * 16}
     share = str(tmp_path / "share")
-    shardsafe.save(share, {"w": torch.arange(8.0)})
+    shardsafe.save(share, {"w": torch.arange(8.0)}, metadata=meta)
     folder = tmp_path / "node"
     server = replica.ReplicaServer(str(folder), 0, "127.0.0.1")
     try:
         for token in ("", "0" * 32):
             with pytest.raises(shardsafe.CheckpointError, match="token refused"):
-                replica.push(server.address, token, share, 3, 1, Deadline.after(20, "io"))
+                replica.push(server.address, token, share, meta, Deadline.after(20, "io"))
         assert not folder.exists() or not any(folder.rglob("*")), list(folder.rglob("*"))
-        replica.push(server.address, server.token, share, 3, 1, Deadline.after(20, "io"))  # the job's own rank
+        replica.push(server.address, server.token, share, meta, Deadline.after(20, "io"))  # the job's own rank
+        thief = step_folder(str(tmp_path / "thief"), run, 3, save, create=True)
         for token in ("", "0" * 32):
             with pytest.raises(shardsafe.CheckpointError, match="token refused"):
-                replica.pull(server.address, token, str(tmp_path / "thief"), 3, 1, Deadline.after(20, "io"))
-        assert not (tmp_path / "thief").exists() or not any((tmp_path / "thief").rglob("*.safetensors"))
+                replica.pull(server.address, token, "replica-of-rank-00001", thief, meta, Deadline.after(20, "io"))
+        assert not any((tmp_path / "thief").rglob("*.safetensors"))
+        got = replica.pull(server.address, server.token, "replica-of-rank-00001", thief, meta, Deadline.after(20, "io"))
+        assert os.path.basename(got) == share_name(1) and shardsafe.load(got)["w"].equal(torch.arange(8.0))
     finally:
         server.close()

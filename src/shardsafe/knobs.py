@@ -18,7 +18,7 @@ class Knob:
     """A positive, finite number from ``SHARDSAFE_<name>``, else ``default`` (a number, or a function of other
     knobs). Call a :class:`Real` or a :class:`Whole` to read it."""
 
-    def __init__(self, section: str, name: str, default: float | Callable[[], float], doc: str) -> None:
+    def __init__(self, section: str, name: str, default: float | str | Callable[[], float], doc: str) -> None:
         self.env = f"SHARDSAFE_{name}"
         self.default = default
         self.section = section
@@ -28,7 +28,7 @@ class Knob:
     def value(self) -> float:
         raw = os.environ.get(self.env)
         if raw is None or raw == "":
-            return self.default() if callable(self.default) else float(self.default)
+            return self.default() if callable(self.default) else float(self.default)  # a Choice reads its own
         try:
             value = float(raw)
         except ValueError:
@@ -52,6 +52,24 @@ class Whole(Knob):
         return max(1, int(self.value()))
 
 
+class Choice(Knob):
+    """One of a few words (the first is the default)."""
+
+    def __init__(self, section: str, name: str, choices: tuple[str, ...], doc: str) -> None:
+        super().__init__(section, name, choices[0], doc)
+        self.choices = choices
+
+    def __call__(self) -> str:
+        raw = os.environ.get(self.env, "").strip().lower()
+        if raw == "":
+            return self.choices[0]
+        if raw not in self.choices:
+            raise InvalidArgumentError(
+                f"{self.env}={raw!r} is not one of {', '.join(self.choices)}; unset it or pick one"
+            )
+        return raw
+
+
 def markdown() -> str:
     """The table of docs/knobs.md: every knob, its default and what it does, by section."""
     lines: list[str] = []
@@ -68,7 +86,10 @@ def markdown() -> str:
 def _shown(knob: Knob) -> str:
     if callable(knob.default):
         return "see text"
+    if isinstance(knob, Choice):
+        return f"`{knob.choices[0]}` (or " + ", ".join(f"`{c}`" for c in knob.choices[1:]) + ")"
     value = knob.default
+    assert not isinstance(value, str)
     for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
         if knob.env.endswith("BYTES") and value >= size and value % size == 0:
             return f"{int(value) // size} {unit}"
@@ -97,6 +118,14 @@ stall_fraction = Real(
     "STALL_FRACTION",
     0.25,
     "After this fraction of a deadline, a waiting rank logs once what it waits for (WARNING).",
+)
+arrival_stall_seconds = Real(
+    _WAITS,
+    "ARRIVAL_STALL_SECONDS",
+    30.0,
+    "While waiting for every rank to arrive at a call (its first agreement), a rank logs once after this long "
+    "(or ``SHARDSAFE_STALL_FRACTION`` of the arrival deadline, if sooner) the ranks not there yet and when the "
+    "call fails: a save guarded by ``if rank == 0:`` is named in seconds, not at the deadline.",
 )
 poll_seconds = Real(
     _WAITS,
@@ -190,6 +219,22 @@ per_rank_digest_bytes = Whole(
     "At save, plain tensors of values and stateful objects up to this size are compared between ranks by their "
     "bytes (larger ones by dtype and shape only: assumed equal unless wrapped in ``shardsafe.per_rank``); those "
     "that differ are kept per rank.",
+)
+replica_check = Choice(
+    _SAVING,
+    "REPLICA_CHECK",
+    ("refuse", "warn", "off"),
+    "Tensors saved once for all ranks (not sharded) are compared between ranks by a digest of a sample of their "
+    "bytes before the commit: ``refuse`` fails the save on every rank naming the tensors and ranks that differ, "
+    "``warn`` logs it and commits (each tensor from the rank that wrote it), ``off`` compares nothing. Module "
+    "buffers that differ (DDP's BatchNorm statistics) are only logged (docs/faults.md).",
+)
+replica_sample_bytes = Whole(
+    _SAVING,
+    "REPLICA_SAMPLE_BYTES",
+    64 * 1024,
+    "Bytes of each replicated tensor that ``SHARDSAFE_REPLICA_CHECK`` digests on every rank: all of a tensor "
+    "up to 4 times this size, else 16 evenly spaced windows adding up to it.",
 )
 local_gather_below_bytes = Whole(
     _SAVING,
@@ -286,6 +331,7 @@ tier_socket_seconds = Real(
     _TIERS,
     "TIER_SOCKET_SECONDS",
     60.0,
-    "A replica server's bound on each socket operation of one request (a sender that stalls this long is dropped "
-    "and its transfer discarded); the sender's side is bounded by the manager's ``timeout``.",
+    "A replica server's bound on a connection's token and request line, in all, and then on each socket operation "
+    "of the request (a client that stalls this long is dropped and its transfer discarded); the sender's side is "
+    "bounded by the manager's ``timeout``.",
 )

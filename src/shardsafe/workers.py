@@ -13,6 +13,14 @@ process from exiting.
 - :class:`Pool`: a few threads running independent calls (reads, part uploads).
 - :func:`run_bounded`: one call on a thread of its own.
 
+**Nothing outlives its call, and exit is clean.** A thread here ends with the call that started it: a
+lane's thread when the lane is closed (at once when nothing is queued, see :meth:`Lane.close`), a
+pool's when it is shut down. Interpreter exit (:func:`shut_down`, run by the exit hook after the saves
+in flight are finished) refuses every new thread and every call not started yet, and waits a bounded
+time for the calls still running: a daemon thread that is inside native code (a store request) when
+the interpreter finalizes is killed as it returns, and the process aborts ("terminate called without an
+active exception") after a save that succeeded.
+
 Layer 1: imports :mod:`shardsafe.errors`, :mod:`shardsafe.knobs` and :mod:`shardsafe.deadline`."""
 
 from __future__ import annotations
@@ -27,13 +35,91 @@ from typing import Any, TypeVar
 
 from shardsafe import knobs
 from shardsafe.deadline import Deadline
-from shardsafe.errors import CheckpointTimeoutError
+from shardsafe.errors import CheckpointTimeoutError, ClosedError
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 _Job = tuple[Callable[[], Any], "Future[Any] | None"]
 _names = itertools.count()
+
+
+_exit_lock = threading.Lock()
+_exiting = False
+_threads: set[threading.Thread] = set()  # started here and not finished
+_closers: list[Callable[[], None]] = []  # run by shut_down before it waits (wake or stop a thread)
+_open: set[Lane | Pool] = set()  # lanes and pools not stopped yet
+
+
+def exiting() -> bool:
+    """Whether the interpreter is exiting (:func:`shut_down` ran): nothing new may start."""
+    return _exiting
+
+
+def _exiting_error(what: str) -> ClosedError:
+    return ClosedError(
+        f"shardsafe: {what} refused: the interpreter is exiting (an asynchronous save still running at exit is "
+        "reported by the exit hook; wait() for it before the script ends)"
+    )
+
+
+def start_thread(target: Callable[[], object], name: str) -> threading.Thread:
+    """Start ``target`` on a daemon thread named ``name``, known to :func:`shut_down`; raise
+    :class:`ClosedError` when the interpreter is exiting."""
+
+    def run() -> None:
+        try:
+            target()
+        finally:
+            with _exit_lock:
+                _threads.discard(thread)
+
+    with _exit_lock:
+        if _exiting:
+            raise _exiting_error(f"starting {name}")
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        _threads.add(thread)
+    try:
+        thread.start()
+    except BaseException:
+        with _exit_lock:
+            _threads.discard(thread)
+        raise
+    return thread
+
+
+def on_exit(closer: Callable[[], None]) -> None:
+    """Have :func:`shut_down` call ``closer()`` (wake a thread that waits, close a connection's lane)
+    before it waits for the threads."""
+    with _exit_lock:
+        _closers.append(closer)
+
+
+def shut_down(seconds: float) -> None:
+    """(the exit hook, once the saves in flight are finished or given up) From now on no thread starts
+    and no queued call runs; the callbacks of :func:`on_exit` run, every lane and pool is closed, and the
+    threads still running get ``seconds`` in all to return (a call stuck in a hung store or disk is left
+    to its thread, which the interpreter then kills). Idempotent."""
+    global _exiting
+    with _exit_lock:
+        _exiting = True
+        closers, _closers[:] = list(_closers), []
+        lanes = list(_open)
+        running = list(_threads)
+    for close in closers:
+        try:
+            close()
+        except Exception as err:  # exit goes on; nothing else can be done with it now
+            logger.debug("shardsafe: at exit: %s: %s", type(err).__name__, err)
+    for lane in lanes:
+        lane.stop()
+    deadline = Deadline.after(seconds, "exit")
+    for thread in running:
+        if thread is not threading.current_thread():
+            thread.join(deadline.remaining())
+    stuck = [t.name for t in running if t.is_alive()]
+    if stuck:
+        logger.warning("shardsafe: at exit, these threads were still inside a call after %.0fs: %s", seconds, stuck)
 
 
 def expired(what: str, where: str, deadline: Deadline) -> CheckpointTimeoutError:
@@ -45,12 +131,18 @@ def expired(what: str, where: str, deadline: Deadline) -> CheckpointTimeoutError
     )
 
 
-def _serve(jobs: queue.SimpleQueue[_Job | None]) -> None:
+def _serve(jobs: queue.SimpleQueue[_Job | None], done: Callable[[_Job], None] | None = None) -> None:
     while True:
         job = jobs.get()
         if job is None:
             return
-        _run_one(*job)
+        if _exiting:  # a call not started by now never starts (see the module docstring)
+            if job[1] is not None and job[1].set_running_or_notify_cancel():
+                job[1].set_exception(_exiting_error("a call queued at exit"))
+        else:
+            _run_one(*job)
+        if done is not None:
+            done(job)
         del job  # this frame is in the traceback of an error handed over: hold nothing of the call
 
 
@@ -116,10 +208,17 @@ class Lane:
         self.name = name
         self.wedged = False
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(
-            target=_serve, args=(self._jobs,), name=f"shardsafe-{name}-{next(_names)}", daemon=True
-        )
-        self._thread.start()
+        self._lock = threading.Lock()
+        self._posted = 0  # posted calls not finished yet
+        self._stopped = False
+        self._thread = start_thread(lambda: _serve(self._jobs, self._finished), f"shardsafe-{name}-{next(_names)}")
+        with _exit_lock:
+            _open.add(self)
+
+    def _finished(self, job: _Job) -> None:
+        if job[1] is None:
+            with self._lock:
+                self._posted -= 1
 
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Queue ``fn``; its future."""
@@ -130,6 +229,8 @@ class Lane:
     def post(self, fn: Callable[[], object]) -> None:
         """Queue ``fn`` and do not wait for it (a request that needs no answer); it runs before any
         call queued after it."""
+        with self._lock:
+            self._posted += 1
         self._jobs.put((fn, None))
 
     def call(
@@ -164,13 +265,28 @@ class Lane:
             raise on_expiry() if on_expiry is not None else expired(what, where, deadline)
         return future.result()
 
-    def close(self, *, wait: bool = False) -> None:
-        """End the thread once its queue is done (a stuck thread ends when its call returns, if ever). With
-        ``wait``, and when no call is stuck (the lane is not wedged), return once the thread has ended: the
-        caller's call leaves no thread behind it."""
+    def stop(self) -> None:
+        """Let the thread end once the calls queued so far are done. Idempotent."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        with _exit_lock:
+            _open.discard(self)
         self._jobs.put(None)
-        if wait and not self.wedged and self._thread is not threading.current_thread():
-            self._thread.join()
+
+    def close(self, drain: Deadline | None = None) -> None:
+        """End the thread once its queue is done, and wait for it: with ``drain``, until the posted calls
+        still queued are done (at most until ``drain``); without, only when none is (every call queued
+        has returned to its caller, so the thread only has to see the end). A wedged lane is not waited
+        for: its thread ends when its stuck call returns, if ever."""
+        self.stop()
+        if self.wedged or self._thread is threading.current_thread():
+            return
+        if drain is not None:
+            self._thread.join(drain.remaining())
+        elif self._posted == 0:
+            self._thread.join(knobs.error_report_seconds())
 
 
 class Pool:
@@ -178,12 +294,26 @@ class Pool:
 
     def __init__(self, threads: int, name: str) -> None:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=_serve, args=(self._jobs,), name=f"shardsafe-{name}-{next(_names)}", daemon=True)
-            for _ in range(max(1, threads))
-        ]
-        for t in self._threads:
-            t.start()
+        self._stopped = False
+        self._threads: list[threading.Thread] = []
+        try:
+            for _ in range(max(1, threads)):
+                self._threads.append(start_thread(lambda: _serve(self._jobs), f"shardsafe-{name}-{next(_names)}"))
+        except BaseException:
+            self.stop()
+            raise
+        with _exit_lock:
+            _open.add(self)
+
+    def stop(self) -> None:
+        """Let the threads end once the calls queued so far are done. Idempotent."""
+        with _exit_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            _open.discard(self)
+        for _ in self._threads:
+            self._jobs.put(None)
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         future: Future[T] = Future()
@@ -201,8 +331,7 @@ class Pool:
                     break
                 if job is not None and job[1] is not None:
                     job[1].cancel()
-        for _ in self._threads:
-            self._jobs.put(None)
+        self.stop()
         if wait:
             for t in self._threads:
                 t.join()
@@ -214,4 +343,4 @@ def run_bounded(what: str, where: str, deadline: Deadline, fn: Callable[[], T]) 
     try:
         return lane.call(what, where, fn, deadline)
     finally:
-        lane.close(wait=True)  # its one call is over, unless it is stuck (the lane is wedged then)
+        lane.close()

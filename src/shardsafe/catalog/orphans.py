@@ -170,18 +170,23 @@ def _named(storage: Storage, path: str) -> set[str] | None:
     return found
 
 
-def abandoned_pending(storage: Storage, path: str, *, min_age: float, clock: StorageClock | None = None) -> list[str]:
-    """(rank 0) The pending directories of saves into ``path`` (beside it, on local disks) that are
-    abandoned: unchanged, they and everything directly in them, for ``min_age`` seconds on the
-    storage's clock (read beside them), and not begun within it as far as their save id tells: a save
-    that failed and could not remove its own (a read-only remount, a crash), which
-    :func:`~shardsafe.catalog.delete.remove_pending` removes. Symbolic links are left out (nothing is
-    deleted through one)."""
+def abandoned_pending(
+    storage: Storage, path: str, *, min_age: float, clock: StorageClock | None = None, siblings: bool = False
+) -> list[str]:
+    """(rank 0) The pending directories of saves into ``path`` (beside it, on local disks), and with
+    ``siblings`` of saves into any other folder beside it, that are abandoned: unchanged, they and
+    everything directly in them, for ``min_age`` seconds on the storage's clock (read beside them), and
+    not begun within it as far as their save id tells: a save that failed and could not remove its own
+    (a read-only remount, a crash, a kill), which :func:`~shardsafe.catalog.delete.remove_pending`
+    removes. A killed save's pending directory is most often beside a path nothing saves to again (the
+    next save goes to the next step), so a save's sweep looks at its siblings' too: the rule is the
+    same, and a pending directory holds nothing a committed checkpoint reads. Symbolic links are left
+    out (nothing is deleted through one)."""
     parent, target = refs.split(path)
     found = []
     for name, kind in sorted(storage.entries(parent).items()):
         m = PENDING_DIR.match(name)
-        if m is not None and m["target"] == target and kind == "dir":  # not a link, a FIFO, a file
+        if m is not None and (siblings or m["target"] == target) and kind == "dir":  # not a link, a FIFO, a file
             found.append((name, m["sid"]))
     if not found:
         return []

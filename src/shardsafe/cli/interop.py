@@ -74,8 +74,21 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _fail(command: str, what: str, err: BaseException, code: int) -> int:
-    print(one_line(f"shardsafe {command}: {what}: {err}"), file=sys.stderr)
+    print(one_line(f"shardsafe {command}: {what}: {as_flags(str(err))}"), file=sys.stderr)
     return code
+
+
+_FLAGS = (("overwrite", "--overwrite"), ("allow_pickle", "--allow-pickle"))
+
+
+def as_flags(text: str) -> str:
+    """A library message as the command says it: the keyword arguments it names become the command's
+    flags (``pass overwrite=True`` -> ``pass --overwrite``; ``allow_pickle=True (--allow-pickle)`` ->
+    ``--allow-pickle``)."""
+    for keyword, flag in _FLAGS:
+        text = text.replace(f"{keyword}=True ({flag})", flag).replace(f"{keyword}=True", flag)
+        text = text.replace(f"{keyword}= ", f"{flag} ").replace(f"{keyword}=", flag)
+    return text
 
 
 def _export(args: argparse.Namespace, out: TextIO) -> int:

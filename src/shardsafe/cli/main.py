@@ -10,7 +10,8 @@ Exit status: 0 when all is well, 1 when a checkpoint is corrupt, incomplete (unc
 there, 2 for a usage error. A reader that goes away (``shardsafe inspect CKPT | head -1``) is no failure.
 
 Torch and the rest of the library are imported inside the commands that need them, so ``--help`` and
-``--version`` answer at once.
+``--version`` answer at once, and so does a read-only command given a local path where nothing is (a
+typo): it is said before anything heavy is imported (importing torch takes seconds).
 """
 
 from __future__ import annotations
@@ -128,6 +129,9 @@ def _discard_stdout() -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    early = _nothing_there(args)
+    if early is not None:
+        return early
     if args.command == "inspect":
         return _inspect(args.path, as_json=args.json, out=sys.stdout)
     if args.command == "verify":
@@ -139,6 +143,23 @@ def _run(args: argparse.Namespace) -> int:
     return ls_main(
         args.root, verify=args.verify, as_json=args.json, out=sys.stdout, progress=lambda name: bar(f"verify {name}")
     )
+
+
+def _nothing_there(args: argparse.Namespace) -> int | None:
+    """(inspect, verify, ls of a local path) The answer for a path where nothing is, or that ``ls`` cannot
+    list, in the words the library would use, without importing it; ``None`` when there is something to
+    read."""
+    if args.command in ("inspect", "verify") and "://" not in args.path and not os.path.lexists(args.path):
+        return _fail(args.command, CheckpointNotFoundError(NOTHING_THERE.format(path=args.path)))
+    if args.command == "ls" and "://" not in args.root and not os.path.isdir(args.root):
+        what = "does not exist" if not os.path.lexists(args.root) else "is not a directory"
+        print(f"shardsafe ls: {args.root!r} {what}; give the directory that holds the checkpoints", file=sys.stderr)
+        return EXIT_USAGE
+    return None
+
+
+NOTHING_THERE = "no checkpoint at {path}: nothing is there; check the path"
+"""What the library says of a path where nothing is (catalog/not_found.py; a test keeps the two alike)."""
 
 
 def _fail(command: str, err: BaseException) -> int:

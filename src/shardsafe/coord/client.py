@@ -27,7 +27,8 @@ import logging
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -35,8 +36,8 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from shardsafe import knobs
 from shardsafe.deadline import Deadline
-from shardsafe.errors import CheckpointError, RankDeadError
-from shardsafe.workers import Lane, expired, wait_for
+from shardsafe.errors import CheckpointError, ClosedError, RankDeadError
+from shardsafe.workers import Lane, expired, shut_down, wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,12 @@ class _Connection:
 
 
 class StoreClient:
-    """(per process and store) Bounded requests to the store; see the module docstring."""
+    """(per process and store) Bounded requests to the store; see the module docstring.
+
+    Its lanes (the threads requests run on) live only while some call of this process uses the client:
+    an operation calls :meth:`acquire` when it begins and :meth:`release` when it ends, and the last
+    release waits for the posted requests and ends the lanes. The connections themselves (no thread) are
+    kept for the next call."""
 
     def __init__(self, shared: Store, where: str, address: tuple[str, int] | None = None) -> None:
         self.where = where
@@ -96,6 +102,8 @@ class StoreClient:
         self._lock = threading.Lock()
         self._quick: _Connection | None = None
         self._waits: _Connection | None = None
+        self._idle: dict[str, Store] = {}  # connections kept between calls, by lane ("quick", "waits")
+        self._users = 0
         self.lost: RankDeadError | None = None
         """Set when a quick request got no answer within ``SHARDSAFE_DEAD_AFTER``: every request of the
         operations in progress fails at once after that (:meth:`reset` clears it for the next one)."""
@@ -109,17 +117,30 @@ class StoreClient:
                 return conn
             if conn is not None:
                 conn.lane.close()
+            kept = self._idle.pop(which, None) if conn is None else None
+        if kept is not None:
+            fresh = _Connection(kept, f"store-{which}")
+        else:
+            fresh = _Connection(self._connect(which, deadline), f"store-{which}")
+        with self._lock:
+            if which == "quick":
+                self._quick = fresh
+            else:
+                self._waits = fresh
+        return fresh
+
+    def _connect(self, which: str, deadline: Deadline) -> Store:
         # Connecting is a request too (a frozen host accepts nothing): bounded like one.
         lane = Lane(f"store-connect-{which}")
         try:
-            store = lane.call(
+            return lane.call(
                 "connecting to the rendezvous store",
                 self.where,
                 self._open,
                 deadline.within(knobs.dead_after(), "store"),
                 on_expiry=lambda: self._lost_error("connecting to it", knobs.dead_after()),
             )
-        except RankDeadError:
+        except (RankDeadError, ClosedError):
             raise
         except Exception as err:
             raise RankDeadError(
@@ -130,13 +151,6 @@ class StoreClient:
             ) from err
         finally:
             lane.close()
-        fresh = _Connection(store, f"store-{which}")
-        with self._lock:
-            if which == "quick":
-                self._quick = fresh
-            else:
-                self._waits = fresh
-        return fresh
 
     def _open(self) -> Store:
         """(a lane) A new client of the store: for a ``TCPStore``, a connection of its own to the same host
@@ -155,12 +169,42 @@ class StoreClient:
         """(an operation starting) Forget that the store was lost: try it again."""
         self.lost = None
 
-    def close(self) -> None:
+    def acquire(self) -> None:
+        """(a call starting to use the client: an operation's begin) Keep the lanes until the matching
+        :meth:`release`."""
         with self._lock:
-            for conn in (self._quick, self._waits):
-                if conn is not None:
-                    conn.lane.close()
+            self._users += 1
+
+    def release(self) -> None:
+        """(the call that acquired the client, as it ends) The last release waits for the posted requests
+        (at most ``SHARDSAFE_ERROR_REPORT_SECONDS``) and ends the lanes; the connections are kept for the
+        next call, unless a request is stuck on them."""
+        with self._lock:
+            self._users = max(0, self._users - 1)
+            if self._users:
+                return
+        self.close(Deadline.after(knobs.error_report_seconds(), "report"))
+
+    @contextmanager
+    def session(self) -> Iterator[StoreClient]:
+        """:meth:`acquire` for the ``with`` body, :meth:`release` after it."""
+        self.acquire()
+        try:
+            yield self
+        finally:
+            self.release()
+
+    def close(self, drain: Deadline | None = None) -> None:
+        """End the lanes (waiting for their posted requests until ``drain``); keep the connections that
+        nothing is stuck on."""
+        with self._lock:
+            conns = [(w, c) for w, c in (("quick", self._quick), ("waits", self._waits)) if c is not None]
             self._quick = self._waits = None
+        for which, conn in conns:
+            conn.lane.close(drain)
+            if not conn.lane.wedged:
+                with self._lock:
+                    self._idle.setdefault(which, conn.store)
 
     # ---------------------------------------------------------------------------------- requests
 
@@ -347,9 +391,9 @@ def client_for(shared: Store, identity: int) -> StoreClient:
 
 @atexit.register
 def _close_all() -> None:
-    """At interpreter exit (after the saves in flight are flushed, whose handlers run first): end the
-    lanes while everything else is still alive."""
+    """At interpreter exit (after the saves in flight are finished, whose hook runs first): no request
+    starts from now on (:func:`~shardsafe.workers.shut_down`: refused, and no connection is opened), and
+    the ones still running get ``SHARDSAFE_ERROR_REPORT_SECONDS`` to return while everything is alive."""
+    shut_down(knobs.error_report_seconds())
     with _lock:
-        for client in _clients.values():
-            client.close()
         _clients.clear()

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shardsafe import knobs
+from shardsafe import knobs, workers
 from shardsafe.coord.client import StoreClient
 from shardsafe.deadline import Deadline
 from shardsafe.errors import RankDeadError
@@ -40,7 +40,11 @@ class Watch:
 
 
 class Watchdog:
-    """(per process and store) See the module docstring."""
+    """(per process and store) See the module docstring. Its thread runs only while an operation is
+    active: the first :meth:`activate` starts it, the last :meth:`deactivate` stops it and waits for it
+    (a bounded time), so no thread of shardsafe outlives the call that started it, nor talks to the store
+    after it returned (at interpreter exit such a thread is killed inside native code: the process
+    aborts after a save that succeeded)."""
 
     def __init__(self, client: StoreClient, namespace: str, rank: int) -> None:
         self.client = client
@@ -51,8 +55,10 @@ class Watchdog:
         self._watches: list[Watch] = []
         self._seen: dict[int, tuple[str, float]] = {}  # rank -> (counter, when it last moved)
         self._kick = threading.Event()
+        self._stop: threading.Event | None = None  # the running thread's: set to end it
         self._thread: threading.Thread | None = None
         self._warned = False
+        workers.on_exit(self._kick.set)
 
     def key(self, rank: int) -> str:
         return f"{self.namespace}/alive/{rank}"
@@ -65,13 +71,25 @@ class Watchdog:
         self.client.post_add(self.key(self.rank), deadline)
         with self._lock:
             self._active += 1
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="shardsafe-watchdog", daemon=True)
-                self._thread.start()
+            if self._thread is None:
+                stop = self._stop = threading.Event()
+                self._thread = workers.start_thread(lambda: self._run(stop), "shardsafe-watchdog")
 
     def deactivate(self) -> None:
+        """(an operation ending) The last one stops the thread and waits until it has ended (at most
+        ``SHARDSAFE_ERROR_REPORT_SECONDS``: a tick stuck in a frozen store is left to end on its own,
+        and makes no request after it)."""
         with self._lock:
             self._active = max(0, self._active - 1)
+            if self._active or self._thread is None:
+                return
+            thread, stop = self._thread, self._stop
+            self._thread = self._stop = None
+        assert stop is not None
+        stop.set()
+        self._kick.set()
+        if thread is not threading.current_thread():
+            thread.join(knobs.error_report_seconds())
 
     def watch(self, w: Watch) -> None:
         with self._lock:
@@ -85,18 +103,18 @@ class Watchdog:
 
     # ------------------------------------------------------------------------------------ thread
 
-    def _run(self) -> None:
+    def _run(self, stop: threading.Event) -> None:
         while True:
+            self._kick.wait(knobs.heartbeat_seconds())  # activate() posted the first tick
+            self._kick.clear()
             with self._lock:
-                active, watches = self._active, list(self._watches)
-            if not active and not watches:
-                self._kick.wait(knobs.heartbeat_seconds())
-                self._kick.clear()
-                continue
+                watches = list(self._watches)
+            if stop.is_set() or workers.exiting():
+                return
             try:
                 self._tick()
                 if watches:
-                    self._check(watches)
+                    self._check(watches, stop)
             except RankDeadError as err:  # the store is lost: every wait of this process raises it, now
                 if not self._warned:
                     self._warned = True
@@ -105,8 +123,6 @@ class Watchdog:
                     w.wake.set()
             except Exception as err:  # never kills the watchdog; the waits raise what the store raises
                 logger.debug("shardsafe: watchdog of rank %d: %s: %s", self.rank, type(err).__name__, err)
-            self._kick.wait(knobs.heartbeat_seconds())
-            self._kick.clear()
 
     def _tick(self) -> None:
         if self.client.lost is not None:  # nothing more to learn from the store until the next operation
@@ -122,7 +138,9 @@ class Watchdog:
         self.client.add(self.key(self.rank), 1, Deadline.after(knobs.dead_after(), "store"), reword=heartbeat)
         self._warned = False
 
-    def _check(self, watches: list[Watch]) -> None:
+    def _check(self, watches: list[Watch], stop: threading.Event) -> None:
+        if stop.is_set():
+            return
         wanted = sorted({r for w in watches for r in w.ranks() if r != self.rank})
         if not wanted:
             return

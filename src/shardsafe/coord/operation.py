@@ -86,6 +86,8 @@ class Operation:
         )
         s.next_sequence()
         if s.dog is not None:
+            assert s.client is not None
+            s.client.acquire()
             s.dog.activate(clock.end.or_grace())
         LAST_TALLY[op] = s.tally
         return cls(s)
@@ -206,12 +208,19 @@ class Operation:
             self.close()
 
     def close(self) -> None:
-        """(every rank that began the operation, once) Stop ticking for it. Idempotent."""
+        """(every rank that began the operation, once) Stop ticking for it; the last operation of the
+        process to close stops the watchdog's thread and the store client's lanes, once its posted
+        requests are done (nothing of it runs after the call returns). Idempotent."""
         if self._closed:
             return
         self._closed = True
-        if self.session.dog is not None:
-            self.session.dog.deactivate()
+        s = self.session
+        if s.dog is not None:
+            assert s.client is not None
+            try:
+                s.dog.deactivate()
+            finally:
+                s.client.release()
 
 
 ARRIVE = Round("arrive", Empty, Empty)

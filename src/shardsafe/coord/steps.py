@@ -79,10 +79,14 @@ class StepBroadcast:
         keys = self.keys
         key = keys.key(self.name, str(step))
         deadline = keys.deadline()
-        if self.rank == 0:
-            assert value is not None
-            keys.client.set(key, Decision(value).to_text(), deadline)
-            return value
+        with keys.client.session():  # its lanes end with this call
+            if self.rank == 0:
+                assert value is not None
+                keys.client.set(key, Decision(value).to_text(), deadline)
+                return value
+            return self._read(keys, key, step, deadline)
+
+    def _read(self, keys: StoreKeys, key: str, step: int, deadline: Deadline) -> str:
         raw = keys.client.wait_value(key, deadline)
         if raw is None:
             raise RankTimeoutError(
@@ -113,13 +117,16 @@ class StopAgreement:
                 self._local = step
             return self._local
         keys = self.keys
-        self._local = int(keys.client.compare_set(keys.key("stop_at"), str(step), keys.deadline()))
+        with keys.client.session():  # its lanes end with this call
+            self._local = int(keys.client.compare_set(keys.key("stop_at"), str(step), keys.deadline()))
         return self._local
 
     def agreed(self) -> int | None:
         """The agreed step, or ``None`` when no rank has asked to stop (one ``check`` on the store
         until a step is known, none after)."""
         keys = self.keys
-        if self._local is None and keys is not None and keys.client.check([keys.key("stop_at")], keys.deadline()):
-            self._local = int(keys.client.get(keys.key("stop_at"), keys.deadline()))
+        if self._local is None and keys is not None:
+            with keys.client.session():  # its lanes end with this call
+                if keys.client.check([keys.key("stop_at")], keys.deadline()):
+                    self._local = int(keys.client.get(keys.key("stop_at"), keys.deadline()))
         return self._local

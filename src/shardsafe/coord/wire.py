@@ -122,15 +122,19 @@ class Wire:
     ) -> str | None:
         """(one rank) The value of ``key`` once set, or ``None`` at ``deadline``. The watchdog watches
         ``watch`` meanwhile; ``stalled(elapsed)`` runs once after ``SHARDSAFE_STALL_FRACTION`` of the
-        wait's deadline; ``interrupt()`` runs whenever the wait wakes and may raise to end it."""
+        wait's deadline (in the first round, the arrival: after ``SHARDSAFE_ARRIVAL_STALL_SECONDS`` if that
+        is sooner); ``interrupt()`` runs whenever the wait wakes and may raise to end it."""
         s = self.s
         assert s.client is not None
         started = time.monotonic()
         warned = False
+        after = knobs.stall_fraction() * min(deadline.seconds, 1e9)
+        if not s.arrived_all:
+            after = min(after, knobs.arrival_stall_seconds())
 
         def check() -> None:
             nonlocal warned
-            if not warned and time.monotonic() - started > knobs.stall_fraction() * min(deadline.seconds, 1e9):
+            if not warned and time.monotonic() - started > after:
                 warned = True
                 stalled(time.monotonic() - started)
             if interrupt is not None:
@@ -192,8 +196,15 @@ class Wire:
             except CheckpointError as err:
                 missing, lines = [], [f"  (the store did not answer: {err})"]
             stack = "".join(traceback.format_stack(limit=12)[:-3])
+            hint = ""
+            if not s.arrived_all:  # the arrival: the usual cause is a call made on some ranks only
+                hint = (
+                    f"\nIf ranks {missing} never call {s.op}() (a call guarded by `if rank == 0:`), the ranks that "
+                    f"did raise RankTimeoutError in {deadline.remaining():.0f}s, at the arrival deadline (timeout= or "
+                    f"SHARDSAFE_TIMEOUT): call {s.op}() on every rank; shardsafe decides who writes what."
+                )
             logger.warning(
-                "shardsafe: rank %d has waited %.1fs of %.0fs for %s (%s of %s, phase %s); not there yet: %s\n"
+                "shardsafe: rank %d has waited %.1fs of %.0fs for %s (%s of %s, phase %s); not there yet: %s%s\n"
                 "ranks:\n%s\nwaiting at:\n%s",
                 s.rank,
                 elapsed,
@@ -203,6 +214,7 @@ class Wire:
                 s.target,
                 self.phase,
                 missing,
+                hint,
                 "\n".join(lines),
                 stack,
             )

@@ -76,7 +76,9 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], **options: Unpa
     Call it on EVERY rank of the default process group (or of ``group``), or in a single process;
     the library decides which rank writes which bytes. ``state`` maps names to modules (plain, DDP,
     FSDP2), optimizers, objects with ``state_dict()``/``load_state_dict()``, tensors (DTensor too) and
-    plain values. Plain tensors and values are taken as identical on every rank.
+    plain values. Plain tensors and values are taken as identical on every rank; tensors that are not
+    sharded but differ between ranks (a model without DDP) make the save fail on every rank, naming
+    them (``SHARDSAFE_REPLICA_CHECK``, docs/faults.md).
 
     When it returns on any rank the checkpoint is durable and visible. Raises
     :class:`CheckpointExistsError` if ``path`` is committed and not ``overwrite`` (an overwrite

@@ -42,12 +42,11 @@ from shardsafe.catalog.publish import CheckpointPublication
 from shardsafe.catalog.refs import check_ref_files
 from shardsafe.coord import Deadline, Operation, fault_point
 from shardsafe.coord.failures import wrap
-from shardsafe.engine import incremental, sidefiles, unremoved
+from shardsafe.engine import incremental, replicas, sidefiles, unremoved
 from shardsafe.engine.messages import SAVE_WRITTEN, Committed, WriteReport
+from shardsafe.engine.plan import Rules
 from shardsafe.errors import CheckpointError, CorruptCheckpointError, RankDeadError, UnsafeValueError
 from shardsafe.format.manifest import (
-    FORMAT_VERSION,
-    SIDE_FILES_VERSION,
     Chunk,
     FileEntry,
     Manifest,
@@ -81,6 +80,8 @@ class CommitInputs:
     blocking_seconds: float
     side_written: tuple[str, ...] = ()
     """(rank 0) The side files this save wrote into its pending directory: an abort removes them by name."""
+    rules: Rules = field(default_factory=Rules)
+    """The tensors described by a sharding rule (format v3): no rank reports their chunks."""
 
 
 @dataclass
@@ -349,7 +350,7 @@ class Committer:
     def _sweep(self, storage: Storage, new: bytes, where: str) -> None:
         """(rank 0, committed) Remove what failed saves of this process beside the path could not
         remove themselves (:mod:`shardsafe.engine.unremoved`), then the pending directories that saves
-        of the path which never committed left beside it
+        of the path, or of a sibling path, which never committed left beside it
         (:func:`~shardsafe.catalog.orphans.abandoned_pending`), then the orphans of such saves in it
         (:func:`~shardsafe.catalog.orphans.orphaned_files`), these two once older than
         ``SHARDSAFE_LEFTOVER_AGE_SECONDS``."""
@@ -367,12 +368,19 @@ class Committer:
         age = knobs.leftover_age_seconds()
         # first: a save whose pending directory is gone is no longer in flight, and its files in the
         # checkpoint are orphans
-        for pending in abandoned_pending(storage, i.path, min_age=age):
+        for pending in abandoned_pending(storage, i.path, min_age=age, siblings=True):
             try:
                 if remove_pending(storage, pending):
-                    logger.info("shardsafe: removed %s, left by a failed save of %s", pending, i.path)
+                    logger.info(
+                        "shardsafe: removed %s, left by a save that never committed (beside %s)", pending, i.path
+                    )
             except (OSError, ValueError) as err:  # one that cannot go does not keep the rest
-                logger.warning("shardsafe: could not remove %s, left by a failed save of %s: %s", pending, i.path, err)
+                logger.warning(
+                    "shardsafe: could not remove %s, left by a save that never committed (beside %s): %s",
+                    pending,
+                    i.path,
+                    err,
+                )
         _, listed = manifest_files(new, where)
         orphans = orphaned_files(storage, i.path, listed, min_age=age)
         if orphans:
@@ -448,6 +456,7 @@ def build_manifest(i: CommitInputs, world_size: int, reports: dict[int, WriteRep
             f"save of {i.path!r}: ranks {mismatch} passed a state with other keys, shapes or dtypes than rank 0. "
             "Every rank must save the same structure (the same model and optimizer)."
         )
+    replicas.check(i.path, i.flat, {r: rep.replicas for r, rep in reports.items()})  # refused before the commit
     blocks = sorted({rep.block_bytes for rep in reports.values()})
     if blocks != [i.block_bytes]:
         raise CheckpointError(f"save of {i.path!r}: ranks wrote with checksum block sizes {blocks}")
@@ -455,8 +464,8 @@ def build_manifest(i: CommitInputs, world_size: int, reports: dict[int, WriteRep
     files: dict[str, FileEntry] = {}
     for rank in sorted(reports):
         rep = reports[rank]
-        for fname, (size, header_bytes, header_sum) in rep.files.items():
-            files[fname] = FileEntry(size, header_bytes, header_sum)
+        for fname, (size, header_bytes, header_sum, *index) in rep.files.items():
+            files[fname] = FileEntry(size, header_bytes, header_sum, index[0] if index else None)
         for name, c in rep.chunks:
             chunks.setdefault(name, []).append(
                 Chunk(
@@ -476,6 +485,10 @@ def build_manifest(i: CommitInputs, world_size: int, reports: dict[int, WriteRep
     own = per_rank.merge_reports(flat, legacy, chunks)
     tensors = {}
     for item in flat.items:
+        rule = i.rules.tensors.get(item.name)
+        if rule is not None:  # its chunks follow from the rule; each writer checked its own against it
+            tensors[item.name] = TensorEntry(item.local.dtype, item.shape, (), rule)
+            continue
         mine = sorted(chunks.get(item.name, []), key=lambda c: c.offsets)
         if sum(math.prod(c.sizes) for c in mine) != math.prod(item.shape):
             raise CheckpointError(
@@ -501,6 +514,6 @@ def build_manifest(i: CommitInputs, world_size: int, reports: dict[int, WriteRep
         refs=incremental.ref_table(i.base_manifest, i.base_name, [c for cs in chunks.values() for c in cs])
         if i.base_manifest is not None
         else {},
-        format_version=SIDE_FILES_VERSION if side else FORMAT_VERSION,
         side_files=side,
+        meshes=i.rules.meshes,
     )

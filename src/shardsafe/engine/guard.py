@@ -51,6 +51,11 @@ def mapped(operation: str, path: str, err: Exception, *, reads: bool) -> Checkpo
         )
     if isinstance(err, OSError) and not isinstance(err, TimeoutError) and err.errno is not None:
         return _storage_error(operation, path, err)
+    if isinstance(err, ImportError):  # a package missing here is never damage, whatever else is said
+        return CheckpointError(
+            f"{operation} of {path!r} needs the module {err.name or str(err)[:100]!r}, which this Python cannot "
+            f"import ({type(err).__name__}: {err}). Install the package that provides it and try again."
+        )
     kind = (
         InvalidArgumentError
         if isinstance(err, ValueError)

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from shardsafe.format.datafile import tensor_bytes
+
 logger = logging.getLogger(__name__)
 
 _cuda: Any = torch.cuda  # typed loosely: parts of its API are untyped in some builds
@@ -124,8 +126,8 @@ class HostBuffer:
     def memory(self, start: int, stop: int) -> memoryview:
         """The bytes ``[start, stop)`` as a writable memoryview (no copy)."""
         if stop <= start:
-            return memoryview(b"")
-        return memoryview(self.tensor[start:stop].numpy()).cast("B")  # type: ignore[arg-type]
+            return memoryview(bytearray())
+        return tensor_bytes(self.tensor[start:stop])
 
     def close(self) -> None:
         self._finalizer()

@@ -30,6 +30,7 @@ Call order within a save (:class:`~shardsafe.engine.save.SaveJob`):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -43,7 +44,7 @@ from shardsafe.catalog.names import DATA_FILE, basename, link_target
 from shardsafe.catalog.refs import sibling, split
 from shardsafe.deadline import Deadline
 from shardsafe.engine.plan import PendingChunk
-from shardsafe.engine.read import read_manifest
+from shardsafe.engine.read import chunk_source, open_manifest
 from shardsafe.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from shardsafe.format.datafile import read_blocks, tensor_bytes, verify_header
 from shardsafe.format.manifest import Chunk, FileEntry, Manifest, RefEntry, check_file_name
@@ -106,7 +107,7 @@ def _usable(storage: Storage, target: str, base: str) -> Manifest:
             f"hidden), which a reference must be; rename the base or {fix}"
         ) from None
     try:
-        manifest = read_manifest(storage, base)
+        manifest = open_manifest(storage, base)
     except CheckpointNotFoundError as err:
         raise CheckpointNotFoundError(
             f"save of {target!r}: base {base!r} is not a committed checkpoint ({err}); {fix}"
@@ -121,7 +122,7 @@ def _usable(storage: Storage, target: str, base: str) -> Manifest:
 
 def read_base(storage: Storage, base: str, save_id: str) -> Manifest:
     """(every rank) BASE's manifest, which must be the one rank 0 checked (same save id)."""
-    manifest = read_manifest(storage, base)
+    manifest = open_manifest(storage, base)
     if manifest.save_id != save_id:
         raise CheckpointError(
             f"base {base!r} changed during the save (save id {manifest.save_id}, rank 0 saw {save_id}); do not "
@@ -160,13 +161,29 @@ def match(
     hang)."""
     candidates: list[tuple[PendingChunk, Chunk]] = []
     same_blocks = base.block_bytes == block_bytes  # a reference keeps the base's block checksums
+    source = chunk_source(storage, sibling(storage, target, base_name), base)
+    unreadable: set[str] = set()
     for c in chunks:
         entry = base.tensors.get(c.name) if same_blocks else None
         old = None
         if entry is not None and entry.dtype == c.data.dtype and c.nbytes:
-            old = next((b for b in entry.chunks if b.offsets == c.offsets and b.sizes == c.sizes), None)
-        if old is not None and old.digest is not None and chunk_digest(c.data) == old.digest:
+            listed: Sequence[Chunk] = entry.chunks
+            if entry.sharding is not None:  # format v3: the base's chunk from the index of the file holding it
+                try:
+                    listed = source.chunks(c.name, (c.offsets, c.sizes)) if not unreadable else []
+                except (CorruptCheckpointError, OSError, EOFError) as err:
+                    _warn(target, base_name, base_name, 1, 1, _reason(err))
+                    unreadable.add(c.name)  # one warning: every chunk the base rules is written in full
+                    listed = []
+            old = next((b for b in listed if b.offsets == c.offsets and b.sizes == c.sizes), None)
+        if old is None:
+            continue
+        if old.digest is not None and chunk_digest(c.data) == old.digest:
             candidates.append((c, old))
+        elif entry is not None and entry.sharding is not None and chunk_sums(c.data, block_bytes) == old.checksums:
+            # a ruled chunk (format v3) has no digest: compared by its block checksums; its bytes read back
+            # must then have this chunk's digest, which the reference records
+            candidates.append((c, dataclasses.replace(old, digest=chunk_digest(c.data))))
     sound: set[int] = set()
     if candidates:  # nothing to read back: no worker thread
         sound = run_bounded(
@@ -205,10 +222,11 @@ def _verified(
         members.sort(key=lambda i: candidates[i][1].begin)
         save_id, entry = _file_entry(base, base_name, holder, name)
         path = storage.join(sibling(storage, target, holder), name)
-        olds = [candidates[i][1] for i in members]
+        keyed = [i for i in members if not _ruled(base, candidates[i])]  # ruled ones: checked with the index
+        olds = [candidates[i][1] for i in keyed]
         try:
             _check_name(name, save_id)
-            verify_header(storage, path, entry, olds, [candidates[i][0].data.dtype for i in members], subset=True)
+            verify_header(storage, path, entry, olds, [candidates[i][0].data.dtype for i in keyed], subset=True)
         except (CorruptCheckpointError, OSError, EOFError) as err:
             _warn(target, holder, path, len(members), len(members), _reason(err))
             continue
@@ -228,6 +246,21 @@ def _verified(
         if failed:
             _warn(target, holder, path, len(failed), len(members), failed[0])
     return sound
+
+
+def _ruled(base: Manifest, candidate: tuple[PendingChunk, Chunk]) -> bool:
+    """Whether the base holds ``candidate``'s chunk by a sharding rule (format v3): in its file's ruled
+    region, found (and the header and index checked) through the file's index, not a header entry."""
+    new, old = candidate
+    return old.ref is None and base.tensors[new.name].sharding is not None
+
+
+def chunk_sums(data: torch.Tensor, block: int) -> tuple[str, ...]:
+    """The block checksums (xxh3-64 per ``block`` bytes) of a tensor's bytes, as a data file records them."""
+    raw = tensor_bytes(data.detach().cpu().contiguous())
+    if not len(raw):
+        return (xxhash.xxh3_64_hexdigest(b""),)
+    return tuple(xxhash.xxh3_64_hexdigest(raw[i : i + block]) for i in range(0, len(raw), block))
 
 
 def _file_entry(base: Manifest, base_name: str, holder: str, name: str) -> tuple[str, FileEntry]:

@@ -14,11 +14,12 @@ from typing import Any
 from shardsafe.catalog.refs import check_ref_files, missing_base, sibling
 from shardsafe.engine.guard import entry_point, mapped_errors
 from shardsafe.engine.memory import available_memory
-from shardsafe.engine.read import read_manifest
+from shardsafe.engine.read import chunk_source, open_manifest
 from shardsafe.engine.sidefiles import read_side_file, verify_side_files
 from shardsafe.errors import CheckpointError, CorruptCheckpointError
+from shardsafe.format import sharding
 from shardsafe.format.datafile import read_blocks, verify_header
-from shardsafe.format.manifest import Chunk, Manifest
+from shardsafe.format.manifest import Chunk, Manifest, TensorEntry
 from shardsafe.format.values import decode, dtype_name
 from shardsafe.progress.record import ProgressCallback, check_callback
 from shardsafe.progress.tracker import Tracker, tracked
@@ -106,7 +107,7 @@ def verify(
     with tracked("verify", path, progress, "manifest") as tracker:
         storage = get_storage(path, storage_options)
         with mapped_errors("verify", path):
-            manifest = read_manifest(storage, path)
+            manifest = open_manifest(storage, path)
             side = manifest.side_files if part is None or part[0] == 0 else {}
             files, total = _verify_files(storage, path, manifest, part, tracker, sum(f.size for f in side.values()))
             total += verify_side_files(storage, path, side, tracker.add)
@@ -116,14 +117,16 @@ def verify(
 def _verify_files(
     storage: Storage, path: str, manifest: Manifest, part: tuple[int, int] | None, tracker: Tracker, extra: int = 0
 ) -> tuple[int, int]:
-    """(:func:`verify`) Check the data files of ``part``: (the data files there are, the bytes checked)."""
+    """(:func:`verify`) Check the data files of ``part``: (the data files there are, the bytes checked).
+    A file's ruled chunks (format v3) come from its index, read and checked with its header."""
     by_file: dict[tuple[str, str], list[tuple[str, Chunk]]] = {("", name): [] for name in manifest.files}
     for ref, r in manifest.refs.items():
         by_file.update({(ref, name): [] for name in r.files})
     for tname, entry in manifest.tensors.items():
         for c in entry.chunks:
             by_file[(c.ref or "", c.file)].append((tname, c))
-    biggest = max((min(c.end - c.begin, manifest.block_bytes) for _, c in _all(by_file)), default=0)
+    largest = max([f.size for f in manifest.files.values()] + [c.end - c.begin for _, c in _all(by_file)], default=0)
+    biggest = min(largest, manifest.block_bytes)
     if biggest > available_memory():  # one checksum block is read at a time
         raise CheckpointError(
             f"verify of {path!r}: a checksum block of {biggest} bytes does not fit in the memory available "
@@ -131,21 +134,33 @@ def _verify_files(
         )
     mine = [item for i, item in enumerate(sorted(by_file.items())) if part is None or i % part[1] == part[0]]
     entries = {key: manifest.refs[key[0]].files[key[1]] if key[0] else manifest.files[key[1]] for key, _ in mine}
-    tracker.set_total(extra + sum(entries[key].header_bytes + sum(c.end - c.begin for _, c in cs) for key, cs in mine))
+    tracker.set_total(  # an own file is checked whole; of a referenced one, its header and the chunks used
+        extra
+        + sum(
+            entries[key].size if not key[0] else entries[key].header_bytes + sum(c.end - c.begin for _, c in cs)
+            for key, cs in mine
+        )
+    )
     tracker.phase = "read"
+    source = chunk_source(storage, path, manifest)
     total = 0
-    for (ref, fname), chunks in mine:
+    for (ref, fname), listed in mine:
         fentry = entries[(ref, fname)]
         fpath = storage.join(sibling(storage, path, ref) if ref else path, fname)
         if ref and not storage.exists(fpath):
             raise missing_base(path, manifest, ref, fname, fpath)
         try:
+            chunks = listed + ([] if ref else source.in_file(fname))
             dtypes = [manifest.tensors[t].dtype for t, _ in chunks]
-            verify_header(storage, fpath, fentry, [c for _, c in chunks], dtypes, subset=bool(ref))
+            verify_header(storage, fpath, fentry, [c for _, c in listed], dtypes[: len(listed)], subset=bool(ref))
             tracker.add(fentry.header_bytes)
             for tname, c in chunks:  # one block buffer per chunk, verified in place and counted
                 read_blocks(storage, fpath, c, manifest.block_bytes, 0, c.end - c.begin, tname, None, tracker.count)
                 total += c.end - c.begin
+            if not ref and fname in source.indexes:  # read and checked whole before its ruled chunks
+                index = source.indexes[fname].nbytes
+                tracker.add(index)
+                total += index
         except (FileNotFoundError, EOFError) as err:
             raise CorruptCheckpointError(f"{fpath}: {type(err).__name__}: {err}") from err
         total += fentry.header_bytes
@@ -156,6 +171,12 @@ def _all(by_file: dict[tuple[str, str], list[tuple[str, Chunk]]]) -> list[tuple[
     return [item for items in by_file.values() for item in items]
 
 
+def count_boxes(manifest: Manifest, entry: TensorEntry) -> int:
+    """The chunks a ruled tensor has (its rule's non-empty boxes), from the manifest alone."""
+    assert entry.sharding is not None
+    return sharding.count_boxes(entry.shape, entry.sharding, manifest.meshes[entry.sharding.mesh])
+
+
 @entry_point("inspect", reads=True)
 def inspect(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo:
     """What a committed checkpoint holds, from its manifest (no data read); for an incremental one, the
@@ -164,14 +185,13 @@ def inspect(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | N
     path = os.fspath(path)
     storage = get_storage(path, storage_options)
     with mapped_errors("inspect", path):
-        manifest = read_manifest(storage, path)
+        manifest = open_manifest(storage, path)
         check_ref_files(storage, path, manifest)
         entries = [EntryInfo(key, obj["kind"], None, None, 0, 0) for key, obj in manifest.objects.items()]
         for name, t in manifest.tensors.items():
+            count = len(t.chunks) if t.sharding is None else count_boxes(manifest, t)
             entries.append(
-                EntryInfo(
-                    name, "tensor", dtype_name(t.dtype), t.shape, len(t.chunks), math.prod(t.shape) * t.dtype.itemsize
-                )
+                EntryInfo(name, "tensor", dtype_name(t.dtype), t.shape, count, math.prod(t.shape) * t.dtype.itemsize)
             )
         metadata = decode(manifest.metadata, f"{path}: metadata", lambda ref: ref)
     copied = {name: getattr(manifest, name) for name in _AS_SAVED}
@@ -195,5 +215,5 @@ def read_file(path: str | os.PathLike[str], name: str, *, storage_options: dict[
     path = os.fspath(path)
     storage = get_storage(path, storage_options)
     with mapped_errors("read_file", path):
-        manifest = read_manifest(storage, path)
+        manifest = open_manifest(storage, path)
         return read_side_file(storage, path, manifest.side_files, name)

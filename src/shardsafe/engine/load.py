@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,9 +27,19 @@ from shardsafe.coord import Clock, Operation, fault_point
 from shardsafe.coord.messages import Empty
 from shardsafe.engine.messages import CHANNEL, LOAD_ARRIVE, LOAD_LOADED, Counts
 from shardsafe.engine.phases import PhaseLog
-from shardsafe.engine.read import Task, check_allocation, check_sizes, load_bytes, plan_reads, read_manifest, run_tasks
+from shardsafe.engine.read import (
+    Task,
+    check_allocation,
+    check_sizes,
+    chunk_source,
+    load_bytes,
+    open_manifest,
+    plan_reads,
+    run_tasks,
+)
 from shardsafe.errors import CheckpointError, CorruptCheckpointError, MissingKeysError
 from shardsafe.format.manifest import Manifest
+from shardsafe.format.resolve import ChunkSource
 from shardsafe.progress.record import ProgressCallback
 from shardsafe.progress.tracker import Tracker
 from shardsafe.state.layout import Box
@@ -69,9 +80,9 @@ def load(
     nbytes = 0
     try:
         failure: BaseException | None = None
-        plan: _Plan | None = None
+        plan: LoadPlan | None = None
         try:  # every rank plans and validates before the first agreement: a failure here changes nothing
-            plan = _plan_load(
+            plan = plan_load(
                 path,
                 storage,
                 state,
@@ -79,7 +90,8 @@ def load(
                 cast=cast,
                 device=device,
                 allow_pickle=allow_pickle,
-                op=op,
+                rank=None if op is None else op.rank,
+                world_size=1 if op is None else op.world_size,
                 clock=clock,
                 planning=lambda: phases.enter("plan"),
                 rest=rest,
@@ -142,20 +154,28 @@ def load(
     return out
 
 
-class _Plan:
-    """What a rank planned before the go/no-go: the manifest, the restorer, the reads, the remainder."""
+@dataclass
+class LoadPlan:
+    """What a rank planned before the go/no-go (:func:`plan_load`): what it reads (``tasks``: a chunk's
+    byte range into a destination box each), from which data files (``files``, whose indexes it read
+    for a ruled tensor: only those its destinations meet), into which tensors (``restorer``: the
+    caller's, filled in place, and new ones), the entries returned unrequested (``extra``) and those
+    left on disk (``left``, state/rest.py)."""
 
-    def __init__(
-        self, manifest: Manifest, restorer: Restorer, tasks: list[Task], extra: dict[str, Op], left: dict[str, str]
-    ) -> None:
-        self.manifest = manifest
-        self.restorer = restorer
-        self.tasks = tasks
-        self.extra = extra
-        self.left = left  # unrequested entries not read (state/rest.py)
+    manifest: Manifest
+    restorer: Restorer
+    tasks: list[Task]
+    extra: dict[str, Op]
+    left: dict[str, str]
+    source: ChunkSource
+
+    @property
+    def files(self) -> list[str]:
+        """The data files this rank reads from."""
+        return sorted({t.chunk.file for t in self.tasks})
 
 
-def _plan_load(
+def plan_load(
     path: str,
     storage: Storage,
     state: MutableMapping[str, Any] | None,
@@ -164,17 +184,20 @@ def _plan_load(
     cast: bool,
     device: torch.device | None,
     allow_pickle: bool,
-    op: Operation | None,
+    rank: int | None,
+    world_size: int,
     clock: Clock,
     planning: Callable[[], object],
     rest: Rest,
-) -> _Plan:
+) -> LoadPlan:
     """(every rank, locally) Read and validate the manifest, match the state against it, check sizes and
-    memory, prepare the destinations, run the early reads. Changes nothing of the caller's state."""
-    manifest = read_manifest(storage, path)
+    memory (reading the indexes of the data files this rank's destinations meet, and no other), prepare
+    the destinations, run the early reads. Changes nothing of the caller's state. ``rank`` of
+    ``world_size`` (``None``: one process loading without a state)."""
+    manifest = open_manifest(storage, path)
     planning()
-    rank, world = (op.rank, op.world_size) if op is not None else (None, 1)
-    r = Restorer(manifest, path, rank=rank, world_size=world, cast=cast, device=device, allow_pickle=allow_pickle)
+    source = chunk_source(storage, path, manifest)
+    r = Restorer(manifest, path, rank=rank, world_size=world_size, cast=cast, device=device, allow_pickle=allow_pickle)
     extra: dict[str, Op] = {}
     left: dict[str, str] = {}
     if state is None:
@@ -189,20 +212,21 @@ def _plan_load(
         extra = {key: r.extra(key) for key in wanted}
         if r.missing and strict:
             raise _missing_error(path, manifest, r.missing)
-    check_sizes(storage, path, manifest, r.names())  # before allocating what the manifest sizes
+    regions = r.regions()
+    check_sizes(storage, path, manifest, r.names(), source, regions)  # before allocating what the manifest sizes
     if device is None or device.type == "cpu":  # new host tensors must fit in the memory available
-        check_allocation(storage, path, manifest, r.fresh_bytes())
-    early, tasks = (_reads_of(manifest, boxes) for boxes in r.prepare())
+        check_allocation(storage, path, manifest, r.fresh_bytes(), source, regions)
+    early, tasks = (_reads_of(source, boxes) for boxes in r.prepare())
     if early:  # new tensors whose values the plan must compare before the go (FSDP1 optimizer state)
         run_tasks(storage, path, manifest, early, lambda: None, clock.work)
     r.check()
-    return _Plan(manifest, r, tasks, extra, left)
+    return LoadPlan(manifest, r, tasks, extra, left, source)
 
 
 def _read_and_restore(
     path: str,
     storage: Storage,
-    plan: _Plan,
+    plan: LoadPlan,
     op: Operation | None,
     clock: Clock,
     tracker: Tracker,
@@ -243,9 +267,16 @@ def _final_counts(tracker: Tracker) -> Callable[[dict[int, Counts]], Empty]:
     return decide
 
 
-def _reads_of(manifest: Manifest, boxes: list[tuple[str, Box]]) -> list[Task]:
+def _reads_of(source: ChunkSource, boxes: list[tuple[str, Box]]) -> list[Task]:
     """(every rank, locally) The reads that fill each destination box from the saved chunks it meets."""
-    return [t for name, (offsets, dest) in boxes for t in plan_reads(name, manifest.tensors[name], dest, offsets)]
+    entries = source.manifest.tensors
+    return [
+        t
+        for name, (offsets, dest) in boxes
+        for t in plan_reads(
+            name, entries[name], dest, offsets, source.chunks(name, (tuple(offsets), tuple(dest.shape)))
+        )
+    ]
 
 
 def _missing_error(path: str, manifest: Manifest, missing: list[str]) -> MissingKeysError:

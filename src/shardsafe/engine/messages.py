@@ -89,10 +89,14 @@ class PerRankPaths(Message):
 
 @dataclass(frozen=True)
 class WriteReport(Message):
-    """(every rank, after its data is durable) What it wrote: ``chunks`` ([tensor name, chunk record]),
-    ``files`` (name -> [size, header bytes, header checksum]), a ``fingerprint`` of the state's
-    structure, the ``block_bytes`` used, its ``per_rank`` values, its final progress ``counts`` and its
-    ``side`` files (name -> [size, xxh3-64]: written, on rank 0; given, to compare, on the others)."""
+    """(every rank, after its data is durable) What it wrote: ``chunks`` ([tensor name, chunk record]) of
+    the tensors the manifest lists chunk by chunk (a ruled tensor's chunks, format v3, follow from its
+    rule and this rank's data file: none is reported, so a report is O(this rank's tensors) at most),
+    ``files`` (name -> [size, header bytes, header checksum, index checksum]), a ``fingerprint`` of the
+    state's structure (sharding rules included), the ``block_bytes`` used, its ``per_rank`` values, its
+    final progress ``counts``, its ``side`` files (name -> [size, xxh3-64]: written, on rank 0; given, to
+    compare, on the others) and the digests of its copies of the replicated tensors (``replicas``: at
+    most 128, engine/replicas.py)."""
 
     chunks: list[list[Any]]
     files: dict[str, list[Any]]
@@ -101,6 +105,7 @@ class WriteReport(Message):
     per_rank: dict[str, Any]
     counts: list[int] = field(default_factory=list)
     side: dict[str, list[Any]] = field(default_factory=dict)
+    replicas: list[str] = field(default_factory=list)
     TYPES: ClassVar[dict[str, Any]] = {
         "chunks": list,
         "files": dict,
@@ -109,6 +114,7 @@ class WriteReport(Message):
         "per_rank": dict,
         "counts": list,
         "side": dict,
+        "replicas": list,
     }
 
 

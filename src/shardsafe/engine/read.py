@@ -28,16 +28,20 @@ from shardsafe.engine import hostmem
 from shardsafe.engine.memory import available_memory
 from shardsafe.errors import CheckpointError, CheckpointNotFoundError, CheckpointTimeoutError, CorruptCheckpointError
 from shardsafe.format.datafile import digest, read_blocks, tensor_bytes
+from shardsafe.format.index import read_index
 from shardsafe.format.manifest import Chunk, Manifest, TensorEntry, parse_manifest
+from shardsafe.format.resolve import ChunkSource, expand
+from shardsafe.format.sharding import Region
 from shardsafe.storage import MANIFEST_NAME, Storage
 from shardsafe.workers import Pool
 
 logger = logging.getLogger(__name__)
 
 
-def read_manifest(storage: Storage, path: str) -> Manifest:
-    """(any rank) The validated manifest of the committed checkpoint at ``path``. Reads at most
-    ``SHARDSAFE_MAX_MANIFEST_BYTES`` of a regular file; raises only checkpoint errors
+def open_manifest(storage: Storage, path: str) -> Manifest:
+    """(any rank) The validated manifest of the committed checkpoint at ``path``, as written: a ruled
+    tensor's (format v3) chunks are not listed (:func:`chunk_source` finds those a reader needs). Reads
+    at most ``SHARDSAFE_MAX_MANIFEST_BYTES`` of a regular file; raises only checkpoint errors
     (:class:`CheckpointNotFoundError`, :class:`CorruptCheckpointError`)."""
     where = storage.join(path, MANIFEST_NAME)
     try:
@@ -56,10 +60,48 @@ def read_manifest(storage: Storage, path: str) -> Manifest:
     return manifest
 
 
-def check_sizes(storage: Storage, path: str, manifest: Manifest, tensors: Sequence[str]) -> None:
+def chunk_source(storage: Storage, path: str, manifest: Manifest) -> ChunkSource:
+    """(a reader) The chunks of the checkpoint at ``path`` on demand: a ruled tensor's (format v3) from
+    the indexes of the data files that hold them, each read and checked once
+    (:class:`~shardsafe.format.resolve.ChunkSource`)."""
+
+    def index(file: str) -> Any:
+        return read_index(storage, storage.join(path, file), manifest.files[file])
+
+    return ChunkSource(manifest, index, storage.join(path, MANIFEST_NAME))
+
+
+def read_manifest(storage: Storage, path: str) -> Manifest:
+    """(a whole-checkpoint reader: export, conversion) The validated manifest of the committed
+    checkpoint at ``path`` with every chunk listed: a ruled tensor's (format v3) from the indexes of
+    every data file that holds some, each read and checked. A reader of a part (a load) uses
+    :func:`open_manifest` and reads only the indexes it needs."""
+    manifest = open_manifest(storage, path)
+    if not any(t.sharding is not None for t in manifest.tensors.values()):
+        return manifest
+    return expand(chunk_source(storage, path, manifest))
+
+
+def check_sizes(
+    storage: Storage,
+    path: str,
+    manifest: Manifest,
+    tensors: Sequence[str],
+    source: ChunkSource | None = None,
+    regions: Mapping[str, Sequence[Region] | None] | None = None,
+) -> None:
     """Before allocating ``tensors`` from manifest shapes: their data files must really be as large as
     the manifest says (and regular files), so a forged shape cannot make a reader allocate memory the
-    files do not back."""
+    files do not back. A ruled tensor (format v3): the files holding its chunks that meet its
+    ``regions`` (all of them when it has none), whose indexes ``source`` reads and checks (sizes,
+    header and index checksums) to find them."""
+    ruled = [t for t in tensors if manifest.tensors[t].sharding is not None]
+    if ruled:
+        source = source if source is not None else chunk_source(storage, path, manifest)
+        for t in ruled:
+            wanted = None if regions is None else regions.get(t)
+            for region in [None] if wanted is None else wanted:
+                source.chunks(t, region)
     files = {(c.ref or "", c.file): c for t in tensors for c in manifest.tensors[t].chunks}
     for (ref, name), chunk in sorted(files.items()):
         file = chunk_path(storage, path, chunk)
@@ -85,7 +127,12 @@ def check_sizes(storage: Storage, path: str, manifest: Manifest, tensors: Sequen
 
 
 def check_allocation(
-    storage: Storage, path: str, manifest: Manifest, tensors: Sequence[str] | Mapping[str, int]
+    storage: Storage,
+    path: str,
+    manifest: Manifest,
+    tensors: Sequence[str] | Mapping[str, int],
+    source: ChunkSource | None = None,
+    regions: Mapping[str, Sequence[Region] | None] | None = None,
 ) -> None:
     """(the process about to allocate) Before allocating ``tensors`` fresh: the files back them
     (:func:`check_sizes`) and their bytes fit in the memory available to this process (a sparse file
@@ -93,7 +140,7 @@ def check_allocation(
     local shard of it), or lists names allocated whole from their manifest shapes. Raises
     :class:`CheckpointError` naming the largest tensor, before any allocation."""
     sizes = dict(tensors) if isinstance(tensors, Mapping) else {t: manifest.tensors[t].nbytes for t in tensors}
-    check_sizes(storage, path, manifest, list(sizes))
+    check_sizes(storage, path, manifest, list(sizes), source, regions)
     need = sum(sizes.values())
     have = available_memory()
     if sizes and need > have:
@@ -116,10 +163,13 @@ class Task:
     box_hi: tuple[int, ...]
 
 
-def plan_reads(name: str, entry: TensorEntry, dest: torch.Tensor, offsets: Sequence[int]) -> list[Task]:
-    """Tasks that fill ``dest`` (global offsets ``offsets``) from the chunks of ``entry``."""
+def plan_reads(
+    name: str, entry: TensorEntry, dest: torch.Tensor, offsets: Sequence[int], chunks: Sequence[Chunk] | None = None
+) -> list[Task]:
+    """Tasks that fill ``dest`` (global offsets ``offsets``) from ``chunks`` of ``entry`` (default: the
+    chunks it lists; a ruled tensor's come from :meth:`ChunkSource.chunks`)."""
     tasks = []
-    for c in entry.chunks:
+    for c in entry.chunks if chunks is None else chunks:
         lo = [max(co, do) for co, do in zip(c.offsets, offsets, strict=True)]
         hi = [min(co + cs, do + ds) for co, cs, do, ds in zip(c.offsets, c.sizes, offsets, dest.shape, strict=True)]
         if any(h <= low for low, h in zip(lo, hi, strict=True)) and entry.shape:

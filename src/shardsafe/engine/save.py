@@ -38,7 +38,7 @@ from shardsafe import knobs
 from shardsafe.catalog.names import refusal
 from shardsafe.catalog.publish import CheckpointPublication
 from shardsafe.coord import Clock, Operation, fault_point
-from shardsafe.engine import commit, hostmem, incremental, sidefiles, snapshot, staging
+from shardsafe.engine import commit, hostmem, incremental, replicas, sidefiles, snapshot, staging
 from shardsafe.engine.messages import (
     CHANNEL,
     SAVE_ARRIVE,
@@ -52,7 +52,7 @@ from shardsafe.engine.messages import (
 )
 from shardsafe.engine.options import SaveOptions
 from shardsafe.engine.phases import PhaseLog
-from shardsafe.engine.plan import PendingChunk, file_bytes, own_chunks, plan_writes
+from shardsafe.engine.plan import PendingChunk, Rules, file_bytes, plan_save
 from shardsafe.errors import CheckpointExistsError, OperationTimeoutError, UnsafeValueError
 from shardsafe.format.datafile import write_file
 from shardsafe.format.manifest import Chunk, Manifest
@@ -85,10 +85,13 @@ class SaveJob:
         self.base_name = ""
         self.base_manifest: Manifest | None = None
         self.ref_chunks: list[tuple[str, Chunk]] = []  # (tensor, reference) for chunks the base holds
+        self.replicas: list[str] = []  # digests of this rank's replicated tensors (engine/replicas.py)
         self.flat: FlatState | None = None
         self.captured: Captured | None = None  # staging="background": the state as the call read it, until encoded
         self.metadata_json: Any = None
         self.chunks: list[PendingChunk] = []
+        self.rules = Rules()  # the tensors described by a sharding rule (format v3): their chunks are not reported
+        self.ruled = 0  # the last chunks of self.chunks are those a rule describes (written as the file's region)
         self.staged: staging.Staged | None = None
         self.background: snapshot.BackgroundStaging | None = None  # staging="background": copies still to make
         self.started = time.monotonic()
@@ -174,7 +177,10 @@ class SaveJob:
             per_rank.apply(self.flat, paths, op.rank)
             if not self.deferred:
                 self.metadata_json = encode(self.options["metadata"], "metadata", _no_tensors)
-            self.chunks = plan_writes(self.flat.items, op.rank, op.world_size) + own_chunks(self.flat)
+                if not op.single:  # before the call returns: what an async save copies (engine/replicas.py)
+                    self.replicas = replicas.digests(self.flat)
+            plan = plan_save(self.flat, op.rank, op.world_size, ruled=not start.base and _whole_world(op.world_size))
+            self.chunks, self.rules, self.ruled = plan.chunks, plan.rules, plan.ruled
             if self.base_manifest is not None:
                 if self.background is not None:
                     self.background.check_memory(self.flat)  # before the comparison reads its tensors
@@ -187,7 +193,7 @@ class SaveJob:
                     self.path,
                     self.clock.work,
                 )
-            size, self.header_bytes = file_bytes(self.chunks)  # what this rank writes (references excluded)
+            size, self.header_bytes = file_bytes(self.chunks, self.block_bytes, self.ruled)  # references excluded
             self.tracker.set_total(size)
             fault_point("save.plan", op.global_rank)
             self.phase = "stage"
@@ -375,11 +381,15 @@ class SaveJob:
                     self.block_bytes,
                     lambda: fault_point("save.write", op.global_rank),
                     self.tracker.counted(staging.windows(self.staged), self.header_bytes),
+                    self.ruled,
                 )
                 w, writer = writer, None
                 w.close()
-                files[name] = [entry.size, entry.header_bytes, entry.header_checksum]
-                chunks = [[c.name, r.to_json()] for c, r in zip(self.chunks, records, strict=True)]
+                files[name] = [entry.size, entry.header_bytes, entry.header_checksum, entry.index_checksum]
+                ruled = self.rules.tensors  # their chunks follow from the rule and this file's index
+                chunks = [
+                    [c.name, r.to_json()] for c, r in zip(self.chunks, records, strict=True) if c.name not in ruled
+                ]
             chunks += [[name, c.to_json()] for name, c in self.ref_chunks]
             side = self._write_side_files(op)
             fault_point("save.report", op.global_rank)
@@ -387,11 +397,12 @@ class SaveJob:
             report = WriteReport(
                 chunks,
                 files,
-                _fingerprint(flat),
+                _fingerprint(flat, self.rules),
                 self.block_bytes,
                 per_rank.report(flat),
                 self.tracker.own_counts(),
                 side,
+                self.replicas,
             )
         except BaseException as err:
             error = err
@@ -439,6 +450,7 @@ class SaveJob:
             metadata=self.metadata_json,
             base_manifest=self.base_manifest,
             base_name=self.base_name,
+            rules=self.rules,
             started=self.started,
             blocking_seconds=self.blocking_seconds,
             side_written=tuple(self.side.written) if self.side is not None else (),
@@ -468,13 +480,22 @@ class SaveJob:
             self.staged = None
 
 
-def _fingerprint(flat: FlatState) -> str:
+def _fingerprint(flat: FlatState, rules: Rules) -> str:
     import hashlib
 
     h = hashlib.sha256()
     for item in flat.items:
         h.update(f"{item.name}|{item.shape}|{item.local.dtype}|{item.replicated};".encode())
+    h.update(rules.digest().encode())  # the sharding rules too: rank 0 builds the manifest from its own
     return h.hexdigest()[:16]
+
+
+def _whole_world(world_size: int) -> bool:
+    """Whether the saving group is the whole job (its ranks are the global ranks a DTensor's mesh
+    names): only then are sharded tensors described by rules."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == world_size
 
 
 class _ExchangeFirst(Exception):

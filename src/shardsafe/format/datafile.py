@@ -1,5 +1,6 @@
 """Data files: valid safetensors files (8-byte little-endian header length, JSON header padded with
-spaces to a multiple of 8, then the raw bytes of each chunk, back to back, in header order).
+spaces to a multiple of 8, then the raw bytes of each chunk, back to back, in header order, then
+(format v3) the file's ruled chunks in one region and their block checksums, :mod:`shardsafe.format.index`).
 
 Checksums are xxh3-64 over fixed-size blocks of each chunk, computed while the bytes are written (no
 read-back pass) and verified for every block read, so a partial read is verified on its own. A block is
@@ -8,6 +9,7 @@ verified in a buffer of the reader's before any of its bytes reach a destination
 
 from __future__ import annotations
 
+import ctypes
 import json
 import struct
 import sys
@@ -18,7 +20,7 @@ import torch
 import xxhash
 
 from shardsafe.errors import CorruptCheckpointError
-from shardsafe.format import jsontext
+from shardsafe.format.index import INDEX_KEY, SHARDS_KEY, encode_index, index_bytes, parse_header, regions
 from shardsafe.format.manifest import SAFETENSORS_DTYPES, Chunk, FileEntry
 from shardsafe.storage.base import Storage, Writer
 
@@ -33,15 +35,22 @@ def content_digest(data: memoryview | bytearray | bytes) -> str:
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, without a copy."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+    """The raw bytes of a contiguous CPU tensor, without a copy: a writable view of its memory, which
+    keeps the tensor alive as long as the view is. Needs no numpy (``Tensor.numpy()`` does, and numpy is
+    not a dependency): a ctypes array over the tensor's memory, holding the tensor."""
+    if tensor.device.type != "cpu" or tensor.layout != torch.strided or not tensor.is_contiguous():
         raise ValueError("tensor_bytes needs a contiguous CPU tensor")
+    if tensor.is_conj() or tensor.is_neg():  # lazy views: their memory holds the bytes before the conjugation
+        raise ValueError("tensor_bytes needs a tensor without a conjugate or negative bit (resolve_conj() first)")
     if sys.byteorder != "little":
         raise NotImplementedError("format v1 stores little-endian bytes; big-endian hosts are not supported")
     flat = tensor.detach().reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+    nbytes = flat.numel() * flat.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    memory = (ctypes.c_uint8 * nbytes).from_address(flat.data_ptr())
+    memory._tensor = flat  # type: ignore[attr-defined]  # the view holds the array, the array the tensor
+    return memoryview(memory).cast("B")
 
 
 class ChunkToWrite(Protocol):
@@ -60,17 +69,25 @@ class ChunkToWrite(Protocol):
     def nbytes(self) -> int: ...
 
 
-def build_header(chunks: Sequence[ChunkToWrite]) -> bytes:
-    """The safetensors header (length prefix included) for ``chunks`` laid out in order."""
+def build_header(chunks: Sequence[ChunkToWrite], ruled: int = 0, block: int = 1) -> bytes:
+    """The safetensors header (length prefix included) for ``chunks`` laid out in order: one entry per
+    chunk, except (format v3) the last ``ruled`` ones, whose bytes are the ``/shards`` entry, followed by
+    the ``/index`` entry of their checksum blocks of ``block`` bytes."""
     header: dict[str, object] = {"__metadata__": {"format": "pt", "writer": "shardsafe"}}
     pos = 0
-    for c in chunks:
+    listed = len(chunks) - ruled
+    for c in chunks[:listed]:
         header[c.key] = {
             "dtype": SAFETENSORS_DTYPES[c.data.dtype],
             "shape": list(c.sizes),
             "data_offsets": [pos, pos + c.nbytes],
         }
         pos += c.nbytes
+    if ruled:
+        sizes = [c.nbytes for c in chunks[listed:]]
+        n, m = sum(sizes), index_bytes(sizes, block)
+        header[SHARDS_KEY] = {"dtype": "U8", "shape": [n], "data_offsets": [pos, pos + n]}
+        header[INDEX_KEY] = {"dtype": "U8", "shape": [m], "data_offsets": [pos + n, pos + n + m]}
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(len(text) + 8) % 8)
     return struct.pack("<Q", len(text)) + text
@@ -83,12 +100,15 @@ def write_file(
     block: int,
     on_first_piece: Callable[[], None],
     windows: Iterable[memoryview] | None = None,
+    ruled: int = 0,
 ) -> tuple[FileEntry, list[Chunk]]:
     """(a writing rank) Stream ``chunks`` into ``writer`` as one safetensors file, hashing each block as
-    it goes. ``windows`` are the chunks' bytes in order, cut anywhere (the save pipeline's staging
-    windows); by default each chunk's own memory (contiguous CPU tensors). A window is hashed, then
-    written, before the next is asked for. The caller closes (makes durable) or aborts the writer."""
-    header = build_header(chunks)
+    it goes; the last ``ruled`` chunks (format v3: those a sharding rule describes, in the order of
+    section 2) as its ``/shards`` region, followed by its index of their block checksums. ``windows``
+    are the chunks' bytes in order, cut anywhere (the save pipeline's staging windows); by default
+    each chunk's own memory (contiguous CPU tensors). A window is hashed, then written, before the
+    next is asked for. The caller closes (makes durable) or aborts the writer."""
+    header = build_header(chunks, ruled, block)
     writer.write(memoryview(header))
     if windows is None:
         windows = _own_memory(chunks, block)
@@ -104,12 +124,21 @@ def write_file(
     sums = hasher.finish(file)
     if first:
         on_first_piece()
+    index = encode_index(sums[len(chunks) - ruled :]) if ruled else b""
+    if index:
+        writer.write(memoryview(index))
     records: list[Chunk] = []
     pos = len(header)
     for c, chunk_sums, chunk_digest in zip(chunks, sums, hasher.digests, strict=True):
         records.append(Chunk(c.offsets, c.sizes, file, c.key, pos, pos + c.nbytes, tuple(chunk_sums), chunk_digest))
         pos += c.nbytes
-    return FileEntry(size=pos, header_bytes=len(header), header_checksum=digest(header)), records
+    entry = FileEntry(
+        size=pos + len(index),
+        header_bytes=len(header),
+        header_checksum=digest(header),
+        index_checksum=digest(index) if ruled else None,
+    )
+    return entry, records
 
 
 def _own_memory(chunks: Sequence[ChunkToWrite], piece: int) -> Iterator[memoryview]:
@@ -232,10 +261,6 @@ def _check(path: str, chunk: Chunk, k: int, block: int, data: memoryview | bytea
         )
 
 
-HEADER_DEPTH = 3
-"""A safetensors header nests three levels: the object, an entry, its ``shape``/``data_offsets``."""
-
-
 def verify_header(
     storage: Storage,
     path: str,
@@ -247,9 +272,12 @@ def verify_header(
 ) -> None:
     """Check a data file's size, header checksum, and that its safetensors header is strict (UTF-8
     JSON object, space padding, ``__metadata__`` of strings) and holds exactly the manifest's chunks
-    of this file, each with its dtype, shape and byte range. ``subset``: a file of a sibling checkpoint
-    that the manifest refers to, whose header may hold chunks the manifest does not use. Only
-    :class:`CorruptCheckpointError`."""
+    of this file listed in the manifest (format v3: and, for a file with ruled chunks, its ``/shards``
+    and ``/index`` entries, the last two, back to back), each with its dtype, shape and byte range.
+    ``subset``: a file of a sibling checkpoint that the manifest refers to, whose header may hold
+    chunks the manifest does not use, and whose ruled region may hold a referenced chunk. The ruled
+    chunks and the index: :func:`~shardsafe.format.index.read_index`.
+    Only :class:`CorruptCheckpointError`."""
     size = storage.size(path)
     if size != entry.size:
         raise CorruptCheckpointError(f"{path}: {size} bytes, the manifest says {entry.size} (truncated or altered)")
@@ -257,30 +285,24 @@ def verify_header(
     storage.read_into(path, 0, memoryview(raw))
     if digest(raw) != entry.header_checksum:
         raise CorruptCheckpointError(f"{path}: safetensors header checksum mismatch: the file is corrupt")
-    (n,) = struct.unpack("<Q", raw[:8])
-    if 8 + n != entry.header_bytes:
-        raise CorruptCheckpointError(f"{path}: header length field {n} disagrees with the manifest")
-    text = bytes(raw[8:]).rstrip(b" ")
-    if not (text.startswith(b"{") and text.endswith(b"}")):
-        raise CorruptCheckpointError(f"{path}: the safetensors header is not a JSON object padded with spaces")
-    header = jsontext.parse(text, path, "the safetensors header", max_depth=HEADER_DEPTH)
-    if not isinstance(header, dict):
-        raise CorruptCheckpointError(f"{path}: the safetensors header is not a JSON object")
-    meta = header.get("__metadata__", {})
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise CorruptCheckpointError(f"{path}: the safetensors header's __metadata__ is not an object of strings")
+    header = parse_header(raw, path, entry)
     keys = {c.key for c in chunks}
-    extra = [k for k in header if k != "__metadata__" and k not in keys]
+    indexed = entry.index_checksum is not None
+    shards = regions(header, path, entry).shards if indexed else (0, 0)  # entries back to back, index last
+    ours = (SHARDS_KEY, INDEX_KEY) if indexed else ()
+    extra = [k for k in header if k != "__metadata__" and k not in keys and k not in ours]
     if extra and not subset:
         raise CorruptCheckpointError(
             f"{path}: the safetensors header has entries the manifest does not list: {[k[:80] for k in extra[:3]]}"
         )
     for c, dtype in zip(chunks, dtypes, strict=True):
         info = header.get(c.key)
+        if info is None and subset and shards[0] <= c.begin <= c.end <= shards[1]:
+            continue  # a chunk a sibling holds by rule (v3): in its ruled region, checked by its block checksums
         want = {
             "dtype": SAFETENSORS_DTYPES[dtype],
             "shape": list(c.sizes),
             "data_offsets": [c.begin - entry.header_bytes, c.end - entry.header_bytes],
         }
-        if info != want or any(type(v) is not int for v in [*info["shape"], *info["data_offsets"]]):
+        if info != want:
             raise CorruptCheckpointError(f"{path}: header entry {c.key!r} disagrees with the manifest")

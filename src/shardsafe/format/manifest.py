@@ -1,11 +1,12 @@
-"""``MANIFEST.json``, the commit record of a checkpoint (format v2, reads v1; docs/format.md is the spec).
+"""``MANIFEST.json``, the commit record of a checkpoint (format v3, reads v1 and v2; docs/format.md is the spec).
 
 Parsing is one strict validation pass (docs/format.md, section 8) over everything a hostile file could
 get wrong: UTF-8 JSON of bounded size and depth, the version and self-checksum, every field present
 with its JSON type and nothing else, integers in range, every entry kind, file names (plain names
 only, ``fullmatch``), dtypes from a fixed table, byte ranges against file sizes, chunk boxes against
 global shapes (disjoint, tiling the shape), byte lengths against shapes and dtypes, checksum lists,
-and every typed value. The only exception it raises is :class:`CorruptCheckpointError`.
+sharding rules against their meshes and shapes (v3: bounded, whatever they claim), and every typed
+value. The only exception it raises is :class:`CorruptCheckpointError`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from shardsafe.format.model import (
     READABLE_VERSIONS,
     SAFETENSORS_DTYPES,
     SELF_CHECKSUM,
-    SIDE_FILES_VERSION,
     STORABLE_DTYPES,
     Chunk,
     FileEntry,
@@ -38,6 +38,7 @@ from shardsafe.format.model import (
     self_checksum,
 )
 from shardsafe.format.names import SAVE_ID, is_data_file_of, side_file_problem
+from shardsafe.format.sharding import BOX_BUDGET, MAX_MESH_DIMS, Mesh, Sharding, box_bound
 from shardsafe.format.tiling import check_tiling
 from shardsafe.format.values import INT_LIMIT, MAX_DIMS, dtype_name, validate
 from shardsafe.format.walk import per_rank_counts, tensor_refs
@@ -55,12 +56,13 @@ __all__ = [  # the model (format/model.py) is imported from here too
     "READABLE_VERSIONS",
     "SAFETENSORS_DTYPES",
     "SELF_CHECKSUM",
-    "SIDE_FILES_VERSION",
     "STORABLE_DTYPES",
     "Chunk",
     "FileEntry",
     "Manifest",
+    "Mesh",
     "RefEntry",
+    "Sharding",
     "SideFile",
     "TensorEntry",
     "build_manifest",
@@ -97,13 +99,17 @@ _FIELDS_V1 = frozenset(
     }
 )
 _FIELDS_V2 = _FIELDS_V1 | {"refs"}
-_FIELDS_V3 = _FIELDS_V2 | {"side_files"}
+_FIELDS_V3 = _FIELDS_V2 | {"meshes", "side_files"}
 _FIELDS = {1: _FIELDS_V1, 2: _FIELDS_V2, 3: _FIELDS_V3}
 _SIDE_FIELDS = frozenset({"size", "checksum"})
 _REF_FIELDS = frozenset({"save_id", "files"})
 _CHECKSUM_FIELDS = frozenset({"algorithm", "block_bytes"})
-_FILE_FIELDS = frozenset({"size", "header_bytes", "header_checksum"})
+_FILE_FIELDS_V2 = frozenset({"size", "header_bytes", "header_checksum"})
+_FILE_FIELDS = _FILE_FIELDS_V2 | {"index_checksum"}
 _TENSOR_FIELDS = frozenset({"dtype", "shape", "chunks"})
+_RULED_FIELDS = frozenset({"dtype", "shape", "sharding"})
+_SHARDING_FIELDS = frozenset({"mesh", "dims"})
+_MESH_FIELDS = frozenset({"shape", "ranks"})
 _CHUNK_FIELDS_V1 = frozenset({"offsets", "sizes", "file", "key", "begin", "end", "checksums"})
 _CHUNK_FIELDS = _CHUNK_FIELDS_V1 | {"digest", "ref"}
 _OBJECT_FIELDS = frozenset({"kind", "value"})
@@ -211,14 +217,18 @@ def build_manifest(doc: dict[str, Any], where: str) -> Manifest:
     if isinstance(created, bool) or not isinstance(created, (int, float)) or not 0 <= created <= CREATED_LIMIT:
         raise CorruptCheckpointError(f"{where}: created is {_short(created)}, expected a Unix time from 0 to 2^34")
     library = _obj(doc["library"], "library", where)
+    world = _int(doc["world_size"], "world_size", where, 1, 2**31 - 1)
     files = {
-        check_file_name(name, where): _file(name, f, where) for name, f in _obj(doc["files"], "files", where).items()
+        check_file_name(name, where): _file(name, f, where, version)
+        for name, f in _obj(doc["files"], "files", where).items()
     }
-    refs = _refs(doc["refs"], where) if version >= 2 else {}
-    side_files = _side_files(doc["side_files"], files, where) if version >= SIDE_FILES_VERSION else {}
+    refs = _refs(doc["refs"], where, version) if version >= 2 else {}
+    meshes = _meshes(doc["meshes"], world, where) if version >= 3 else []
+    side_files = _side_files(doc["side_files"], files, where) if version >= 3 else {}
+    memo: dict[Any, Sharding] = {}
     tensors = {
         _text(name, "a tensor name", where, limit=65536, printable=False): _tensor(
-            name, t, files, refs, block, where, version
+            name, t, files, refs, meshes, block, where, version, memo
         )
         for name, t in _obj(doc["tensors"], "tensors", where).items()
     }
@@ -227,7 +237,6 @@ def build_manifest(doc: dict[str, Any], where: str) -> Manifest:
     if unused:
         raise CorruptCheckpointError(f"{where}: refs lists {unused[:3]}, which no chunk refers to")
     objects = {key: _object(key, obj, tensors, where) for key, obj in _obj(doc["objects"], "objects", where).items()}
-    world = _int(doc["world_size"], "world_size", where, 1)
     for key, obj in objects.items():
         wrong = [n for n in per_rank_counts(obj["value"]) if n != world]
         if wrong:
@@ -241,7 +250,7 @@ def build_manifest(doc: dict[str, Any], where: str) -> Manifest:
     return Manifest(
         save_id=_text(doc["save_id"], "save_id", where, SAVE_ID),
         created=float(created),
-        world_size=_int(doc["world_size"], "world_size", where, 1, 2**31 - 1),
+        world_size=world,
         strategy=_text(doc["strategy"], "strategy", where, limit=64),
         library={_text(k, "a library name", where): _text(v, f"library[{k}]", where) for k, v in library.items()},
         block_bytes=block,
@@ -251,6 +260,7 @@ def build_manifest(doc: dict[str, Any], where: str) -> Manifest:
         files=files,
         format_version=version,
         refs=refs,
+        meshes=meshes,
         side_files=side_files,
     )
 
@@ -270,7 +280,7 @@ def _side_files(value: Any, files: dict[str, FileEntry], where: str) -> dict[str
     return out
 
 
-def _refs(value: Any, where: str) -> dict[str, RefEntry]:
+def _refs(value: Any, where: str, version: int) -> dict[str, RefEntry]:
     """The ``refs`` table (v2): sibling checkpoint name -> save id and the files referenced in it. A
     name is validated like a file name (a single plain path component: no ``/``, ``\\``, ``..``,
     no hidden name), so a reference can only point into a sibling under the same parent; each file
@@ -286,22 +296,110 @@ def _refs(value: Any, where: str) -> dict[str, RefEntry]:
             check_file_name(fname, f"{where}: {what}")
             if not is_data_file_of(fname, sid):
                 raise CorruptCheckpointError(f"{where}: {what} lists {_short(fname)}, not a data file of save {sid}")
-            files[fname] = _file(fname, f, where)
+            files[fname] = _file(fname, f, where, version)
         if not files:
             raise CorruptCheckpointError(f"{where}: {what} lists no files")
         out[name] = RefEntry(save_id=sid, files=files)
     return out
 
 
-def _file(name: str, f: Any, where: str) -> FileEntry:
+def _file(name: str, f: Any, where: str, version: int) -> FileEntry:
+    """A ``files`` entry (v3: with the index checksum, ``null`` for a file holding no ruled chunk)."""
     what = f"files[{name}]"
-    f = _obj(f, what, where, _FILE_FIELDS)
+    f = _obj(f, what, where, _FILE_FIELDS if version >= 3 else _FILE_FIELDS_V2)
     size = _int(f["size"], f"{what}.size", where, 8)
     header = _int(f["header_bytes"], f"{what}.header_bytes", where, 8, min(size, MAX_HEADER_BYTES))
     if header % 8:
         raise CorruptCheckpointError(f"{where}: {what}.header_bytes is {header}, not a multiple of 8")
     digest = _text(f["header_checksum"], f"{what}.header_checksum", where, _DIGEST)
-    return FileEntry(size=size, header_bytes=header, header_checksum=digest)
+    index = None
+    if version >= 3 and f["index_checksum"] is not None:
+        index = _text(f["index_checksum"], f"{what}.index_checksum", where, _DIGEST)
+    return FileEntry(size=size, header_bytes=header, header_checksum=digest, index_checksum=index)
+
+
+def _meshes(value: Any, world: int, where: str) -> list[Mesh]:
+    """The writers' meshes (v3): each a shape of at most :data:`MAX_MESH_DIMS` dimensions, each >= 1,
+    and as many ranks as the shape has coordinates, each a rank of the saving world, none twice."""
+    out = []
+    for i, m in enumerate(_list(value, "meshes", where)):
+        what = f"meshes[{i}]"
+        m = _obj(m, what, where, _MESH_FIELDS)
+        dims = _list(m["shape"], f"{what}.shape", where)
+        if len(dims) > MAX_MESH_DIMS:
+            raise CorruptCheckpointError(f"{where}: {what} has {len(dims)} dimensions, more than {MAX_MESH_DIMS}")
+        shape = tuple(_int(d, f"a dimension of {what}", where, 1, world) for d in dims)
+        ranks = _list(m["ranks"], f"{what}.ranks", where)
+        count = 1
+        for d in shape:
+            count *= d
+            if count > len(ranks):
+                break
+        if count != len(ranks):
+            raise CorruptCheckpointError(
+                f"{where}: {what} lists {len(ranks)} ranks, not one per coordinate of its shape {list(shape)}"
+            )
+        writers = tuple(_int(r, f"a rank of {what}", where, 0, world - 1) for r in ranks)
+        if len(set(writers)) != len(writers):
+            raise CorruptCheckpointError(f"{where}: {what} lists a rank more than once (each writes one coordinate)")
+        out.append(Mesh(shape, writers))
+    return out
+
+
+def _sharding(
+    rule: Any, shape: tuple[int, ...], meshes: list[Mesh], here: str, memo: dict[Any, Sharding] | None = None
+) -> Sharding:
+    """A tensor's sharding rule (v3): a mesh of ``meshes``, and per mesh dimension a tensor dimension
+    and a split factor from 1 to :data:`BOX_BUDGET`, the boxes of one coordinate at most that many.
+    ``memo``: rules already checked (every layer's tensors repeat a few), by their plain-integer form."""
+    key = _plain_rule(rule, len(shape))
+    known = memo.get(key) if memo is not None and key is not None else None
+    if known is not None:
+        return known
+    rule = _obj(rule, "the sharding", here, _SHARDING_FIELDS)
+    if not meshes:
+        raise CorruptCheckpointError(f"{here}: a sharding rule, but the manifest lists no meshes")
+    mesh = _int(rule["mesh"], "the sharding's mesh", here, 0, len(meshes) - 1)
+    dims = _list(rule["dims"], "the sharding's dims", here)
+    if len(dims) != len(meshes[mesh].shape):
+        raise CorruptCheckpointError(
+            f"{here}: the sharding gives {len(dims)} dims for mesh {mesh} of {len(meshes[mesh].shape)} dimensions"
+        )
+    pairs = []
+    for pair in dims:
+        pair = _list(pair, "a sharding dim", here)
+        if len(pair) != 2:
+            raise CorruptCheckpointError(f"{here}: a sharding dim is {_short(pair)}, expected [tensor dim, factor]")
+        if not shape:
+            raise CorruptCheckpointError(f"{here}: a 0-d tensor cannot be split")
+        pairs.append(
+            (
+                _int(pair[0], "a sharding's tensor dim", here, 0, len(shape) - 1),
+                _int(pair[1], "a sharding's split factor", here, 1, BOX_BUDGET),
+            )
+        )
+    if box_bound(pairs) > BOX_BUDGET:
+        raise CorruptCheckpointError(
+            f"{here}: the sharding's split factors could make {box_bound(pairs)} boxes per coordinate, more than "
+            f"{BOX_BUDGET}"
+        )
+    out = Sharding(mesh, tuple(pairs))
+    if memo is not None and key is not None:
+        memo[key] = out
+    return out
+
+
+def _plain_rule(rule: Any, ndim: int) -> tuple[Any, ...] | None:
+    """A sharding made of plain JSON integers only, as a hashable key (with the tensor's rank, which
+    bounds its dims); ``None`` for anything else (checked field by field instead)."""
+    if type(rule) is not dict or rule.keys() != _SHARDING_FIELDS or type(rule["mesh"]) is not int:
+        return None
+    dims = rule["dims"]
+    if type(dims) is not list or not all(
+        type(p) is list and len(p) == 2 and type(p[0]) is int and type(p[1]) is int for p in dims
+    ):
+        return None
+    return (rule["mesh"], tuple((p[0], p[1]) for p in dims), ndim)
 
 
 def _object(key: Any, obj: Any, tensors: dict[str, TensorEntry], where: str) -> dict[str, Any]:
@@ -318,14 +416,23 @@ def _object(key: Any, obj: Any, tensors: dict[str, TensorEntry], where: str) -> 
 
 
 def _tensor(
-    name: str, t: Any, files: dict[str, FileEntry], refs: dict[str, RefEntry], block: int, where: str, version: int
+    name: str,
+    t: Any,
+    files: dict[str, FileEntry],
+    refs: dict[str, RefEntry],
+    meshes: list[Mesh],
+    block: int,
+    where: str,
+    version: int,
+    memo: dict[Any, Sharding] | None = None,
 ) -> TensorEntry:
     here = f"{where}: tensor {name!r}"
-    t = _obj(t, "the entry", here, _TENSOR_FIELDS)
+    ruled = version >= 3 and isinstance(t, dict) and "sharding" in t
+    t = _obj(t, "the entry", here, _RULED_FIELDS if ruled else _TENSOR_FIELDS)
     dtype = STORABLE_DTYPES.get(t["dtype"]) if isinstance(t["dtype"], str) else None
     if dtype is None:
         raise CorruptCheckpointError(
-            f"{here}: dtype {_short(t['dtype'])} is not one of format v2 (docs/format.md, section 6)"
+            f"{here}: dtype {_short(t['dtype'])} is not one of the format's (docs/format.md, section 6)"
         )
     dims = _list(t["shape"], "shape", here)
     if len(dims) > MAX_DIMS:
@@ -333,6 +440,9 @@ def _tensor(
     shape = tuple(_int(d, "a shape dimension", here) for d in dims)
     if math.prod(max(d, 1) for d in shape) * dtype.itemsize > INT_LIMIT:
         raise CorruptCheckpointError(f"{here}: shape {list(shape)} is absurdly large")
+    if ruled:
+        rule = _sharding(t["sharding"], shape, meshes, here, memo)
+        return TensorEntry(dtype=dtype, shape=shape, chunks=(), sharding=rule)
     records = _list(t["chunks"], "chunks", here)
     if not records:
         raise CorruptCheckpointError(

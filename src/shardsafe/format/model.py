@@ -13,14 +13,15 @@ from typing import Any
 import torch
 import xxhash
 
+from shardsafe.format.sharding import Mesh, Sharding
 from shardsafe.format.values import dtype_name
 
-FORMAT_VERSION = 2
-"""The version of a checkpoint without side files; one with side files is :data:`SIDE_FILES_VERSION`."""
-SIDE_FILES_VERSION = 3
-"""v3 is v2 plus ``side_files``: files written beside the data under their own names (``trainer_state.json``)."""
+FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
-"""v2 adds a content digest per chunk and references into sibling checkpoints (``refs``); v3 side files."""
+"""v2 adds a content digest per chunk and references into sibling checkpoints (``refs``); v3 adds
+sharding rules (``meshes``, a tensor's ``sharding``), an index in every data file (``/index``,
+covered by the file's ``index_checksum``) and side files (``side_files``: files written beside the
+data under their own names, ``trainer_state.json``)."""
 DIGEST_ALGORITHM = "xxh3-128"
 CHECKSUM_ALGORITHM = "xxh3-64"
 SELF_CHECKSUM = "manifest_checksum"
@@ -83,9 +84,13 @@ class Chunk:
 
 @dataclass(frozen=True)
 class TensorEntry:
+    """A tensor of the checkpoint: its ``chunks`` listed (every format), or (format v3) a ``sharding``
+    rule whose chunks the data files' indexes describe (then ``chunks`` is empty)."""
+
     dtype: torch.dtype
     shape: tuple[int, ...]
     chunks: tuple[Chunk, ...]
+    sharding: Sharding | None = None
 
     @property
     def nbytes(self) -> int:
@@ -94,9 +99,13 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class FileEntry:
+    """A data file: its size, header length and checksum, and (format v3) the checksum of its index
+    (``None``: a file written by a v1 or v2 save, which has none)."""
+
     size: int
     header_bytes: int
     header_checksum: str
+    index_checksum: str | None = None
 
 
 @dataclass(frozen=True)
@@ -132,7 +141,10 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
     refs: dict[str, RefEntry] = field(default_factory=dict)
+    meshes: list[Mesh] = field(default_factory=list)
+    """(v3) The writers' meshes the tensors' ``sharding`` rules refer to, by position."""
     side_files: dict[str, SideFile] = field(default_factory=dict)
+    """(v3) Files written beside the data under their own names, with their sizes and checksums."""
 
     @property
     def total_bytes(self) -> int:
@@ -159,30 +171,39 @@ class Manifest:
             "checksum": {"algorithm": CHECKSUM_ALGORITHM, "block_bytes": self.block_bytes},
             "metadata": self.metadata,
             "objects": self.objects,
-            "tensors": {
-                name: {
-                    "dtype": dtype_name(t.dtype),
-                    "shape": list(t.shape),
-                    "chunks": [c.to_json(self.format_version) for c in t.chunks],
-                }
-                for name, t in self.tensors.items()
-            },
-            "files": _files_json(self.files),
+            "tensors": {name: _tensor_json(t, self.format_version) for name, t in self.tensors.items()},
+            "files": _files_json(self.files, self.format_version),
         }
         if self.format_version >= 2:
-            doc["refs"] = {name: {"save_id": r.save_id, "files": _files_json(r.files)} for name, r in self.refs.items()}
-        if self.format_version >= SIDE_FILES_VERSION:
+            doc["refs"] = {
+                name: {"save_id": r.save_id, "files": _files_json(r.files, self.format_version)}
+                for name, r in self.refs.items()
+            }
+        if self.format_version >= 3:
+            doc["meshes"] = [m.to_json() for m in self.meshes]
             doc["side_files"] = {n: {"size": f.size, "checksum": f.checksum} for n, f in self.side_files.items()}
         else:
             assert not self.side_files, f"format version {self.format_version} holds no side files"
-        return json.dumps(seal_manifest(doc), separators=(",", ":"), allow_nan=False).encode()
+        return json.dumps(seal_manifest(doc), separators=(",", ":"), allow_nan=False, check_circular=False).encode()
 
 
-def _files_json(files: dict[str, FileEntry]) -> dict[str, Any]:
-    return {
-        name: {"size": f.size, "header_bytes": f.header_bytes, "header_checksum": f.header_checksum}
-        for name, f in files.items()
-    }
+def _tensor_json(t: TensorEntry, version: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}
+    if t.sharding is not None:
+        out["sharding"] = t.sharding.to_json()
+    else:
+        out["chunks"] = [c.to_json(version) for c in t.chunks]
+    return out
+
+
+def _files_json(files: dict[str, FileEntry], version: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, f in files.items():
+        entry: dict[str, Any] = {"size": f.size, "header_bytes": f.header_bytes, "header_checksum": f.header_checksum}
+        if version >= 3:
+            entry["index_checksum"] = f.index_checksum
+        out[name] = entry
+    return out
 
 
 def seal_manifest(doc: dict[str, Any]) -> dict[str, Any]:
@@ -193,5 +214,7 @@ def seal_manifest(doc: dict[str, Any]) -> dict[str, Any]:
 
 def self_checksum(doc: dict[str, Any]) -> str:
     body = {k: v for k, v in doc.items() if k != SELF_CHECKSUM}
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    canonical = json.dumps(  # a parsed or built document is a tree: no cycle to look for (a third faster)
+        body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False, check_circular=False
+    )
     return xxhash.xxh3_64_hexdigest(canonical.encode())

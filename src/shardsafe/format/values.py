@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from shardsafe.errors import CorruptCheckpointError, UnsafeValueError
+from shardsafe.errors import CheckpointError, CorruptCheckpointError, UnsafeValueError
 from shardsafe.format.walk import has_per_rank
 
 Json = Any
@@ -319,7 +319,25 @@ def decode(node: Json, where: str, resolve: TensorSource, *, allow_pickle: bool 
     """The Python value of a typed JSON node; ``where`` names it in errors. The whole node is
     validated first (:func:`validate`), so nothing is built from a malformed one."""
     validate(node, where, allow_pickle=allow_pickle)
-    return _build(node, resolve)
+    try:
+        return _build(node, resolve)
+    except _NoNumpy as err:
+        raise CheckpointError(
+            f"{where}: holds a numpy {err}; building it needs numpy, which this Python cannot import. Install numpy "
+            "(pip install numpy) to load it: the checkpoint itself is fine"
+        ) from err.__cause__
+
+
+class _NoNumpy(Exception):
+    """A numpy value to build, and no numpy to build it with."""
+
+
+def _numpy(kind: str) -> Any:
+    try:
+        import numpy
+    except ImportError as err:
+        raise _NoNumpy(kind) from err
+    return numpy
 
 
 def _build(node: Json, resolve: TensorSource) -> Any:
@@ -347,11 +365,12 @@ def _build(node: Json, resolve: TensorSource) -> Any:
         return resolve(node["ref"])
     if tag == "ndarray":
         tensor = resolve(node["ref"])
-        return tensor.numpy() if isinstance(tensor, torch.Tensor) else tensor
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        _numpy("array")
+        return tensor.numpy()
     if tag == "npscalar":
-        import numpy as np
-
-        return np.dtype(node["dtype"]).type(_build(node["v"], resolve))
+        return _numpy("scalar").dtype(node["dtype"]).type(_build(node["v"], resolve))
     if tag == "per_rank":  # every rank's value, by rank (a loader picks its own rank's beforehand)
         return {r: _build(v, resolve) for r, v in enumerate(node["ranks"])}
     # tag == "pickle" (validate refused it unless allowed)

@@ -32,7 +32,7 @@ from shardsafe.engine.plan import PendingChunk, file_bytes
 from shardsafe.engine.read import read_manifest
 from shardsafe.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from shardsafe.format.datafile import read_blocks, write_file
-from shardsafe.format.manifest import Chunk, FileEntry, Manifest, TensorEntry
+from shardsafe.format.manifest import FORMAT_VERSION, Chunk, FileEntry, Manifest, TensorEntry
 from shardsafe.interop.outdir import check_parents, make_parents, remove_created
 from shardsafe.progress.record import ProgressCallback, check_callback
 from shardsafe.progress.tracker import Tracker, tracked
@@ -80,7 +80,7 @@ def _consolidate(
     storage = get_storage(src, storage_options, deadline=deadline)
     dest = get_storage(out, storage_options, deadline=deadline)
     with mapped_errors("export", src):
-        manifest = read_manifest(storage, src)
+        manifest = read_manifest(storage, src)  # every chunk listed: each is copied
     local = not is_remote(out)
     if local:
         if os.path.islink(out):
@@ -136,7 +136,7 @@ def _copy(
     plans = []
     for _, members in sorted(groups.items()):
         chunks = [PendingChunk(n, c.offsets, c.sizes, _meta(manifest, n, c)) for n, c in members]
-        plans.append((members, chunks, file_bytes(chunks)))
+        plans.append((members, chunks, file_bytes(chunks, manifest.block_bytes)))
     tracker.set_total(sum(size for _, _, (size, _) in plans))
     tracker.phase = "write"
     try:
@@ -160,7 +160,16 @@ def _copy(
         n: TensorEntry(t.dtype, t.shape, tuple(sorted(new_chunks[n], key=lambda c: c.offsets)))
         for n, t in manifest.tensors.items()
     }
-    copy = replace(manifest, save_id=save_id, created=time.time(), tensors=tensors, files=files, refs={})
+    copy = replace(
+        manifest,
+        save_id=save_id,
+        created=time.time(),
+        tensors=tensors,
+        files=files,
+        refs={},
+        format_version=FORMAT_VERSION,  # the files just written have an index
+        meshes=[],
+    )
     raw = copy.to_bytes()
     tracker.phase = "publish"
     commit = publication.verify(raw, files, deadline)  # never commit what a loader would refuse

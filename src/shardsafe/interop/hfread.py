@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from shardsafe.errors import CorruptCheckpointError
+from shardsafe.format.datafile import tensor_bytes
 from shardsafe.format.model import SAFETENSORS_DTYPES
 from shardsafe.interop.torchread import Source, open_regular
 
@@ -121,7 +122,7 @@ def read(src: Source) -> dict[str, torch.Tensor]:
     for begin, end, name, dtype, shape in spans:
         buf = torch.empty(end - begin, dtype=torch.uint8)
         if end > begin:
-            buf.numpy()[:] = memoryview(src.pread(end - begin, 8 + n + begin))
+            src.pread_into(tensor_bytes(buf), 8 + n + begin)
         out[name] = buf.view(dtype).reshape(shape) if buf.numel() else torch.empty(shape, dtype=dtype)
     return out
 

@@ -173,6 +173,12 @@ def _guarded(src: str, read: Any) -> Any:
         return read()
     except CheckpointError:
         raise
+    except ImportError as err:  # a package this Python lacks: said as such, never as damage
+        raise CheckpointError(
+            f"{src}: reading it needs the module {err.name or str(err)[:100]!r}, which this Python cannot import "
+            f"({type(err).__name__}: {str(err)[:200]}). Install the package that provides it and import again; "
+            "nothing was imported"
+        ) from err
     except Exception as err:
         raise CheckpointError(f"{src}: cannot import it ({type(err).__name__}: {str(err)[:300]})") from err
 

@@ -26,7 +26,7 @@ from shardsafe.deadline import Deadline
 from shardsafe.engine.guard import mapped_errors
 from shardsafe.engine.read import plan_reads, run_tasks
 from shardsafe.errors import CheckpointError, CorruptCheckpointError
-from shardsafe.format.datafile import read_verified
+from shardsafe.format.datafile import read_verified, tensor_bytes
 from shardsafe.format.manifest import Chunk, Manifest, TensorEntry
 from shardsafe.storage import Storage
 from shardsafe.workers import Pool
@@ -124,7 +124,7 @@ class PieceReader:
             buf = torch.empty(piece.nbytes, dtype=torch.uint8)
         raw = buf[: piece.nbytes]
         if piece.chunk is not None:
-            self._direct(piece, piece.chunk, raw.numpy().data)
+            self._direct(piece, piece.chunk, tensor_bytes(raw))
             return raw.view(entry.dtype)
         shape = (piece.hi - piece.lo, *entry.shape[1:]) if entry.shape else ()
         out = raw.view(entry.dtype).view(shape)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from shardsafe.errors import CheckpointError, CorruptCheckpointError, UnsafeValueError
+from shardsafe.format.datafile import tensor_bytes
 from shardsafe.format.values import MAX_DEPTH
 from shardsafe.interop import unpickle
 from shardsafe.interop.unpickle import Malformed, Refused
@@ -171,6 +172,12 @@ def read(src: Source, allow_pickle: bool) -> Any:
         )
     try:
         obj, pickled = _zip(src, allow_pickle) if kind == "zip" else _legacy(src, allow_pickle)
+    except ImportError as err:  # full unpickling named a module this Python lacks: not damage
+        raise CheckpointError(
+            f"{src.where}: reading it needs the module {err.name or str(err)[:100]!r}, which this Python cannot "
+            f"import ({type(err).__name__}: {str(err)[:200]}). Install the package that provides it and import "
+            "again; nothing was imported"
+        ) from err
     except Malformed as err:
         raise CorruptCheckpointError(
             f"{src.where}: {err}; the file is damaged (or crafted): nothing was imported"
@@ -194,7 +201,7 @@ def _zip(src: Source, allow_pickle: bool) -> tuple[Any, int]:
             infos = archive.infolist()
             directory = archive.start_dir
             records = _records(src, archive, infos, directory)
-    except (Malformed, CheckpointError):
+    except (Malformed, CheckpointError, ImportError):  # a module this Python lacks is no damage
         raise
     except Exception as err:  # what zipfile raises for a damaged directory or header
         raise Malformed(f"not a readable zip archive ({type(err).__name__}: {str(err)[:200]})") from err
@@ -202,8 +209,8 @@ def _zip(src: Source, allow_pickle: bool) -> tuple[Any, int]:
     if pkl is None:
         raise Malformed("the archive has no data.pkl record")
     order = records.pop("byteorder", None)
-    big = order is not None and bytes(order.numpy()) == b"big"
-    if order is not None and bytes(order.numpy()) not in (b"little", b"big"):
+    big = order is not None and bytes(tensor_bytes(order)) == b"big"
+    if order is not None and bytes(tensor_bytes(order)) not in (b"little", b"big"):
         raise Malformed("record 'byteorder' is neither 'little' nor 'big'")
     storages: dict[str, torch.UntypedStorage] = {}
 
@@ -228,7 +235,7 @@ def _zip(src: Source, allow_pickle: bool) -> tuple[Any, int]:
                 storages[key].byteswap(dtype)  # type: ignore[no-untyped-call]
         return _typed(storages[key], dtype)
 
-    return _unpickle(bytes(pkl.numpy()), persistent_load, allow_pickle, "data.pkl"), pkl.numel()
+    return _unpickle(bytes(tensor_bytes(pkl)), persistent_load, allow_pickle, "data.pkl"), pkl.numel()
 
 
 def _records(
@@ -268,8 +275,8 @@ def _records(
 
 
 def _record(src: Source, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> torch.Tensor:
-    out = torch.empty(info.file_size, dtype=torch.uint8)
-    view = memoryview(out.numpy().data).cast("B")
+    memory, out = fixed(info.file_size)
+    view = memoryview(memory)
     crc = 0
     if info.compress_type == zipfile.ZIP_STORED:
         local = src.pread(30, info.header_offset)
@@ -315,7 +322,7 @@ def _legacy(src: Source, allow_pickle: bool) -> tuple[Any, int]:
     if not isinstance(info, dict) or info.get("little_endian", True) is not True:
         raise Malformed("its system info is not a dict saying little-endian (big-endian legacy files are not read)")
     start = f.tell()
-    declared: dict[str, tuple[int, torch.UntypedStorage]] = {}  # key -> (elements, storage)
+    declared: dict[str, tuple[int, bytearray, torch.UntypedStorage]] = {}  # key -> (elements, memory, storage)
     views: dict[str, torch.UntypedStorage] = {}
     room = [0]  # bytes the declared storages take in the file, with their 8-byte counts
 
@@ -335,8 +342,9 @@ def _legacy(src: Source, allow_pickle: bool) -> tuple[Any, int]:
                     f"storage {key!r} declares {numel} {dtype} elements ({numel * dtype.itemsize} bytes): with the "
                     f"others, more than the {left} bytes left in the file"
                 )
-            declared[key] = (numel, torch.empty(numel * dtype.itemsize, dtype=torch.uint8).untyped_storage())
-        storage = declared[key][1]
+            memory, tensor = fixed(numel * dtype.itemsize)
+            declared[key] = (numel, memory, tensor.untyped_storage())
+        storage = declared[key][2]
         if storage.nbytes() != numel * dtype.itemsize:
             raise Malformed(f"storage {key!r} is declared with two sizes")
         if view_of is not None:
@@ -355,18 +363,24 @@ def _legacy(src: Source, allow_pickle: bool) -> tuple[Any, int]:
     if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)) or sorted(keys) != sorted(declared):
         raise Malformed("its list of storage keys does not match the storages its pickle declares")
     for key in keys:
-        numel, storage = declared[key]
+        numel, memory, storage = declared[key]
         (count,) = struct.unpack("<q", _exactly(f, 8, key))
         if count != numel:
             raise Malformed(f"storage {key!r} has {count} elements in the file, {numel} in its pickle")
-        target = torch.empty(0, dtype=torch.uint8).set_(storage)
-        if storage.nbytes():
-            view = memoryview(target.numpy().data).cast("B")
-            if f.readinto(view) != len(view):
-                raise Malformed(f"the file ends inside storage {key!r}")
+        if storage.nbytes() and f.readinto(memoryview(memory)[: storage.nbytes()]) != storage.nbytes():
+            raise Malformed(f"the file ends inside storage {key!r}")
     if f.read(1):
         raise Malformed(f"{src.length - f.tell() + 1} bytes follow the last storage")
     return obj, pickled
+
+
+def fixed(nbytes: int) -> tuple[bytearray, torch.Tensor]:
+    """``nbytes`` zero bytes, and a uint8 tensor over them whose storage cannot grow: a pickle read with
+    full unpickling runs torch's own rebuilds, and ``set_`` enlarges a storage that is too small for the
+    view it is asked for (gigabytes, from a file of a few hundred bytes). Here it raises instead."""
+    memory = bytearray(max(nbytes, 1))  # torch.frombuffer refuses an empty buffer: a slice of one byte
+    tensor = torch.frombuffer(memory, dtype=torch.uint8)
+    return memory, tensor if nbytes else torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()[0:0])
 
 
 def _typed(storage: torch.UntypedStorage, dtype: torch.dtype) -> torch.storage.TypedStorage:
@@ -396,9 +410,9 @@ def _unpickle_at(f: Any, persistent_load: unpickle.PersistentLoad, allow_pickle:
         if why.name is None or not unpickle.well_formed(f):
             raise Malformed(f"{what}: a damaged pickle ({why})") from None
         if not unpickle.exists(why.name):
-            raise Malformed(
-                f"{what} names the global {why.name}, which does not exist here (or needs a package this Python lacks)"
-            ) from None
+            if unpickle.installed(why.name):  # the package is here, the name is not: a damaged name
+                raise Malformed(f"{what} names the global {why.name}, which does not exist here") from None
+            raise _Unsafe(what, why, missing=why.name.split(".", 1)[0]) from None
         raise _Unsafe(what, why) from None
     except Malformed as err:
         raise Malformed(f"{what}: {err}") from err
@@ -417,10 +431,12 @@ def _unpickle(data: bytes, persistent_load: unpickle.PersistentLoad, allow_pickl
 
 
 class _Unsafe(Exception):
-    """An intact pickle that asks for more than weights-only reading does."""
+    """An intact pickle that asks for more than weights-only reading does (``missing``: the package of that
+    global, when it is not installed here)."""
 
-    def __init__(self, what: str, why: Refused) -> None:
-        super().__init__(f"{what} asks for {why}")
+    def __init__(self, what: str, why: Refused, missing: str | None = None) -> None:
+        note = f", from the package {missing}, which is not installed here" if missing else ""
+        super().__init__(f"{what} asks for {why}{note}")
 
 
 # ------------------------------------------------------------------------------- what it expands to

@@ -516,15 +516,30 @@ def check_stream(f: Any, what: str = "the pickle") -> None:
         raise Malformed(f"{what} is not a complete pickle ({type(err).__name__}: {str(err)[:200]})") from err
 
 
+_CHECKED_REBUILDS: dict[tuple[str, str], Callable[..., Any]] = {
+    ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
+}
+"""Full unpickling too rebuilds tensors with the checked views: torch's own ``_rebuild_tensor*`` call
+``set_``, which enlarges a storage that is too small for the view (gigabytes asked for by a file of a few
+hundred bytes)."""
+
+
 def load_full(f: Any, persistent_load: PersistentLoad) -> Any:
     """Full unpickling (``allow_pickle``): what ``torch.load(weights_only=False)`` does, storages from
-    ``persistent_load``, after :func:`check_stream`. Runs code the file names."""
+    ``persistent_load`` and tensors rebuilt by the checked views, after :func:`check_stream`. Runs code
+    the file names. A global whose module this Python cannot import raises that ``ImportError`` (a
+    package missing here, not damage)."""
     start = f.tell()
     check_stream(f)
     f.seek(start)
 
     class Full(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
+            checked = _CHECKED_REBUILDS.get((module, name))
+            if checked is not None:
+                return checked
             if "Storage" in name and module in ("torch", "torch.storage"):
                 try:
                     return torch.serialization.StorageType(name)  # type: ignore[no-untyped-call]
@@ -537,7 +552,7 @@ def load_full(f: Any, persistent_load: PersistentLoad) -> Any:
 
     try:
         return Full(Bounded(f), encoding="utf-8").load()
-    except (Malformed, Refused):
+    except (Malformed, Refused, ImportError):
         raise
     except RecursionError as err:
         raise Malformed("the pickle nests too deeply") from err
@@ -551,6 +566,17 @@ class _Null(io.StringIO):
 
 
 _NULL = _Null()
+
+
+def installed(name: str) -> bool:
+    """Whether the top-level package of the global ``name`` is installed here (found, not imported)."""
+    top = name.split(".", 1)[0]
+    if top in sys.modules:
+        return sys.modules[top] is not None  # None: imports of it are blocked
+    try:
+        return importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def exists(name: str) -> bool:

@@ -5,8 +5,8 @@ Lives here: the manager (``manager``), its config (``config``), when to save (``
 signals (``preemption``), retention policies (``retention``), the scan of a root (``listing``; the
 ``shardsafe ls`` command prints it, :mod:`shardsafe.cli.ls`), cleanup of leftovers (``cleanup``), resume
 (``resume``), the node-local tier (``tiers``: config and layout; ``local``: its protocols; ``replica``: its
-socket transport) and the chain of incremental saves: which base, when a full save is due (``chain``). Its
-per-step agreements live in coord.steps.
+socket transport; ``lineage``: the run and incarnations a copy belongs to) and the chain of incremental
+saves: which base, when a full save is due (``chain``). Its per-step agreements live in coord.steps.
 
 Layer: may import engine, storage, coord, display, errors; imported by the public package and the CLI."""
 

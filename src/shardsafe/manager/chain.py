@@ -37,7 +37,7 @@ from collections.abc import Collection, Sequence
 from shardsafe.catalog.names import TOMBSTONE, link_target
 from shardsafe.catalog.refs import check_own_files, check_ref_files, sibling, split
 from shardsafe.engine.guard import mapped_errors
-from shardsafe.engine.read import read_manifest
+from shardsafe.engine.read import open_manifest
 from shardsafe.errors import CheckpointError, CorruptCheckpointError
 from shardsafe.format.manifest import Manifest, parse_manifest
 from shardsafe.format.values import decode
@@ -80,7 +80,7 @@ def choose_base(
             continue  # a link to a checkpoint elsewhere is no base: a reference may only name a sibling
         try:
             with mapped_errors("choose a base", record.path):
-                manifest = read_manifest(fs, record.path)
+                manifest = open_manifest(fs, record.path)
                 check_own_files(fs, record.path, manifest)  # its files, and its own bases', are there
                 check_ref_files(fs, record.path, manifest)
                 if target in manifest.refs:

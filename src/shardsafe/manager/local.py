@@ -3,44 +3,65 @@ talk through :class:`~shardsafe.coord.Operation` agreements (the rendezvous stor
 
 Local save of step N (operation ``tier.save``):
 
-1. agreement ``arrive``: each rank sends its node, replica-server address and token; rank 0 returns the table;
-2. each rank saves its whole state as a one-process shardsafe checkpoint ``<node folder>/step-N/rank-R``
-   (all-or-nothing by itself), then pushes it to its peers (:func:`~shardsafe.manager.tiers.peers`),
-   each of which verifies every byte before the copy counts;
-3. agreement ``done``: every rank's outcome; any failure is raised on every rank. Only after it does a
-   rank apply retention, so the steps it deletes are older than one that every rank completed.
+1. agreement ``arrive``: each rank sends its node, replica-server address and token; rank 0 decides the
+   table, the run (manager/lineage.py: the recorded one, else a new one), the incarnation and a new save
+   id;
+2. each rank saves its whole state as a one-process shardsafe checkpoint
+   ``<node folder>/run-<run>/step-N-<save>/rank-R`` (all-or-nothing by itself; its metadata names its
+   step, rank, number of ranks, run, save and incarnation), then pushes it to its peers
+   (:func:`~shardsafe.manager.tiers.peers`), each of which verifies every byte and the metadata before
+   the copy counts;
+3. agreement ``done``: every rank's outcome; when all succeeded and the run record does not list this
+   job's incarnation yet, rank 0 records it before deciding (a failure to record is a failure of the
+   save: its shares never count). A failure is every rank's (:class:`LocalFailure`); only after a success
+   does a rank apply retention, so the steps it deletes are older than one that every rank completed.
 
-Resume (operation ``tier.resume``): agreement ``scan``: each rank verifies the entries it owns in its
-node folder and reports them; rank 0 finds the steps newer than the durable store's newest for which
-every rank's share verifies somewhere (its own copy or a replica) and picks, for each rank, where its
-share comes from. Per candidate, newest first: each rank fetches its share from a peer when its own is
-missing or damaged (every byte verified), agreement ``fetch.<n>``; then each loads its own share,
-agreement ``load.<n>``. The first candidate every rank loaded wins; none: the durable store."""
+Resume (operation ``tier.resume``): agreement ``arrive`` (the table, and the run, which rank 0 reads
+from the durable root); agreement ``scan``: each rank verifies the entries of the run in its node folder
+that it handles (:func:`~shardsafe.manager.tiers.handler`: by the rank an entry names, among the ranks
+of the node now) and reports them; rank 0 groups the copies by save and keeps the saves newer than the
+durable store's newest, of an incarnation the run record still counts, with a verified copy of every
+rank's share; for each, newest first, it picks where each rank's share comes from (its node's folder,
+else a peer). Per candidate: each rank fetches its share from a peer when its node holds none (every byte
+verified), agreement ``fetch.<n>``; only then does any rank load, agreement ``load.<n>``. The first
+candidate every rank loaded wins; none: the durable store.
+
+Then (operation ``tier.begin``, agreement ``record``) rank 0 records this job as a new incarnation that
+resumed from the step chosen (local or durable), and each rank deletes what it handles of the newer steps
+(failures logged: an entry that stays never counts again)."""
 
 from __future__ import annotations
 
 import logging
 import os
 from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from shardsafe.coord import Deadline, Deadlines, Operation
-from shardsafe.coord.resolve import SOLO
+from shardsafe.coord.messages import Empty
+from shardsafe.coord.resolve import SOLO, resolve_group
 from shardsafe.engine import api
 from shardsafe.errors import CheckpointError, CorruptCheckpointError, RemoteRankError
 from shardsafe.manager import replica
+from shardsafe.manager.lineage import RunRecord, read_record, record_path, write_record
 from shardsafe.manager.messages import (
     TIER_ARRIVE,
     TIER_DONE,
     TIER_FETCH,
     TIER_LOAD,
+    TIER_RECORD,
+    TIER_RESUME_ARRIVE,
     TIER_SCAN,
-    Held,
-    Holdings,
+    Attempt,
+    Attempts,
+    Copies,
     Peer,
+    Recorded,
     Table,
-    TierCandidate,
     TierPlan,
+    TierStart,
+    TierTable,
     collect,
     peer_table,
 )
@@ -49,21 +70,56 @@ from shardsafe.manager.tiers import (
     REPLICA_RE,
     SHARE_RE,
     LocalTier,
-    drop_newer,
-    drop_old,
+    foreign,
+    forget,
+    handler,
+    new_run_id,
+    new_save_id,
     node_identity,
+    real_dir,
+    retain,
+    run_name,
+    saves_in,
     share_name,
+    step_folder,
     step_name,
-    steps_in,
+    warn_once,
 )
+from shardsafe.storage import Storage
 
 logger = logging.getLogger(__name__)
 
 
-class LocalTierRuntime:
-    """(every rank) The local tier of one manager: its folder, replica server and protocols."""
+@dataclass(frozen=True)
+class LocalFailure:
+    """A local save that failed, on every rank: the rank it failed on (this one, when its own part
+    failed; else the first), that rank's account (its node, folder and error), and this rank's own
+    error when it is one of them."""
 
-    def __init__(self, tier: LocalTier, rank: int, world_size: int, timeout: float | None) -> None:
+    rank: int
+    message: str
+    own: Exception | None
+
+    def error(self, step: int) -> Exception:
+        """What :meth:`CheckpointManager.save_local` raises: this rank's own error, else a
+        :class:`RemoteRankError` naming the rank."""
+        if self.own is not None:
+            return self.own
+        return RemoteRankError(
+            f"local-tier save of step {step} failed on {self.message}. Its earlier local steps are intact.",
+            rank=self.rank,
+            phase="tier.save",
+            cause=self.message,
+        )
+
+
+class LocalTierRuntime:
+    """(every rank) The local tier of one manager: its folder, replica server and protocols. ``fs`` and
+    ``root``: the durable store, where the run is recorded (rank 0 reads and writes it)."""
+
+    def __init__(
+        self, tier: LocalTier, rank: int, world_size: int, timeout: float | None, fs: Storage, root: str
+    ) -> None:
         self.tier = tier
         self.rank = rank
         self.world_size = world_size
@@ -71,9 +127,19 @@ class LocalTierRuntime:
         self.folder = tier.folder(self.node)
         self.timeout = timeout
         self.deadlines = Deadlines.resolve(timeout)
+        self.fs = fs
+        self.root = root
         os.makedirs(self.folder, exist_ok=True)
-        self.server = replica.ReplicaServer(self.folder, rank, replica.own_host())
+        self.server = replica.ReplicaServer(self.folder, rank, replica.own_host(resolve_group(None)[0]))
         self.table: Table | None = None
+        self.run: str | None = None
+        self.resumed: tuple[int, str] | None = None  # the local save resume loaded
+        self.recorded = False  # every rank: the run record holds this job's incarnation (rank 0 said so)
+        # rank 0 only: the run record as last read or written, this job's incarnation and its start
+        self._record: RunRecord | None = None
+        self._incarnation = new_run_id()
+        self._start = -1
+        self._recorded = False
 
     def close(self) -> None:
         self.server.close()
@@ -81,113 +147,171 @@ class LocalTierRuntime:
     def _me(self) -> Peer:
         return Peer(self.node, self.server.address, self.server.token)
 
+    def _members(self, table: Table) -> list[int]:
+        members = table.members(self.node)
+        if members and members[0] == self.rank:
+            foreign(self.folder, self.run)
+        return members
+
     # ------------------------------------------------------------------------------------ save
 
-    def save(self, step: int, state: Mapping[str, Any], durable: int | None) -> None:
-        """(every rank) Save ``state`` as this rank's share of ``step`` and replicate it; returns once
-        every rank's share and replicas are in place, else raises on every rank. Then retention
-        (``durable``: the newest durable step, whose older local copies are dropped)."""
+    def _run_id(self) -> str:
+        """(rank 0, in a save's ``arrive``) The run's id: the recorded one, else a new one (recorded by
+        :meth:`_record_incarnation` once a save of it completed)."""
+        if self._record is None:
+            self._record = read_record(self.fs, self.root)
+        if self._record is None:
+            self._record = RunRecord(new_run_id(), ())
+        return self._record.run
+
+    def _record_incarnation(self) -> None:
+        """(rank 0, in the ``done`` of a save that completed on every rank) Record this job's incarnation,
+        with the step it resumed from, unless it is already. Only after a save of it completed: until
+        then its shares do not count, and the run's earlier ones are not abandoned for a job that dies
+        before it saved anything."""
+        if self._recorded or self._record is None:
+            return
+        current = read_record(self.fs, self.root)
+        base = current if current is not None and current.run == self._record.run else self._record
+        record = base.adding(self._incarnation, self._start)
+        write_record(self.fs, self.root, record, self.timeout)
+        self._record, self._recorded = record, True
+
+    def save(self, step: int, state: Mapping[str, Any], durable: int | None) -> LocalFailure | None:
+        """(every rank) Save ``state`` as this rank's share of ``step`` and replicate it. Returns ``None``
+        once every rank's share and replicas are in place, then applies retention (``durable``: the
+        newest durable step, whose older local copies are dropped); returns the failure, the same on
+        every rank, when the ranks agreed that some rank's part failed. A failure to agree (a rank dead,
+        a deadline) raises."""
         op = Operation.begin("tier.save", self.tier.path_template, self.deadlines.start())
 
-        def agree_on_the_step() -> Table:
-            table = self.table = op.agree(TIER_ARRIVE, self._me(), peer_table)
+        def arrive(peers: dict[int, Peer]) -> TierStart:
+            table = peer_table(peers)
+            try:
+                return TierStart(table, self._run_id(), self._incarnation, new_save_id(), None)
+            except (CheckpointError, OSError) as err:  # every rank's failure: reported, the job goes on
+                return TierStart(table, None, None, None, f"{type(err).__name__}: {err}")
+
+        def done(outcomes: dict[int, Attempt]) -> Attempts:
+            attempts = collect(outcomes)
+            if all(a.ok for a in attempts.attempts):
+                try:
+                    self._record_incarnation()
+                except (CheckpointError, OSError) as err:  # the save does not count: every rank's failure
+                    where = record_path(self.fs, self.root)
+                    account = f"rank 0 (recording the run in {where}): {type(err).__name__}: {err}"
+                    attempts = replace(attempts, attempts=[Attempt(False, False, account), *attempts.attempts[1:]])
+            return attempts
+
+        def body() -> tuple[Table, str, str] | LocalFailure:
+            decided = op.agree(TIER_ARRIVE, self._me(), arrive)
+            table = self.table = decided.table
+            if decided.refused is not None or decided.run is None or decided.save is None:
+                where = record_path(self.fs, self.root)
+                return LocalFailure(0, f"rank 0 (the run record {where}): {decided.refused}", None)
+            run = self.run = decided.run
+            sid = decided.save
             error: Exception | None = None
             try:
-                path = os.path.join(self.folder, step_name(step), share_name(self.rank))
-                meta = {"step": step, "rank": self.rank, "world_size": self.world_size}
-                api.save(path, state, group=SOLO, overwrite=True, timeout=self.timeout, metadata=meta)
+                where = step_folder(self.folder, run, step, sid, create=True)
+                path = os.path.join(where, share_name(self.rank))
+                meta = {
+                    "step": step,
+                    "rank": self.rank,
+                    "world_size": self.world_size,
+                    "run": run,
+                    "save": sid,
+                    "incarnation": decided.incarnation,
+                }
+                api.save(path, state, group=SOLO, timeout=self.timeout, metadata=meta)
                 deadline = Deadline.after(self.deadlines.io, "io")
                 for p in table.peers(self.rank, self.tier.replicas):
-                    replica.push(table.addresses[p], table.tokens[p], path, step, self.rank, deadline)
+                    replica.push(table.addresses[p], table.tokens[p], path, meta, deadline)
             except Exception as err:  # shared with every rank below
                 error = err
-
-            outcomes = op.agree(TIER_DONE, _outcome(error), collect).attempts
+            mine = _outcome(error)
+            if error is not None:
+                account = f"rank {self.rank} (node {self.node}, folder {self.folder}): {mine.error}"
+                mine = Attempt(False, False, account)
+            outcomes = op.agree(TIER_DONE, mine, done).attempts
             failed = [(r, o) for r, o in enumerate(outcomes) if not o.ok]
             if failed:
-                if error is not None:
-                    raise error
-                r, o = failed[0]
-                raise RemoteRankError(
-                    f"local-tier save of step {step} failed on rank {r}: {o.error}. Its earlier local steps are "
-                    "intact.",
-                    rank=r,
-                    phase="tier.save",
-                    cause=o.error,
-                )
-            return table
+                r, o = (self.rank, mine) if error is not None else failed[0]
+                return LocalFailure(r, o.error, error)
+            self.recorded = True
+            return table, run, sid
 
-        table = op.conclude(agree_on_the_step)
-        drop_old(
-            self.folder,
-            self.rank,
-            table.senders(self.rank, self.tier.replicas),
-            self.tier.keep,
-            durable,
-            step,
-        )
+        outcome = op.conclude(body)
+        if isinstance(outcome, LocalFailure):
+            return outcome
+        table, run, save = outcome
+        retain(self.folder, run, self.rank, self._members(table), self.tier.keep, durable, step, save)
+        return None
 
     # ---------------------------------------------------------------------------------- resume
 
-    def _report(self, senders: list[int]) -> Holdings:
-        """This rank's verified entries, by step: its own share and the replicas of ``senders`` (the
-        ranks whose replicas it receives), each read whole."""
-        out: dict[str, Held] = {}
-        for step in steps_in(self.folder):
-            where = os.path.join(self.folder, step_name(step))
-            own = False
-            held: list[int] = []
-            try:
-                names = sorted(os.listdir(where))
-            except FileNotFoundError:
-                continue
-            for n in names:
-                share, rep = SHARE_RE.match(n), REPLICA_RE.match(n)
-                if share and int(share.group(1)) == self.rank:
-                    own = _verifies(os.path.join(where, n), step, self.rank, self.world_size)
-                elif rep and (sender := int(rep.group(1))) in senders:
-                    held += [sender] if _verifies(os.path.join(where, n), step, sender, self.world_size) else []
-            out[str(step)] = Held(own, held)
-        return Holdings(out)
-
     def resume(self, state: MutableMapping[str, Any], durable: int | None) -> int | None:
-        """(every rank) Load the newest local step newer than ``durable`` that is complete across the
-        nodes into ``state`` and return it; ``None`` (state untouched unless a candidate failed to
-        load, then the caller's durable resume overwrites it) when there is none."""
+        """(every rank) Load the newest local save newer than ``durable`` that is complete across the
+        nodes into ``state`` and return its step; ``None`` (state untouched unless a candidate failed to
+        load, then the caller's durable resume overwrites it) when there is none. Call :meth:`begin`
+        after it, whatever the outcome, once the resume decided."""
         op = Operation.begin("tier.resume", self.tier.path_template, self.deadlines.start())
         return op.conclude(lambda: self._resume(op, state, durable))
 
     def _resume(self, op: Operation, state: MutableMapping[str, Any], durable: int | None) -> int | None:
-        table = self.table = op.agree(TIER_ARRIVE, self._me(), peer_table)
-        senders = table.senders(self.rank, self.tier.replicas)
-        mine = self._report(senders)
+        def arrive(peers: dict[int, Peer]) -> TierTable:
+            try:
+                self._record = read_record(self.fs, self.root)
+            except CheckpointError as err:
+                logger.warning(
+                    "shardsafe: local tier: the run record is not usable (%s); no local copy is used. %s",
+                    err,
+                    "Move it away: the next local save records a new run",
+                )
+                self._record = None
+            run = None if self._record is None else self._record.run
+            return TierTable(peer_table(peers), run)
 
-        def plan(holdings: dict[int, Holdings]) -> TierPlan:
-            return TierPlan(_plan([holdings[r] for r in range(len(holdings))], durable))
+        decided = op.agree(TIER_RESUME_ARRIVE, self._me(), arrive)
+        table = self.table = decided.table
+        run = self.run = decided.run
+        self.resumed = None
+        members = self._members(table)
+        mine = Copies([] if run is None else report(self.folder, run, self.rank, members, self.world_size))
 
-        candidates = op.agree(TIER_SCAN, mine, plan).candidates
+        def decide(copies: dict[int, Copies]) -> TierPlan:
+            reports = [copies[r].copies for r in range(len(copies))]
+            return TierPlan(plan(reports, table.nodes, durable, self._record))
+
+        candidates = op.agree(TIER_SCAN, mine, decide).candidates
+        if run is None:  # no usable run record: no copy reported, none planned
+            return None
         deadlines = self.deadlines
-        for n, candidate in enumerate(candidates):
-            step, sources = candidate.step, candidate.sources
-            source = sources[self.rank]
-            path = os.path.join(self.folder, step_name(step), share_name(self.rank))
+        for n, (step, save, incarnation, sources) in enumerate(candidates):
+            holder, name = sources[self.rank]
+            local = table.nodes[holder] == self.node
+            where = os.path.join(self.folder, run_name(run), step_name(step, save))
+            path = os.path.join(where, name if local else share_name(self.rank))
+            meta = {
+                "step": step,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "run": run,
+                "save": save,
+                "incarnation": incarnation,
+            }
 
-            def fetch(step: int = step, source: int = source) -> None:
-                if source == self.rank:
+            def fetch(holder: int = holder, name: str = name, meta: dict[str, Any] = meta, local: bool = local) -> None:
+                if local:
                     return
                 try:
-                    replica.pull(
-                        table.addresses[source],
-                        table.tokens[source],
-                        self.folder,
-                        step,
-                        self.rank,
-                        Deadline.after(deadlines.io, "io"),
-                    )
+                    where = step_folder(self.folder, meta["run"], meta["step"], meta["save"], create=True)
+                    deadline = Deadline.after(deadlines.io, "io")
+                    replica.pull(table.addresses[holder], table.tokens[holder], name, where, meta, deadline)
                 except (CheckpointError, OSError) as err:  # this step cannot be had: an older one is tried
                     raise CorruptCheckpointError(
-                        f"rank {self.rank}: its share of local step {step} is missing or damaged and fetching "
-                        f"the replica from rank {source} failed: {err}"
+                        f"rank {self.rank}: its node holds no copy of its share of local step {meta['step']} and "
+                        f"fetching {name} from rank {holder} failed: {err}"
                     ) from err
 
             def load(path: str = path) -> None:
@@ -198,66 +322,117 @@ class LocalTierRuntime:
                 why = _attempt(op, TIER_LOAD.nth(n), "load", load, path, deadlines)
             if why is None:
                 if op.rank == 0:
-                    moved = sorted({r for r, s in enumerate(sources) if s != r})
+                    moved = sorted({r for r, (h, _) in enumerate(sources) if table.nodes[h] != table.nodes[r]})
                     logger.info(
-                        "shardsafe: resumed from the local tier, step %d%s",
+                        "shardsafe: resumed from the local tier, step %d (save %s)%s",
                         step,
-                        f" (the shares of ranks {moved} from their replicas)" if moved else "",
+                        save,
+                        f" (the shares of ranks {moved} from other nodes)" if moved else "",
                     )
-                drop_newer(self.folder, self.rank, senders, step)
+                self.resumed = (int(step), save)
                 return int(step)
             if op.rank == 0:
                 logger.warning("shardsafe: local step %d could not be resumed: %s; trying an older one", step, why)
         return None
 
-    def forget_newer(self, step: int | None) -> None:
-        """(every rank, after a durable resume to ``step``) Remove local steps newer than it."""
-        senders = self.table.senders(self.rank, self.tier.replicas) if self.table is not None else []
-        drop_newer(self.folder, self.rank, senders, step)
+    def begin(self, step: int | None) -> None:
+        """(every rank, once the resume decided ``step``: local, durable, or ``None`` for none) Rank 0
+        records this job as a new incarnation of the run that resumed from ``step`` (a failure is logged
+        and the first local save records it); then each rank deletes what it handles of the local steps
+        newer than ``step`` (failures logged, never raised: the state is loaded already)."""
+        op = Operation.begin("tier.begin", self.tier.path_template, self.deadlines.start())
+
+        def record(_nothing: dict[int, Empty]) -> Recorded:
+            self._incarnation, self._start, self._recorded = new_run_id(), -1 if step is None else step, False
+            if self._record is not None:
+                try:
+                    self._record = self._record.adding(self._incarnation, self._start)
+                    write_record(self.fs, self.root, self._record, self.timeout)
+                    self._recorded = True
+                except (CheckpointError, OSError) as err:
+                    logger.warning("shardsafe: local tier: %s; the first local save records it", err)
+            return Recorded(self._recorded)
+
+        self.recorded = op.conclude(lambda: op.agree(TIER_RECORD, Empty(), record)).recorded
+        resumed = self.resumed if self.resumed is not None and self.resumed[0] == step else None
+        if self.run is not None and self.table is not None:
+            members = self.table.members(self.node)
+            forget(self.folder, self.run, self.rank, members, step, None if resumed is None else resumed[1])
 
 
-def _verifies(path: str, step: int, rank: int, world_size: int) -> bool:
-    """Whether the local checkpoint at ``path`` is committed, every byte matches its checksums, and it
-    is the share of ``rank`` of ``step`` in a job of ``world_size`` ranks (a job of another size, or a
-    misplaced folder, never counts)."""
+def report(folder: str, run: str, rank: int, members: list[int], world_size: int) -> list[list[Any]]:
+    """(each rank, at resume) The copies of run ``run`` in the node folder ``folder`` that ``rank`` handles
+    (``members``: the node's ranks now) and that verify, as ``[step, save, incarnation, rank, name]``: each
+    read whole, its metadata checked against its place."""
+    out: list[list[Any]] = []
+    for step, save in saves_in(folder, run):
+        where = os.path.join(folder, run_name(run), step_name(step, save))
+        try:
+            names = sorted(os.listdir(where))
+        except OSError:
+            continue
+        for n in names:
+            m = SHARE_RE.match(n) or REPLICA_RE.match(n)
+            if m is None or handler(members, int(m.group(1))) != rank:
+                continue
+            want = {"step": step, "rank": int(m.group(1)), "world_size": world_size, "run": run, "save": save}
+            incarnation = _usable(os.path.join(where, n), want)
+            if incarnation is not None:
+                out.append([step, save, incarnation, want["rank"], n])
+    return out
+
+
+def _usable(path: str, want: dict[str, Any]) -> str | None:
+    """The incarnation of the local copy at ``path`` when it is committed, every byte matches its
+    checksums, and its metadata is ``want`` (its place: step, rank, number of ranks, run and save) plus an
+    incarnation; else ``None``, with a warning (a copy of another run is never used nor deleted)."""
+    if not real_dir(path):
+        warn_once(path, "is a symbolic link or not a folder: never read nor deleted through; left as it is")
+        return None
     try:
         api.verify(path)
         meta = api.inspect(path).metadata
     except (CheckpointError, OSError, EOFError) as err:
         logger.warning("shardsafe: local-tier copy %s is not usable: %s", path, err)
-        return False
-    want = {"step": step, "rank": rank, "world_size": world_size}
-    if meta != want:
+        return None
+    incarnation = meta.get("incarnation") if isinstance(meta, dict) else None
+    if isinstance(meta, dict) and meta.get("run") != want["run"]:
+        warn_once(path, f"belongs to another run (its metadata: {meta!r:.200}): never used nor deleted")
+        return None
+    if not isinstance(incarnation, str) or meta != {**want, "incarnation": incarnation}:
         logger.warning("shardsafe: local-tier copy %s is not usable: its metadata is %r, not %r", path, meta, want)
-        return False
-    return True
+        return None
+    return incarnation
 
 
-def _plan(reports: list[Holdings], durable: int | None) -> list[TierCandidate]:
-    """(rank 0) The steps newer than ``durable`` (newest first) for which every rank's share verifies
-    on its own node or as a replica, each with the rank that provides each rank's share."""
+def plan(
+    reports: list[list[list[Any]]], nodes: list[str], durable: int | None, record: RunRecord | None
+) -> list[list[Any]]:
+    """(rank 0) The local saves to try, newest first, as ``[step, save, incarnation, sources]``: newer than
+    ``durable``, of an incarnation ``record`` counts at that step, every rank's share verified somewhere;
+    ``sources[r]`` is ``[holder rank, entry name]``, a copy on rank r's own node when there is one."""
     world = len(reports)
-    steps = sorted({int(s) for rep in reports for s in rep.steps}, reverse=True)
-    out: list[TierCandidate] = []
-    for step in steps:
+    saves: dict[tuple[int, str], dict[str, Any]] = {}
+    for holder, report in enumerate(reports):
+        for step, save, incarnation, rank, name in report:
+            entry = saves.setdefault((step, save), {"incarnations": set(), "copies": {}})
+            entry["incarnations"].add(incarnation)
+            if 0 <= rank < world:
+                entry["copies"].setdefault(rank, []).append((holder, name))
+    out: list[list[Any]] = []
+    for (step, save), entry in sorted(saves.items(), reverse=True):
         if durable is not None and step <= durable:
             continue
-        sources: list[int] = []
+        if len(entry["incarnations"]) != 1 or len(entry["copies"]) != world:
+            continue
+        incarnation = next(iter(entry["incarnations"]))
+        if record is None or not record.counts(incarnation, step):
+            logger.info("shardsafe: local step %d (save %s) belongs to an abandoned incarnation; not used", step, save)
+            continue
+        sources = []
         for r in range(world):
-            entry = reports[r].steps.get(str(step))
-            if entry is not None and entry.own:
-                sources.append(r)
-                continue
-            holder = next((p for p in range(world) if r in _held(reports[p], step)), None)
-            if holder is None:
-                break
-            sources.append(holder)
-        if len(sources) == world:
-            out.append(TierCandidate(step, sources))
+            copies = sorted(entry["copies"][r], key=lambda c: (c[0] != r or c[1] != share_name(r), c[0]))
+            near = [c for c in copies if nodes[c[0]] == nodes[r]]
+            sources.append(list((near or copies)[0]))
+        out.append([step, save, incarnation, sources])
     return out
-
-
-def _held(report: Holdings, step: int) -> list[int]:
-    """The ranks whose replicas of ``step`` the rank of ``report`` holds, verified."""
-    entry = report.steps.get(str(step))
-    return [] if entry is None else entry.replicas

@@ -151,7 +151,9 @@ class CheckpointManager:
         if local is not None and not isinstance(local, LocalTier):
             raise InvalidArgumentError(f"local={local!r} must be a shardsafe.LocalTier")
         self._local = (
-            None if local is None else LocalTierRuntime(local, self.rank, self.world_size, self.config.timeout)
+            None
+            if local is None
+            else LocalTierRuntime(local, self.rank, self.world_size, self.config.timeout, self._fs, self.config.root)
         )
 
     def __repr__(self) -> str:
@@ -170,16 +172,33 @@ class CheckpointManager:
 
     @entry_point("CheckpointManager.save", reads=False)
     def maybe_save(self, step: int, state: State, metrics: Metrics = None, *, progress: Callback = None) -> bool:
-        """(every rank) With a local tier, :meth:`save_local` first when ``step`` is a multiple of its
+        """(every rank) With a local tier, a local save first when ``step`` is a multiple of its
         ``every_n_steps``; then :meth:`save` when :meth:`should_save`. Returns whether it saved (to
-        either tier)."""
+        either tier). A local save that failed on some rank (a full disk, a peer it could not replicate
+        to) is reported, with a WARNING naming the rank, its node and folder, and costs nothing else: the
+        durable save due at the same step goes on, and so does training. Failures to agree (a rank dead,
+        a deadline) raise as they do from :meth:`save_local`."""
         self._check_open()
         self._callback(progress)
         self._poll_pending()
         local = self._local is not None and _check_step(step) % self._local.tier.every_n_steps == 0
-        if local:
-            self.save_local(step, state)
-        if not self.should_save(step):
+        durable = self.should_save(step)
+        if local and self._local is not None:
+            if not self._local.recorded:
+                self._finish_pending()  # rank 0 records the run with a save of its own: none may be in flight
+            failure = self._local.save(step, state, self._durable_step)
+            if failure is not None:
+                local = False
+                if self.rank == 0 or failure.own is not None:
+                    logger.warning(
+                        "shardsafe: local-tier save of step %d failed on %s. %s; fix the cause on that node (a full "
+                        "disk: free space in its folder, or give LocalTier a folder on a larger disk); the local "
+                        "tier's earlier steps are intact",
+                        step,
+                        failure.message,
+                        "The durable save of this step goes on" if durable else "No durable save is due at this step",
+                    )
+        if not durable:
             return local
         self.save(step, state, metrics, progress=progress)
         return True
@@ -193,7 +212,11 @@ class CheckpointManager:
         if self._local is None:
             raise InvalidArgumentError(f"{self!r} has no local tier; pass local=shardsafe.LocalTier(...)")
         step = _check_step(step)
-        self._local.save(step, state, self._durable_step)
+        if not self._local.recorded:
+            self._finish_pending()  # rank 0 records the run with a save of its own: none may be in flight
+        failure = self._local.save(step, state, self._durable_step)
+        if failure is not None:
+            raise failure.error(step)
 
     @entry_point("CheckpointManager.save", reads=False)
     def save(self, step: int, state: State, metrics: Metrics = None, *, progress: Callback = None) -> None:
@@ -284,6 +307,7 @@ class CheckpointManager:
             if self._local is not None:
                 step = self._local.resume(state, durable)
                 if step is not None:
+                    self._local.begin(step)
                     self._resumed_step = step
                     self._schedule.saved(step)
                     return step
@@ -297,7 +321,7 @@ class CheckpointManager:
                 progress=callback,
             )
         if self._local is not None:
-            self._local.forget_newer(None if result is None else result.step)
+            self._local.begin(None if result is None else result.step)
         if result is None:
             return None
         self._resumed_step = result.step

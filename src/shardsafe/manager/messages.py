@@ -4,16 +4,17 @@ typed messages (:class:`~shardsafe.coord.messages.Message`: every field checked 
 Resume (operation ``manager.resume``, :mod:`shardsafe.manager.resume`): ``plan`` (nothing ->
 :class:`ResumePlan`), then per candidate ``verify.<n>`` and ``load.<n>`` (:class:`Attempt` ->
 :class:`Attempts`). Local tier (:mod:`shardsafe.manager.local`): ``tier.save`` is ``arrive``
-(:class:`Peer` -> :class:`Table`) then ``done`` (:class:`Attempt` -> :class:`Attempts`); ``tier.resume``
-is ``arrive``, ``scan`` (:class:`Holdings` -> :class:`TierPlan`), then per candidate ``fetch.<n>`` and
-``load.<n>``."""
+(:class:`Peer` -> :class:`TierStart`) then ``done`` (:class:`Attempt` -> :class:`Attempts`);
+``tier.resume`` is ``arrive`` (:class:`Peer` -> :class:`TierTable`), ``scan`` (:class:`Copies` ->
+:class:`TierPlan`), then per candidate ``fetch.<n>`` and ``load.<n>``; ``tier.begin`` is ``record``
+(nothing -> :class:`Recorded`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from shardsafe.coord.messages import Empty, Message, dict_of, list_of
+from shardsafe.coord.messages import Empty, Message, list_of
 from shardsafe.coord.rounds import Round
 from shardsafe.manager.tiers import peers
 
@@ -111,9 +112,9 @@ class Table(Message):
     def peers(self, rank: int, replicas: int) -> list[int]:
         return peers(self.nodes, rank, replicas)
 
-    def senders(self, rank: int, replicas: int) -> list[int]:
-        """The ranks whose replicas ``rank`` receives."""
-        return [r for r in range(len(self.nodes)) if rank in self.peers(r, replicas)]
+    def members(self, node: str) -> list[int]:
+        """The ranks on node ``node`` now, in rank order."""
+        return [r for r, n in enumerate(self.nodes) if n == node]
 
 
 def peer_table(arrivals: dict[int, Peer]) -> Table:
@@ -125,47 +126,73 @@ def peer_table(arrivals: dict[int, Peer]) -> Table:
 
 
 @dataclass(frozen=True)
-class Held(Message):
-    """What one rank holds of one local step, verified: its ``own`` share, and the ``replicas`` of the
-    ranks whose replicas it receives."""
+class TierStart(Message):
+    """(rank 0 decides, ``tier.save``) The ``table``; the ``run`` (the recorded one, else a new one), this
+    job's ``incarnation`` and a new ``save`` id; or, when the run record could not be read, why
+    (``refused``: every rank's failure, the others ``None``)."""
 
-    own: bool
-    replicas: list[int]
-    TYPES: ClassVar[dict[str, Any]] = {"own": bool, "replicas": list}
+    table: Table
+    run: str | None
+    incarnation: str | None
+    save: str | None
+    refused: str | None
+    TYPES: ClassVar[dict[str, Any]] = {
+        "table": Table,
+        "run": (str, type(None)),
+        "incarnation": (str, type(None)),
+        "save": (str, type(None)),
+        "refused": (str, type(None)),
+    }
 
 
 @dataclass(frozen=True)
-class Holdings(Message):
-    """(every rank, ``scan``) Its verified local entries, by step (a decimal string)."""
+class TierTable(Message):
+    """(rank 0 decides, ``tier.resume``) The ``table`` and the ``run`` rank 0 read from the durable root
+    (``None``: no usable record, no local copy is used)."""
 
-    steps: dict[str, Held]
-    TYPES: ClassVar[dict[str, Any]] = {"steps": dict_of(Held)}
+    table: Table
+    run: str | None
+    TYPES: ClassVar[dict[str, Any]] = {"table": Table, "run": (str, type(None))}
 
 
 @dataclass(frozen=True)
-class TierCandidate(Message):
-    """A local step every rank can resume from, with the rank that provides each rank's share."""
+class Copies(Message):
+    """(every rank, ``scan``) The local copies it handles that verify, each ``[step, save, incarnation,
+    rank, name]`` (:func:`shardsafe.manager.local.report`)."""
 
-    step: int
-    sources: list[int]
-    TYPES: ClassVar[dict[str, Any]] = {"step": int, "sources": list}
+    copies: list[list[Any]]
+    TYPES: ClassVar[dict[str, Any]] = {"copies": list}
 
 
 @dataclass(frozen=True)
 class TierPlan(Message):
-    """(rank 0 decides) The local steps to try, newest first."""
+    """(rank 0 decides) The local saves to try, newest first, each ``[step, save, incarnation, sources]``
+    with ``sources[r]`` = ``[holder rank, entry name]`` (:func:`shardsafe.manager.local.plan`)."""
 
-    candidates: list[TierCandidate]
-    TYPES: ClassVar[dict[str, Any]] = {"candidates": list_of(TierCandidate)}
+    candidates: list[list[Any]]
+    TYPES: ClassVar[dict[str, Any]] = {"candidates": list}
 
 
-TIER_ARRIVE = Round("arrive", Peer, Table)
-"""(every rank) Its node and replica server; rank 0 returns the table."""
+@dataclass(frozen=True)
+class Recorded(Message):
+    """(rank 0 decides, ``tier.begin``) Whether it recorded this job's incarnation in the run record."""
+
+    recorded: bool
+    TYPES: ClassVar[dict[str, Any]] = {"recorded": bool}
+
+
+TIER_ARRIVE = Round("arrive", Peer, TierStart)
+"""(every rank, ``tier.save``) Its node and replica server; rank 0 returns the table, run, incarnation, save."""
 TIER_DONE = Round("done", Attempt, Attempts)
-"""(every rank, ``tier.save``) Its share saved and replicated, or its failure."""
-TIER_SCAN = Round("scan", Holdings, TierPlan)
-"""(every rank, ``tier.resume``) The entries that verify; rank 0 plans the candidates."""
+"""(every rank, ``tier.save``) Its share saved and replicated, or its failure; rank 0 records the
+incarnation before deciding when every rank succeeded."""
+TIER_RESUME_ARRIVE = Round("arrive", Peer, TierTable)
+"""(every rank, ``tier.resume``) Its node and replica server; rank 0 returns the table and the run."""
+TIER_SCAN = Round("scan", Copies, TierPlan)
+"""(every rank, ``tier.resume``) The copies that verify; rank 0 plans the candidates."""
 TIER_FETCH = Round("fetch", Attempt, Attempts)
 """(every rank, per candidate, ``fetch.<n>``) Its share fetched from a peer where needed."""
 TIER_LOAD = Round("load", Attempt, Attempts)
 """(every rank, per candidate, ``load.<n>``) Its share loaded."""
+TIER_RECORD = Round("record", Empty, Recorded)
+"""(every rank, ``tier.begin``) Rank 0 records this job as a new incarnation of the run."""

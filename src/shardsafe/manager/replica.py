@@ -1,126 +1,227 @@
 """Replication of node-local shares between ranks over TCP sockets (docs/tiers.md, "Transport").
 
-Every rank with a local tier runs one :class:`ReplicaServer` (a listening socket and one daemon thread);
-its address travels to the other ranks in the local tier's agreements (through the rendezvous store,
-never the training group). A connection carries one request, a JSON line, then raw file bytes:
+Every rank with a local tier runs one :class:`ReplicaServer` (a listening socket on the interface the
+job's traffic uses, an accepting thread and a thread per connection); its address travels to the other
+ranks in the local tier's agreements (through the rendezvous store, never the training group). A
+connection carries one request: the server's token and a newline, a JSON line, then raw file bytes:
 
-- ``push``: the sender's committed share of a step (``files``: ``[relative name, size]``); the server
-  answers whether it accepts the request, then, once accepted, the sender sends the bytes, and the server
-  writes them into ``.incoming-...`` in its own node folder, verifies every byte
-  (:func:`shardsafe.verify`), renames it to ``replica-of-rank-R`` (replacing an older copy) and answers
-  ``{"ok": true}``; anything else answers ``{"ok": false, "error": ...}`` and leaves nothing behind;
-- ``pull``: the server sends the replica of rank R's share of a step that it holds (an answer line
-  with ``files``, then the bytes); the puller stores and verifies it the same way, as its own share.
+- ``push``: the sender's committed share of a save (``run``, ``step``, ``save``, ``rank``, its
+  ``metadata``, ``files``: ``[name, size]``); the server answers whether it accepts the request, then,
+  once accepted, the sender sends the bytes, and the server writes them into ``.incoming-...`` in the
+  save's step folder of its own node folder, verifies every byte (:func:`shardsafe.verify`) and that the
+  copy's metadata is the request's, renames it to ``replica-of-rank-R`` and answers ``{"ok": true}``;
+  anything else answers ``{"ok": false, "error": ...}`` and leaves nothing behind;
+- ``pull``: the server sends a copy it holds (``run``, ``step``, ``save`` and the entry's ``name``: a
+  share or a replica, whichever rank 0's plan named), an answer line with ``files`` then the bytes; the
+  puller stores and verifies it the same way, as its own share.
 
-Every request carries the server's token (32 random hex digits, made when the server starts and
-published with its address through the rendezvous store, which only the job's ranks reach); a request
-without it is refused before anything is read or written, so nothing else on the network can write
-into a node folder, nor read a share out of it.
+The token (32 random hex digits, made when the server starts and published with its address through
+the rendezvous store, which only the job's ranks reach) comes first, in a fixed number of bytes: the
+server compares it before it reads anything else, so a request without it is refused on its first 33
+bytes, and nothing else on the network can write into a node folder, nor read a share out of it.
 
-Every socket operation has a timeout (the remaining time of the caller's deadline, or
-``SHARDSAFE_TIER_SOCKET_SECONDS`` on the server side); memory is bounded by one 1 MiB block per
-connection. The server serves one connection at a time (with ``replicas=1`` each server has one
-sender)."""
+Nothing a client does holds the server: each connection is served on its own thread, and the token and
+the request line (at most :data:`LINE_LIMIT` bytes) must arrive within ``SHARDSAFE_TIER_SOCKET_SECONDS``
+in all, else the connection is dropped; at most :data:`HANDSHAKES` connections are read from before
+their token checked (one more is closed at once). Once a request is accepted, every socket operation of
+it is bounded by that knob (the server) or by the caller's deadline (the sender and the puller); memory
+is bounded by one 1 MiB block per connection."""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import secrets
-import shutil
 import socket
+import stat
 import threading
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, BinaryIO
 
 from shardsafe import knobs
+from shardsafe.catalog.names import temp_manifest
 from shardsafe.deadline import Deadline
 from shardsafe.engine import api
-from shardsafe.errors import CheckpointError
-from shardsafe.manager.tiers import remove_entry, replica_name, share_name, step_name
+from shardsafe.errors import CheckpointError, CheckpointTimeoutError
+from shardsafe.manager.tiers import (
+    REPLICA_RE,
+    RUN_ID,
+    SAVE_ID,
+    SHARE_RE,
+    real_dir,
+    remove_entry,
+    replica_name,
+    share_name,
+    step_folder,
+)
 
 logger = logging.getLogger(__name__)
 
 BLOCK = 1 << 20
+LINE_LIMIT = 1 << 16
+"""The longest request or answer line read, in bytes (a share's file list fits many times over)."""
+TOKEN_CHARS = 32
+HANDSHAKES = 32
+"""Connections a server reads a token from at once; more are closed as they come."""
+
+
+class _Stream:
+    """A connected socket read through a buffer: exact reads and bounded lines, every receive and send
+    bounded by ``until`` (an absolute ``time.monotonic()``) and by ``each`` seconds."""
+
+    def __init__(self, sock: socket.socket, until: float, each: float) -> None:
+        self.sock = sock
+        self.until = until
+        self.each = each
+        self.buf = bytearray()
+
+    def _bound(self) -> None:
+        left = self.until - time.monotonic()
+        if left <= 0:
+            raise CheckpointTimeoutError("the replica connection's deadline passed")
+        self.sock.settimeout(min(left, self.each))
+
+    def _recv(self, n: int) -> bytes:
+        self._bound()
+        part = self.sock.recv(n)
+        if not part:
+            raise CheckpointError("the replica connection was closed by the other side")
+        return part
+
+    def exact(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            self.buf += self._recv(n - len(self.buf))
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        return out
+
+    def line(self) -> dict[str, Any]:
+        """The next JSON-object line, at most :data:`LINE_LIMIT` bytes."""
+        while (end := self.buf.find(b"\n")) < 0:
+            if len(self.buf) > LINE_LIMIT:
+                raise CheckpointError(f"replica request line longer than {LINE_LIMIT} bytes refused")
+            self.buf += self._recv(LINE_LIMIT + 1 - len(self.buf))
+        if end > LINE_LIMIT:
+            raise CheckpointError(f"replica request line longer than {LINE_LIMIT} bytes refused")
+        raw = bytes(self.buf[:end])
+        del self.buf[: end + 1]
+        try:
+            doc = json.loads(raw.decode())
+        except (UnicodeDecodeError, ValueError) as err:
+            raise CheckpointError(f"replica request line is not JSON ({err})") from None
+        if not isinstance(doc, dict):
+            raise CheckpointError(f"replica request line is not an object: {doc!r:.200}")
+        return doc
+
+    def into(self, f: BinaryIO, size: int, what: str) -> None:
+        """Copy the next ``size`` bytes into ``f``."""
+        left = size
+        if self.buf:
+            take = bytes(self.buf[:left])
+            del self.buf[: len(take)]
+            f.write(take)
+            left -= len(take)
+        while left > 0:
+            self._bound()
+            block = self.sock.recv(min(BLOCK, left))
+            if not block:
+                raise CheckpointError(f"replica connection closed in {what!r} with {left} bytes to go")
+            f.write(block)
+            left -= len(block)
+
+    def send(self, data: bytes) -> None:
+        self._bound()
+        self.sock.sendall(data)
+
+    def send_line(self, doc: dict[str, Any]) -> None:
+        self.send(json.dumps(doc).encode() + b"\n")
 
 
 def files_of(path: str) -> list[list[Any]]:
-    """``[relative name, size]`` of every file of the committed checkpoint folder ``path``."""
+    """``[name, size]`` of every file of the committed checkpoint folder ``path``: plain regular files
+    (a link, a FIFO, a folder in it raises :class:`CheckpointError`: a share holds none)."""
     out: list[list[Any]] = []
-    for base, _dirs, names in os.walk(path):
-        for n in sorted(names):
-            full = os.path.join(base, n)
-            out.append([os.path.relpath(full, path), os.path.getsize(full)])
+    for n in sorted(os.listdir(path)):
+        st = os.lstat(os.path.join(path, n))
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{os.path.join(path, n)} is not a regular file; a local-tier share holds only files")
+        out.append([n, st.st_size])
     return out
 
 
-def _send_files(sock: socket.socket, path: str, files: list[list[Any]]) -> None:
-    for rel, size in files:
-        with open(os.path.join(path, rel), "rb") as f:
+def _open_file(path: str) -> int:
+    """A read-only descriptor of the regular file ``path``, never through a link, never blocking on a FIFO."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path} is not a regular file; a local-tier share holds only files")
+    return fd
+
+
+def _send_files(stream: _Stream, path: str, files: list[list[Any]]) -> None:
+    for name, size in files:
+        with os.fdopen(_open_file(os.path.join(path, name)), "rb") as f:
             left = size
             while left > 0:
                 block = f.read(min(BLOCK, left))
                 if not block:
-                    raise CheckpointError(f"{os.path.join(path, rel)} shrank while it was sent")
-                sock.sendall(block)
+                    raise CheckpointError(f"{os.path.join(path, name)} shrank while it was sent")
+                stream.send(block)
                 left -= len(block)
 
 
-def _read_line(sock: socket.socket, limit: int = 1 << 22) -> dict[str, Any]:
-    buf = bytearray()
-    while not buf.endswith(b"\n"):
-        part = sock.recv(1)
-        if not part:
-            raise CheckpointError("replica connection closed before its header ended")
-        buf += part
-        if len(buf) > limit:
-            raise CheckpointError("replica header too long")
-    doc = json.loads(buf.decode())
-    if not isinstance(doc, dict):
-        raise CheckpointError(f"replica header is not an object: {doc!r:.200}")
-    return doc
+def _check_files(files: Any) -> list[tuple[str, int]]:
+    """A request's ``files``: plain names (no folder, no ``..``) with sizes; else :class:`CheckpointError`."""
+    if not isinstance(files, list):
+        raise CheckpointError(f"replica file list {files!r:.200} is not a list")
+    out: list[tuple[str, int]] = []
+    for item in files:
+        if not (isinstance(item, list) and len(item) == 2):
+            raise CheckpointError(f"replica file entry {item!r:.200} is not [name, size]")
+        name, size = item
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+            raise CheckpointError(f"replica file name {name!r:.200} is not a plain name")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise CheckpointError(f"replica file {name!r} has size {size!r}")
+        out.append((name, size))
+    if len({n for n, _ in out}) != len(out):
+        raise CheckpointError("replica file list names a file twice")
+    return out
 
 
-def _send_line(sock: socket.socket, doc: dict[str, Any]) -> None:
-    sock.sendall(json.dumps(doc).encode() + b"\n")
-
-
-def receive_checkpoint(
-    sock: socket.socket, folder: str, step: int, final_name: str, owner: int, files: list[list[Any]]
-) -> str:
-    """Write ``files`` read from ``sock`` into a fresh ``.incoming-`` folder of ``folder``/step, verify
-    every byte, then rename it to ``final_name`` (replacing what is there). Returns the final path;
-    on any failure nothing of the transfer remains."""
-    where = os.path.join(folder, step_name(step))
-    os.makedirs(where, exist_ok=True)
-    kind = "replica-of-rank" if final_name.startswith("replica") else "rank"
-    number = final_name.rsplit("-", 1)[1]
-    tmp = os.path.join(where, f".incoming-{kind}-{number}-to-{owner:05d}-{os.getpid()}-{secrets.token_hex(4)}")
+def receive_checkpoint(stream: _Stream, where: str, final_name: str, files: Any, expect: dict[str, Any]) -> str:
+    """Write ``files`` read from ``stream`` into a fresh ``.incoming-`` folder of the step folder ``where``
+    (its manifest under a temporary name until every file is in), verify every byte and that its metadata
+    is ``expect``, then rename it to ``final_name`` (replacing a copy of this run there). Returns the final
+    path; on any failure nothing of the transfer remains."""
+    listed = _check_files(files)
+    if not real_dir(where):
+        raise CheckpointError(f"{where} is a symbolic link or not a folder; nothing is written through a link")
+    kind, number = final_name.rsplit("-", 1)
+    tmp = os.path.join(where, f".incoming-{kind}-{number}-{os.getpid()}-{secrets.token_hex(4)}")
     os.mkdir(tmp)
+    written: list[str] = []
     try:
-        for rel, size in files:
-            if not isinstance(rel, str) or rel.startswith(("/", "..")) or ".." in rel.split(os.sep):
-                raise CheckpointError(f"replica file name {rel!r} leaves its folder")
-            if not isinstance(size, int) or size < 0:
-                raise CheckpointError(f"replica file {rel!r} has size {size!r}")
-            target = os.path.join(tmp, rel)
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            with open(target, "wb") as f:
-                left = size
-                while left > 0:
-                    block = sock.recv(min(BLOCK, left))
-                    if not block:
-                        raise CheckpointError(f"replica connection closed in {rel!r} with {left} bytes to go")
-                    f.write(block)
-                    left -= len(block)
+        for name, size in listed:
+            own = temp_manifest(secrets.token_hex(4)) if name == "MANIFEST.json" else name
+            with open(os.path.join(tmp, own), "xb") as f:
+                written.append(own)
+                stream.into(f, size, name)
                 f.flush()
                 os.fsync(f.fileno())
+            if own != name:
+                os.rename(os.path.join(tmp, own), os.path.join(tmp, name))  # whole, or not there
+                written[-1] = name
         api.verify(tmp)  # every byte, against the manifest's checksums
+        meta = api.inspect(tmp).metadata
+        if meta != expect:
+            raise CheckpointError(f"the copy received in {tmp} records {meta!r:.300}, not {expect!r:.300}")
         final = os.path.join(where, final_name)
-        if os.path.lexists(final):
-            remove_entry(final)
-            os.makedirs(where, exist_ok=True)
+        if os.path.lexists(final) and not remove_entry(final, str(expect.get("run"))):
+            raise CheckpointError(f"{final} belongs to another run and stays; the copy cannot take its place")
         os.rename(tmp, final)
         fd = os.open(where, os.O_RDONLY)
         try:
@@ -129,28 +230,59 @@ def receive_checkpoint(
             os.close(fd)
         return final
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _discard(tmp, written)
         raise
 
 
+def _discard(tmp: str, written: list[str]) -> None:
+    """Remove a transfer's own folder: the files it wrote there, then the folder (nothing recursive)."""
+    for name in written:
+        try:
+            os.unlink(os.path.join(tmp, name))
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            logger.error("shardsafe: could not remove %s of a failed transfer: %s", os.path.join(tmp, name), err)
+    try:
+        os.rmdir(tmp)
+    except OSError as err:
+        logger.error("shardsafe: could not remove the failed transfer's folder %s: %s", tmp, err)
+
+
 class ReplicaServer:
-    """(each rank with a local tier) Receives replicas into ``folder`` and serves the ones it holds."""
+    """(each rank with a local tier) Receives replicas into ``folder`` and serves the ones it holds,
+    listening on ``host`` (the address it announces) only."""
 
     def __init__(self, folder: str, rank: int, host: str) -> None:
         self.folder = folder
         self.rank = rank
-        self._sock = socket.create_server(("", 0))
+        try:
+            self._sock = socket.create_server((host, 0))
+        except OSError as err:
+            raise CheckpointError(
+                f"rank {rank}: the local tier's replica server cannot listen on {host!r} ({err}); set "
+                "SHARDSAFE_TIER_HOST to an address of this machine that the other nodes reach"
+            ) from err
         self._sock.settimeout(0.5)
         self.address = f"{host}:{self._sock.getsockname()[1]}"
-        self.token = secrets.token_hex(16)  # what a request must carry (published with the address)
+        self.token = secrets.token_hex(TOKEN_CHARS // 2)  # what a request must carry (published with the address)
         self._stop = threading.Event()
+        self._handshakes = threading.BoundedSemaphore(HANDSHAKES)
+        self._lock = threading.Lock()
+        self._live: set[threading.Thread] = set()
         self._thread = threading.Thread(target=self._serve, name=f"shardsafe-replica-{rank}", daemon=True)
         self._thread.start()
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop accepting and end the thread (it finishes the request it serves, within ``timeout``)."""
+        """Stop accepting and end the threads (each finishes the request it serves, within ``timeout``
+        in all)."""
+        until = time.monotonic() + timeout
         self._stop.set()
         self._thread.join(timeout)
+        with self._lock:
+            live = list(self._live)
+        for t in live:
+            t.join(max(0.0, until - time.monotonic()))
         self._sock.close()
 
     def _serve(self) -> None:
@@ -163,54 +295,104 @@ class ReplicaServer:
                 if not self._stop.is_set():
                     logger.error("shardsafe: replica server of rank %d stopped: %s", self.rank, err)
                 return
+            if not self._handshakes.acquire(blocking=False):
+                logger.warning(
+                    "shardsafe: replica server of rank %d: %d connections are still to send their token; one "
+                    "more is closed",
+                    self.rank,
+                    HANDSHAKES,
+                )
+                conn.close()
+                continue
+            t = threading.Thread(target=self._connection, args=(conn,), name=f"shardsafe-replica-{self.rank}-conn")
+            t.daemon = True
+            with self._lock:
+                self._live.add(t)
+            t.start()
+
+    def _connection(self, conn: socket.socket) -> None:
+        """One connection, on its own thread: the token and request line within the socket knob's
+        seconds in all, then the request."""
+        seconds = knobs.tier_socket_seconds()
+        stream = _Stream(conn, time.monotonic() + seconds, seconds)
+        held = [True]
+
+        def authenticated() -> None:
+            held[0] = False
+            self._handshakes.release()
+            stream.until = math.inf  # the job's own rank: each operation bounded by ``each``
+
+        try:
             with conn:
-                conn.settimeout(knobs.tier_socket_seconds())
                 try:
-                    self._handle(conn)
+                    self._handle(stream, authenticated)
                 except Exception as err:  # answered to the peer when the connection still works; logged
                     logger.warning("shardsafe: replica request to rank %d failed: %s", self.rank, err)
                     try:
-                        _send_line(conn, {"ok": False, "error": f"{type(err).__name__}: {err}"})
+                        stream.until = time.monotonic() + min(seconds, 5.0)
+                        stream.send_line({"ok": False, "error": f"{type(err).__name__}: {err}"})
                     except OSError:
                         pass
+        finally:
+            if held[0]:
+                self._handshakes.release()
+            with self._lock:
+                self._live.discard(threading.current_thread())
 
-    def _handle(self, conn: socket.socket) -> None:
-        head = _read_line(conn)
-        token = head.get("token")
-        if not isinstance(token, str) or not secrets.compare_digest(token.encode(), self.token.encode()):
+    def _handle(self, stream: _Stream, authenticated: Callable[[], None]) -> None:
+        token = stream.exact(TOKEN_CHARS + 1)
+        if token[-1:] != b"\n" or not secrets.compare_digest(token[:-1], self.token.encode()):
             raise CheckpointError(
                 f"replica request to rank {self.rank} without this server's token refused (a request from outside "
                 "the job, or from another job's rank)"
             )
-        op, step, rank = head.get("op"), head.get("step"), head.get("rank")
-        if not isinstance(step, int) or not isinstance(rank, int):
+        authenticated()
+        head = stream.line()
+        op, run, step, save = head.get("op"), head.get("run"), head.get("step"), head.get("save")
+        if not (
+            isinstance(run, str)
+            and RUN_ID.match(run)
+            and isinstance(step, int)
+            and not isinstance(step, bool)
+            and 0 <= step < 10**12
+            and isinstance(save, str)
+            and SAVE_ID.match(save)
+        ):
             raise CheckpointError(f"bad replica request {head!r:.200}")
         if op == "push":
-            _send_line(conn, {"ok": True})  # accepted: the sender sends the bytes now
-            receive_checkpoint(conn, self.folder, step, replica_name(rank), self.rank, head["files"])
-            _send_line(conn, {"ok": True})
+            rank, meta = head.get("rank"), head.get("metadata")
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 10**6:
+                raise CheckpointError(f"bad replica request {head!r:.200}")
+            want = {"step": step, "rank": rank, "run": run, "save": save}
+            if not isinstance(meta, dict) or any(meta.get(k) != v for k, v in want.items()):
+                raise CheckpointError(f"replica request's metadata {meta!r:.200} is not its share's {want!r}")
+            _check_files(head.get("files"))
+            where = step_folder(self.folder, run, step, save, create=True)
+            stream.send_line({"ok": True})  # accepted: the sender sends the bytes now
+            receive_checkpoint(stream, where, replica_name(rank), head["files"], meta)
+            stream.send_line({"ok": True})
         elif op == "pull":
-            path = os.path.join(self.folder, step_name(step), replica_name(rank))
-            files = files_of(path) if os.path.isdir(path) else None
+            name = head.get("name")
+            if not isinstance(name, str) or not (SHARE_RE.match(name) or REPLICA_RE.match(name)):
+                raise CheckpointError(f"bad replica request {head!r:.200}")
+            path = os.path.join(step_folder(self.folder, run, step, save), name)
+            files = files_of(path) if real_dir(path) and os.path.lexists(os.path.join(path, "MANIFEST.json")) else None
             if not files:
-                raise CheckpointError(f"rank {self.rank} holds no replica of rank {rank}'s share of step {step}")
-            _send_line(conn, {"ok": True, "files": files})
-            _send_files(conn, path, files)
+                raise CheckpointError(f"rank {self.rank} holds no committed copy at {path}")
+            stream.send_line({"ok": True, "files": files})
+            _send_files(stream, path, files)
         else:
             raise CheckpointError(f"unknown replica request {op!r}")
 
 
-def _connect(address: str, deadline: Deadline) -> socket.socket:
-    host, port = address.rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=max(deadline.remaining(), 0.001))
-    return sock
-
-
-def _bounded(address: str, what: str, deadline: Deadline, fn: Callable[[socket.socket], Any]) -> Any:
+def _bounded(address: str, token: str, what: str, deadline: Deadline, fn: Callable[[_Stream], Any]) -> Any:
+    """Connect to ``address``, send ``token``, run ``fn`` on the connection, all before ``deadline``."""
     try:
-        with _connect(address, deadline) as sock:
-            sock.settimeout(max(deadline.remaining(), 0.001))
-            return fn(sock)
+        host, port = address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=max(deadline.remaining(), 0.001)) as sock:
+            stream = _Stream(sock, time.monotonic() + deadline.remaining(), math.inf)
+            stream.send(token.encode()[:TOKEN_CHARS].ljust(TOKEN_CHARS, b"0") + b"\n")
+            return fn(stream)
     except (OSError, ValueError) as err:
         raise CheckpointError(
             f"{what} with the replica server at {address} failed ({type(err).__name__}: {err}); is that rank "
@@ -218,53 +400,71 @@ def _bounded(address: str, what: str, deadline: Deadline, fn: Callable[[socket.s
         ) from err
 
 
-def push(address: str, token: str, path: str, step: int, rank: int, deadline: Deadline) -> None:
-    """(the sender) Send rank ``rank``'s committed share ``path`` of ``step`` to the server at
-    ``address`` (whose ``token`` it carries); returns once the receiver verified and renamed it. Raises
-    :class:`CheckpointError`."""
+def push(address: str, token: str, path: str, meta: dict[str, Any], deadline: Deadline) -> None:
+    """(the sender) Send its committed share ``path``, whose metadata is ``meta`` (run, step, save,
+    rank...), to the server at ``address`` (whose ``token`` it carries); returns once the receiver
+    verified and renamed it. Raises :class:`CheckpointError`."""
     files = files_of(path)
+    rank = meta["rank"]
+    head = {"op": "push", "run": meta["run"], "step": meta["step"], "save": meta["save"], "rank": rank}
 
-    def run(sock: socket.socket) -> None:
-        _send_line(sock, {"op": "push", "token": token, "step": step, "rank": rank, "files": files})
-        answer = _read_line(sock)  # the request accepted (or refused) before any byte is sent
+    def run(stream: _Stream) -> None:
+        stream.send_line({**head, "metadata": meta, "files": files})
+        answer = stream.line()  # the request accepted (or refused) before any byte is sent
         if answer.get("ok") is not True:
             raise CheckpointError(f"rank {rank}: replicating {path} was refused by the receiver: {answer.get('error')}")
-        _send_files(sock, path, files)
-        answer = _read_line(sock)
+        _send_files(stream, path, files)
+        answer = stream.line()
         if answer.get("ok") is not True:
             raise CheckpointError(f"rank {rank}: replicating {path} failed at the receiver: {answer.get('error')}")
 
-    _bounded(address, f"rank {rank}: pushing the replica of {path}", deadline, run)
+    _bounded(address, token, f"rank {rank}: pushing the replica of {path}", deadline, run)
 
 
-def pull(address: str, token: str, folder: str, step: int, rank: int, deadline: Deadline) -> str:
-    """(rank ``rank``) Fetch the replica of its share of ``step`` from the server at ``address`` (whose
-    ``token`` it carries) into its own ``folder`` as its share (every byte verified). Returns the
-    share's path."""
+def pull(address: str, token: str, name: str, where: str, meta: dict[str, Any], deadline: Deadline) -> str:
+    """(rank ``meta["rank"]``) Fetch the copy ``name`` (a share or a replica) of its share of save
+    ``meta["save"]`` from the server at ``address`` (whose ``token`` it carries) into its own step folder
+    ``where``, as its share (every byte verified, and its metadata ``meta``). Returns the share's path."""
+    rank, step = meta["rank"], meta["step"]
+    head = {"op": "pull", "run": meta["run"], "step": step, "save": meta["save"], "name": name}
 
-    def run(sock: socket.socket) -> str:
-        _send_line(sock, {"op": "pull", "token": token, "step": step, "rank": rank})
-        answer = _read_line(sock)
+    def run(stream: _Stream) -> str:
+        stream.send_line(head)
+        answer = stream.line()
         if answer.get("ok") is not True:
             raise CheckpointError(f"rank {rank}: fetching its share of step {step} failed: {answer.get('error')}")
-        return receive_checkpoint(sock, folder, step, share_name(rank), rank, answer["files"])
+        return receive_checkpoint(stream, where, share_name(rank), answer.get("files"), meta)
 
-    result: str = _bounded(address, f"rank {rank}: pulling its share of step {step}", deadline, run)
+    result: str = _bounded(address, token, f"rank {rank}: pulling its share of step {step}", deadline, run)
     return result
 
 
-def own_host() -> str:
-    """The address other nodes reach this one at: ``SHARDSAFE_TIER_HOST``, else the address of the
-    interface that routes to ``MASTER_ADDR`` (no packet is sent), else 127.0.0.1."""
+def store_host(store: Any) -> str | None:
+    """The host of the rendezvous store ``store`` (a ``TCPStore``, maybe inside ``PrefixStore``\\ s), else
+    ``None``."""
+    for _ in range(8):
+        if store is None:
+            return None
+        host = getattr(store, "host", None)
+        if isinstance(host, str) and host:
+            return host
+        store = getattr(store, "underlying_store", None)
+    return None
+
+
+def own_host(store: Any = None) -> str:
+    """The address other nodes reach this one at, where its replica server listens: ``SHARDSAFE_TIER_HOST``,
+    else the address of the interface that routes to the rendezvous store's host (``store``), else to
+    ``MASTER_ADDR`` (no packet is sent), else 127.0.0.1 (a store on this machine: one node)."""
     given = os.environ.get("SHARDSAFE_TIER_HOST")
     if given:
         return given
-    master = os.environ.get("MASTER_ADDR")
-    if master and master not in ("localhost", "127.0.0.1"):
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
-                return str(s.getsockname()[0])
-        except OSError:
-            pass
+    for target, port in ((store_host(store), 29500), (os.environ.get("MASTER_ADDR"), 29500)):
+        if target and target not in ("localhost", "127.0.0.1", "::1"):
+            try:
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                    s.connect((target, int(os.environ.get("MASTER_PORT", port))))
+                    return str(s.getsockname()[0])
+            except (OSError, ValueError):
+                continue
     return "127.0.0.1"

@@ -3,7 +3,8 @@
 On a terminal it redraws one line in place (``\\r``) and ends it when the operation ends; the line is kept
 one column narrower than the terminal (asked at every redraw, ``COLUMNS`` first), since a line that
 wraps is redrawn only from its last row and leaves the rest behind: the bar shrinks first, then the
-least telling fields go (the outcome of a finished operation stays), then the tail is cut. Off a
+least telling fields go (the outcome of a finished operation stays), then a long label (``verify
+<checkpoint name>``) is shortened in its middle, then the tail is cut. Off a
 terminal (a log file, a pipe, CI) it writes plain lines, whole, without control characters, and only
 for an operation that runs past ``SHARDSAFE_PROGRESS_INTERVAL`` (so quick saves leave the log alone).
 On and off a terminal, a record that comes before the operation knows its total (a manifest being
@@ -23,6 +24,9 @@ from shardsafe.progress.record import Progress, ProgressCallback, describe
 
 _MIN_BAR = 10
 """The bar is shrunk to fit a narrow terminal down to this many characters before fields are dropped."""
+_MIN_LABEL = 12
+"""A long operation label (``verify <name>``) is shortened in its middle, down to this many columns, before
+the tail of the line is cut: the bar, the percentage and the outcome matter more than the whole name."""
 _DEFAULT_COLUMNS = 80
 """A terminal that does not say its width is taken to be this wide (as ``shutil.get_terminal_size`` does)."""
 
@@ -40,21 +44,34 @@ def format_bar(p: Progress, width: int = 28, room: int | None = None) -> str:
 
     With ``room``, the line takes at most that many terminal columns: the bar shrinks (down to 10
     characters), then fields go, least telling first (slowest rank, phase, throughput, time left, sizes,
-    the outcome's time; the operation, bar, percentage and outcome stay), then the tail is cut."""
+    the outcome's time; the operation, bar, percentage and outcome stay), then the operation's label is
+    shortened in its middle (down to 12 columns: ``verify step-0...0123456``), then the tail is cut."""
     fields = _fields(p)
-    line = _join(p, width, fields)
+    label = p.op
+    line = _join(p, label, width, fields)
     if room is None:
         return line
     over = columns(line) - room
     if over > 0 and width > _MIN_BAR:
         width = max(_MIN_BAR, width - over)
-        line = _join(p, width, fields)
+        line = _join(p, label, width, fields)
     for drop in sorted((f for f in fields if f[0] > 0), key=lambda f: -f[0]):
         if columns(line) <= room:
             break
         fields = [f for f in fields if f is not drop]
-        line = _join(p, width, fields)
+        line = _join(p, label, width, fields)
+    keep = room - (columns(line) - columns(label))
+    if columns(line) > room and keep >= _MIN_LABEL:
+        line = _join(p, _middle(label, keep), width, fields)
     return cut(line, max(0, room))
+
+
+def _middle(text: str, width: int) -> str:
+    """``text`` in at most ``width`` columns: its start and its end (where a step number is), joined by
+    ``...`` (plain ASCII: any terminal's encoding can write it)."""
+    head = cut(text, (width - 3) // 2)
+    tail = cut(text[::-1], width - 3 - columns(head))[::-1]
+    return f"{head}...{tail}"
 
 
 def _fields(p: Progress) -> list[tuple[int, str]]:
@@ -75,9 +92,9 @@ def _fields(p: Progress) -> list[tuple[int, str]]:
     return fields
 
 
-def _join(p: Progress, width: int, fields: list[tuple[int, str]]) -> str:
+def _join(p: Progress, label: str, width: int, fields: list[tuple[int, str]]) -> str:
     filled = int(p.fraction * width + 1e-9)
-    line = f"{p.op} [{'#' * filled}{'-' * (width - filled)}] {100 * p.fraction:3.0f}%"
+    line = f"{label} [{'#' * filled}{'-' * (width - filled)}] {100 * p.fraction:3.0f}%"
     for _, text in fields:
         line += text if text.startswith(" ") else "  " + text
     return line

@@ -279,7 +279,8 @@ class _Caller:
         self._closed = False  # the final record was offered, or the callback failed
         self._last_done = 0
         self._final = threading.Event()
-        threading.Thread(target=self._run, name=f"shardsafe-progress-callback-{tracker.op}", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name=f"shardsafe-progress-callback-{tracker.op}", daemon=True)
+        self._thread.start()
 
     def offer(self, record: Progress) -> None:
         with self._cond:
@@ -291,7 +292,12 @@ class _Caller:
             self._cond.notify()
 
     def wait_final(self, timeout: float) -> bool:
-        return self._final.wait(timeout)
+        """Whether the callback took the final record within ``timeout`` seconds; its thread has then
+        ended too (it ends right after), so nothing of the operation outlives it."""
+        if not self._final.wait(timeout):
+            return False
+        self._thread.join(timeout)
+        return True
 
     def _run(self) -> None:
         while True:

@@ -22,7 +22,7 @@ from shardsafe.errors import InvalidTypeError, UnsafeValueError
 from shardsafe.format.manifest import SAFETENSORS_DTYPES
 from shardsafe.format.values import MAX_DEPTH, PerRank, encode
 from shardsafe.state import fsdp1
-from shardsafe.state.layout import Box, Layout, is_sharded_tensor, layout_of
+from shardsafe.state.layout import Box, Layout, Rule, is_sharded_tensor, layout_of
 from shardsafe.state.rng import RNGState
 
 try:
@@ -47,6 +47,7 @@ class TensorItem:
     owner: bool  # for sharded tensors: this rank writes its box (replicas on other mesh dims do not)
     dtensor: bool = False  # placed by a strategy (DTensor, ShardedTensor, FSDP1 shard), not a plain tensor
     pieces: list[Box] | None = None  # this rank's boxes when it holds other than one (FSDP1, strided DTensors)
+    rule: Rule | None = None  # its sharding as a rule (format v3), the same on every rank
 
     @property
     def nbytes(self) -> int:
@@ -316,7 +317,7 @@ class _Sink:
             name = f"{path}#{n}"
         self.taken.add(name)
         if t.dtype not in SAFETENSORS_DTYPES:
-            raise UnsafeValueError(f"{path!r}: dtype {t.dtype} cannot be stored (format v2, docs/format.md section 6)")
+            raise UnsafeValueError(f"{path!r}: dtype {t.dtype} cannot be stored (format v3, docs/format.md section 6)")
         if self.substitutes:
             t = self.substitutes.get(id(t), t)
         shard = self.shards.get(id(t)) if self.shards else None
@@ -468,10 +469,10 @@ def _item(name: str, layout: Layout, placed: bool) -> TensorItem:
         return TensorItem(name, local, layout.shape, offsets, True, True, placed)
     if len(layout.boxes) == 1:
         offsets, local = layout.boxes[0]
-        return TensorItem(name, local, layout.shape, offsets, False, layout.owner, placed)
+        return TensorItem(name, local, layout.shape, offsets, False, layout.owner, placed, None, layout.rule)
     first = layout.boxes[0][1] if layout.boxes else torch.empty(0, dtype=layout.dtype)
     offsets = layout.boxes[0][0] if layout.boxes else (0,) * len(layout.shape)
-    return TensorItem(name, first, layout.shape, offsets, False, layout.owner, placed, list(layout.boxes))
+    return TensorItem(name, first, layout.shape, offsets, False, layout.owner, placed, list(layout.boxes), layout.rule)
 
 
 def _stand_ins(value: dict[str, Any], shards: dict[int, tuple[Layout, torch.Tensor]]) -> dict[str, Any]:

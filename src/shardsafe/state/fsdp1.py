@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from shardsafe.errors import CheckpointError, UnsafeValueError
+from shardsafe.format.datafile import tensor_bytes
 from shardsafe.format.values import decode, dtype_from_name, dtype_name, encode
 from shardsafe.state.layout import Box, Layout
 
@@ -339,7 +340,7 @@ def _describe(st: Mapping[str, Any], p: torch.Tensor, where: str) -> dict[str, A
                     f"optimizer state {where}/{k}: a {tuple(v.shape)} tensor that is not shaped like its FSDP1 "
                     "parameter; only small per-parameter tensors (such as 'step') are supported with FSDP1"
                 )
-            raw = v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            raw = bytes(tensor_bytes(v.detach().cpu().resolve_conj().resolve_neg().contiguous()))
             desc[k] = ["tensor", dtype_name(v.dtype), list(v.shape), base64.b64encode(raw).decode()]
         else:
             desc[k] = ["value", encode(v, f"{where}/{k}", _no_tensor)]

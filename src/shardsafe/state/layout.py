@@ -9,6 +9,12 @@
   global tensor becomes several boxes instead of a wrong offset.
 - A ``ShardedTensor`` (FSDP1's sharded state dict without a device mesh) is its local shards, each
   with the global offsets its metadata carries.
+
+A DTensor whose placements are ``Shard``, ``_StridedShard`` and ``Replicate`` also gets its sharding as
+a :class:`Rule` (format v3, docs/format.md section 3b), the same on every rank: the writers' mesh (the
+owners: coordinate 0 on replicated dimensions, the first slice of a sliced mesh) and, per sharded
+mesh dimension, the tensor dimension and split factor. The save describes such a tensor by its rule
+instead of one chunk per rank.
 """
 
 from __future__ import annotations
@@ -32,6 +38,16 @@ except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
 
+@dataclass(frozen=True)
+class Rule:
+    """A DTensor's sharding as every rank sees it: the writers' grid (``mesh_shape``, global ranks in
+    row-major order) and, per mesh dimension of that grid, (tensor dimension, split factor)."""
+
+    mesh_shape: tuple[int, ...]
+    ranks: tuple[int, ...]
+    dims: tuple[tuple[int, int], ...]
+
+
 @dataclass
 class Layout:
     """This rank's part of one global tensor."""
@@ -41,6 +57,7 @@ class Layout:
     boxes: list[Box]  # this rank's data; may be empty (an FSDP1 rank holding none of a parameter)
     replicated: bool  # every rank holds the whole tensor (plain tensors, fully replicated DTensors)
     owner: bool  # this rank writes its boxes (False for the replicas of a sharded box)
+    rule: Rule | None = None  # (saves) its sharding as a rule, where it is one
 
 
 def is_sharded_tensor(t: Any) -> bool:
@@ -68,7 +85,8 @@ def _dtensor_layout(dt: Any, roles: bool) -> Layout:
         )
     mesh = dt.device_mesh
     shape = tuple(int(n) for n in dt.shape)
-    local = dt.to_local().detach()
+    inner = getattr(dt, "_local_tensor", None)  # what to_local() returns, without its autograd node
+    local = (inner if isinstance(inner, torch.Tensor) else dt.to_local()).detach()
     coord = mesh.get_coordinate()
     if coord is None:  # this rank is not in the mesh: it holds nothing of the tensor
         return Layout(shape, local.dtype, [], False, False)
@@ -76,11 +94,72 @@ def _dtensor_layout(dt: Any, roles: bool) -> Layout:
     owner = (all(coord[i] == 0 for i in replicate_dims) and _first_slice(mesh)) if roles else True
     replicated = len(replicate_dims) == len(placements) and (_spans_world(mesh) if roles else True)
     if all(p.is_replicate() or type(p).__name__ == "Shard" for p in placements):
-        _, offsets = compute_local_shape_and_global_offset(dt.shape, mesh, placements)
-        boxes = [(tuple(int(o) for o in offsets), local)]
+        boxes = [(_offsets(shape, mesh, placements), local)]
     else:
         boxes = _indexed_boxes(shape, local, mesh, placements, coord)
-    return Layout(shape, local.dtype, boxes, replicated, owner)
+    rule = _rule(mesh, placements, len(shape)) if roles and not replicated else None
+    return Layout(shape, local.dtype, boxes, replicated, owner, rule)
+
+
+@functools.lru_cache(maxsize=4096)  # once per shape, mesh and placements: every layer's tensors share them
+def _offsets(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...]) -> tuple[int, ...]:
+    """This rank's global offsets of a DTensor of ``shape`` (``Shard``/``Replicate`` placements)."""
+    _, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(int(o) for o in offsets)
+
+
+def _rule(mesh: Any, placements: tuple[Any, ...], ndim: int) -> Rule | None:
+    """The sharding of a DTensor as a :class:`Rule`, or ``None`` where its placements are other than
+    ``Shard``, ``_StridedShard`` and ``Replicate`` or its writers cannot be told from its mesh."""
+    dims: list[tuple[int, int]] = []
+    for p in placements:
+        kind = type(p).__name__
+        if p.is_replicate():
+            continue
+        if kind not in ("Shard", "_StridedShard") or not ndim:
+            return None
+        factor = int(getattr(p, "split_factor", 1)) if kind == "_StridedShard" else 1
+        dims.append((int(p.dim) % ndim, factor))
+    grid = _writers(mesh, tuple(i for i, p in enumerate(placements) if p.is_replicate()))
+    if grid is None:
+        return None
+    return Rule(grid[0], grid[1], tuple(dims))
+
+
+@functools.lru_cache(maxsize=256)  # once per mesh and pattern, not once per tensor
+def _writers(mesh: Any, replicated: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The writers' grid of ``mesh`` with ``replicated`` dimensions taken at coordinate 0: the ranks
+    of the first slice (:func:`_first_slice`) of a mesh sliced from a larger one."""
+    grid = _first_grid(mesh)
+    if grid is None:
+        return None
+    sub = grid[tuple(0 if i in replicated else slice(None) for i in range(grid.dim()))]
+    return tuple(int(n) for n in sub.shape), tuple(int(r) for r in sub.reshape(-1).tolist())
+
+
+def _first_grid(mesh: Any) -> torch.Tensor | None:
+    """The ranks, shaped like ``mesh.mesh``, of the slice of ``mesh``'s root that writes (``mesh``
+    itself when it spans the world); ``None`` when the root does not show it plainly (a flattened or
+    reordered slice)."""
+    own = mesh.mesh
+    if _spans_world(mesh):
+        return own  # type: ignore[no-any-return]
+    try:
+        root = _root(mesh)
+    except Exception:  # any failure to find the root: the tensor is listed chunk by chunk
+        return None
+    ranks = root.mesh
+    if root is mesh or int(ranks.numel()) == int(own.numel()):
+        return None
+    where = [tuple(int(c) for c in (ranks == r).nonzero()[0].tolist()) for r in own.flatten().tolist()]
+    covered = [d for d in range(ranks.dim()) if len({w[d] for w in where}) > 1]
+    if len(covered) != own.dim():
+        return None
+    mine = ranks[tuple(slice(None) if d in covered else where[0][d] for d in range(ranks.dim()))]
+    first = ranks[tuple(slice(None) if d in covered else 0 for d in range(ranks.dim()))]
+    if tuple(mine.shape) != tuple(own.shape) or not torch.equal(mine, own):
+        return None
+    return first  # type: ignore[no-any-return]
 
 
 def _indexed_boxes(
@@ -90,16 +169,7 @@ def _indexed_boxes(
     of every local row is found by splitting an index tensor exactly as the placements split data
     (each placement's own ``_split_tensor``, mesh dimensions left to right); runs of consecutive
     indices become boxes."""
-    index = [torch.arange(n).view([n if d == k else 1 for k in range(len(shape))]) for d, n in enumerate(shape)]
-    for i, p in enumerate(placements):
-        if p.is_replicate():
-            continue
-        split = getattr(p, "_split_tensor", None)
-        if split is None or not hasattr(p, "dim"):
-            raise UnsafeValueError(f"DTensor placement {p!r} is not supported (Shard, _StridedShard, Replicate are)")
-        parts, _ = split(index[p.dim], mesh.size(i), with_padding=False)
-        index[p.dim] = parts[coord[i]] if coord[i] < len(parts) else index[p.dim][..., :0]
-    runs = [_runs(index[d].reshape(-1).tolist()) for d in range(len(shape))]
+    runs = _index_runs(shape, mesh, placements, tuple(coord))
     for d, n in enumerate(local.shape):
         if sum(r[2] for r in runs[d]) != n:
             raise UnsafeValueError(
@@ -112,6 +182,23 @@ def _indexed_boxes(
         view = local[tuple(slice(lo, lo + n) for _, lo, n in combo)]
         boxes.append((offsets, view))
     return boxes
+
+
+@functools.lru_cache(maxsize=1024)  # once per shape, mesh and placements: every layer's tensors share them
+def _index_runs(
+    shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...], coord: tuple[int, ...]
+) -> list[list[tuple[int, int, int]]]:
+    """Per dimension, the runs of global indices (:func:`_runs`) this coordinate's local shard holds."""
+    index = [torch.arange(n).view([n if d == k else 1 for k in range(len(shape))]) for d, n in enumerate(shape)]
+    for i, p in enumerate(placements):
+        if p.is_replicate():
+            continue
+        split = getattr(p, "_split_tensor", None)
+        if split is None or not hasattr(p, "dim"):
+            raise UnsafeValueError(f"DTensor placement {p!r} is not supported (Shard, _StridedShard, Replicate are)")
+        parts, _ = split(index[p.dim], mesh.size(i), with_padding=False)
+        index[p.dim] = parts[coord[i]] if coord[i] < len(parts) else index[p.dim][..., :0]
+    return [_runs(index[d].reshape(-1).tolist()) for d in range(len(shape))]
 
 
 def _runs(indices: list[int]) -> list[tuple[int, int, int]]:

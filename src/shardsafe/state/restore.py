@@ -35,6 +35,7 @@ import torch
 
 from shardsafe.errors import CorruptCheckpointError, StateMismatchError
 from shardsafe.format.manifest import Manifest
+from shardsafe.format.sharding import Region
 from shardsafe.format.values import PerRank, decode, dtype_name
 from shardsafe.format.walk import has_per_rank
 from shardsafe.state.flatten import kind_of, load_module_state, module_state
@@ -85,6 +86,7 @@ class Restorer:
         self._in_place = False  # some destination belongs to the caller's state
         self._fresh: dict[str, Callable[[], torch.Tensor]] = {}  # manifest name -> allocator (after size checks)
         self._fresh_bytes: dict[str, int] = {}  # manifest name -> bytes its new tensor takes
+        self._regions: dict[str, list[Region] | None] = {}  # manifest name -> boxes it fills (None: whole)
         self._early: set[str] = set()  # new tensors read before the go/no-go, for :attr:`checks`
         self._decodes: list[_Decode] = []
         self.tensors: dict[str, torch.Tensor] = {}  # allocated by prepare()
@@ -302,6 +304,7 @@ class Restorer:
                     "expanded view whose elements share memory); put a plain tensor there"
                 )
         self._fills.append((name, layout))
+        self._add_regions(name, [(o, tuple(d.shape)) for o, d in layout.boxes])
         self._in_place = self._in_place or not private
 
     def fresh(
@@ -317,8 +320,12 @@ class Restorer:
         ``alloc`` shapes the new one after (its local shard sizes the memory check, not the global shape)."""
         entry_bytes = self.manifest.tensors[name].nbytes
         if like is not None:
-            held = sum(data.numel() for _, data in layout_of(like, roles=False).boxes)
+            boxes = layout_of(like, roles=False).boxes
+            held = sum(data.numel() for _, data in boxes)
             entry_bytes = held * self.manifest.tensors[name].dtype.itemsize
+            self._add_regions(name, [(o, tuple(d.shape)) for o, d in boxes])
+        else:
+            self._add_regions(name, None)
         self._fresh_bytes[name] = entry_bytes
         if alloc is None:
             entry = self.manifest.tensors[name]
@@ -399,6 +406,16 @@ class Restorer:
     def names(self) -> list[str]:
         """Every manifest tensor this plan reads (for the size checks before :meth:`prepare`)."""
         return list(dict.fromkeys([n for n, _ in self._fills] + list(self._fresh)))
+
+    def _add_regions(self, name: str, boxes: list[Region] | None) -> None:
+        known = self._regions.get(name, [])
+        self._regions[name] = None if boxes is None or known is None else known + boxes
+
+    def regions(self) -> dict[str, list[Region] | None]:
+        """Every manifest tensor this plan reads, with the global boxes it fills (``None``: the whole
+        tensor, for a new tensor of the manifest's shape): a ruled tensor's data files are those
+        these boxes meet."""
+        return dict(self._regions)
 
     def fills_in_place(self) -> bool:
         """Whether this plan reads into tensors of the caller's state (not only into new ones)."""
