@@ -604,15 +604,20 @@ def campaign(cases: int, seed: int, top: Path) -> dict[str, Any]:
     """Run ``cases`` cases from ``seed``; the figures and the violations."""
     import logging
 
-    logging.getLogger("shardsafe").setLevel(logging.CRITICAL)  # the cases log their refusals by design
-    template = build_template(top / "template")
-    started = time.monotonic()
-    results = []
-    for i in range(cases):
-        work = top / "work"
-        work.mkdir()
-        results.append({**plan(seed * 1_000_003 + i), **run_case(plan(seed * 1_000_003 + i), template, work)})
-        shutil.rmtree(work, ignore_errors=True)
+    log = logging.getLogger("shardsafe")
+    level = log.level
+    log.setLevel(logging.CRITICAL)  # the cases log their refusals by design
+    try:
+        template = build_template(top / "template")
+        started = time.monotonic()
+        results = []
+        for i in range(cases):
+            work = top / "work"
+            work.mkdir()
+            results.append({**plan(seed * 1_000_003 + i), **run_case(plan(seed * 1_000_003 + i), template, work)})
+            shutil.rmtree(work, ignore_errors=True)
+    finally:
+        log.setLevel(level)  # the caller's (a test run's later tests read the warnings)
     modes = collections.Counter(r["mode"] for r in results)
     kinds = collections.Counter(e["kind"] for r in results for e in r["entries"])
     problems = [

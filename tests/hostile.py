@@ -178,12 +178,13 @@ def edit_header(path: Path, name: str, change: Callable[[Doc], None]) -> None:
 
 def as_version(path: Path, version: int) -> None:
     """Rewrite the manifest of the (single-process, v3) checkpoint at ``path`` as a version-``version``
-    writer (1 or 2) wrote it: no ``meshes`` nor ``index_checksum`` (its data files, which hold no ruled
+    writer (1 or 2) wrote it: no ``meshes``, ``side_files`` nor ``index_checksum`` (its data files, which hold no ruled
     chunk, are laid out as in v2); for version 1 also no ``refs`` nor chunk ``digest``/``ref``."""
     doc = manifest_of(path)
     assert not doc["meshes"] and all(f["index_checksum"] is None for f in doc["files"].values())
+    assert not doc["side_files"], "side files exist from version 3 on"
     doc["format_version"] = version
-    del doc["meshes"]
+    del doc["meshes"], doc["side_files"]
     for entry in doc["files"].values():
         del entry["index_checksum"]
     for ref in doc.get("refs", {}).values():

@@ -385,6 +385,6 @@ def test_every_skip_is_on_purpose() -> None:
 def test_the_docs_have_snippets() -> None:
     """The extraction finds what is there: a page's fences are all seen, none is left unparsed."""
     assert len(SNIPPETS) >= 18, len(SNIPPETS)
-    assert {(b.page, b.line) for b in SHELL} >= {("README.md", 140), ("docs/interop.md", 10)}, SHELL
+    assert {b.page for b in SHELL} >= {"README.md", "docs/interop.md"}, SHELL
     for path in PAGES:
         assert path.read_text().count("```python") == sum(s.page == str(path.relative_to(ROOT)) for s in SNIPPETS)
