@@ -5,10 +5,10 @@ source's with no references. The copy is committed like a save: data files first
 in one atomic step (a pending directory renamed into place locally, one PUT on object stores), through
 the same publication transaction as a save (:class:`~shardsafe.catalog.publish.CheckpointPublication`:
 on URL storage its in-flight marker keeps a sweep of leftovers away). One process; bounded memory (one
-checksum block at a time); one deadline for the whole call (``timeout=``, default
-``SHARDSAFE_IO_TIMEOUT``), which every read, write and the publish wait for at most. A failure leaves
-nothing behind: the data files written so far, the pending directory and the folders created above OUT
-are removed (only those)."""
+checksum block at a time); one deadline for the whole call (``timeout=``; by default the larger of
+``SHARDSAFE_TIMEOUT`` and ``SHARDSAFE_IO_TIMEOUT``), which every read, write and the publish wait for
+at most. A failure leaves nothing behind: the data files written so far, the pending directory and the
+folders created above OUT are removed (only those)."""
 
 from __future__ import annotations
 
@@ -65,8 +65,9 @@ def consolidate(
     empty folder). Raises :class:`CheckpointError` (a missing base: :class:`CheckpointNotFoundError`
     naming it; a corrupt block: :class:`CorruptCheckpointError`); ``out`` is untouched on failure.
     ``progress``: as for :func:`~shardsafe.interop.hf.export_hf`, counting the bytes of the new data
-    files as they are written (the ``bytes`` of the result). ``timeout``: seconds for the whole copy (default
-    ``SHARDSAFE_IO_TIMEOUT``); past it :class:`CheckpointTimeoutError`, with nothing left behind."""
+    files as they are written (the ``bytes`` of the result). ``timeout``: seconds for the whole copy
+    (default: the larger of ``SHARDSAFE_TIMEOUT`` and ``SHARDSAFE_IO_TIMEOUT``); past it
+    :class:`CheckpointTimeoutError`, with nothing left behind."""
     deadline = Deadlines.resolve(timeout).start().end
     progress = check_callback(progress)
     src, out = os.fspath(src), os.fspath(out)
