@@ -19,17 +19,16 @@ Protocol (every rank calls :func:`resume_newest`):
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Collection, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from shardsafe.coord import Deadline, Deadlines, Operation
+from shardsafe.coord import Deadlines, Operation
 from shardsafe.coord.messages import Empty
 from shardsafe.coord.rounds import Round
 from shardsafe.engine import api
-from shardsafe.errors import CheckpointError, CorruptCheckpointError, RemoteRankError
+from shardsafe.errors import CheckpointError, CheckpointTimeoutError, CorruptCheckpointError, RemoteRankError
 from shardsafe.manager.config import ManagerConfig
 from shardsafe.manager.listing import CheckpointRecord, scan
 from shardsafe.manager.messages import (
@@ -145,7 +144,7 @@ def resume_newest(
     ``verify``), and re-raises on every rank a failure that is not about the checkpoint's bytes; a
     listing that fails on rank 0 raises the same :class:`CheckpointError` on every rank. ``progress``
     is passed to each :func:`shardsafe.load` (rank 0 calls it)."""
-    op = Operation.begin("manager.resume", config.root, deadlines.start())
+    op = Operation.begin("manager.resume", config.root, deadlines.start())  # one deadline for the whole resume
     return op.conclude(lambda: _resume(op, fs, config, state, deadlines, verify, progress))
 
 
@@ -176,9 +175,17 @@ def _resume(
         name, path, step, own = candidate.name, candidate.path, candidate.step, candidate.own
         steps: list[tuple[Round[Attempt, Attempts], Callable[[], Any]]] = []
         if verify:
-            steps.append((RESUME_VERIFY, functools.partial(api.verify, path, part=(op.rank, op.world_size))))
-        load = functools.partial(api.load, path, state, timeout=config.timeout, progress=progress, rest="none")
-        steps.append((RESUME_LOAD, load))  # rest="none": nothing is returned, so nothing unrequested is read
+
+            def check(path: str = path) -> None:
+                _left(op, path, "verifying")
+                api.verify(path, part=(op.rank, op.world_size))
+
+            steps.append((RESUME_VERIFY, check))
+
+        def load(path: str = path) -> None:  # rest="none": nothing is returned, so nothing unrequested is read
+            api.load(path, state, timeout=_left(op, path, "loading"), progress=progress, rest="none")
+
+        steps.append((RESUME_LOAD, load))
         why = None
         for rnd, run in steps:
             why = _attempt(op, rnd.nth(n), rnd.phase, run, path, deadlines)
@@ -211,19 +218,33 @@ def _resume(
     return None
 
 
+def _left(op: Operation, path: str, what: str) -> Deadlines:
+    """(every rank, before a step of a resume on ``path``) What is left of the resume's one deadline, as
+    the budget of that step's own call. Raises :class:`CheckpointTimeoutError` (not damage: shared and
+    raised on every rank) when nothing is left."""
+    left = op.clock.end.remaining()
+    if left <= 0:
+        raise CheckpointTimeoutError(
+            f"resume: its deadline ({op.clock.end.seconds:.0f}s, the manager's timeout=) passed before {what} "
+            f"{path!r}; raise timeout= or move the damaged checkpoints away"
+        )
+    return Deadlines(arrive=min(op.clock.budget.arrive, left), io=left)
+
+
 def _attempt(
     op: Operation, rnd: Round[Attempt, Attempts], what: str, run: Callable[[], Any], path: str, deadlines: Deadlines
 ) -> str | None:
     """(every rank) Run one step on a candidate and share its outcome, so every rank takes the same
     branch: ``None`` when it succeeded on every rank, the reasons when some rank found the checkpoint
-    damaged; any other failure is raised on every rank."""
+    damaged; any other failure is raised on every rank. The agreement waits until the end of the
+    operation's one deadline at most, or ``deadlines.io`` if that is sooner."""
     error: Exception | None = None
     try:
         run()
     except Exception as err:  # classified and shared below; re-raised unless it means "damaged"
         error = err
     mine = _outcome(error)
-    outcomes = op.agree(rnd, mine, collect, deadline=Deadline.after(deadlines.io, "io")).attempts
+    outcomes = op.agree(rnd, mine, collect, deadline=op.clock.end.within(deadlines.io, "io")).attempts
     if all(o.ok for o in outcomes):
         return None
     why = "; ".join(f"rank {r}: {o.error}" for r, o in enumerate(outcomes) if not o.ok)
