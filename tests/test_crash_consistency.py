@@ -46,7 +46,7 @@ T = 3.0  # every deadline of the saves under test; a survivor must raise within 
 FIRST_T = 30.0
 """The deadline of each round's first save, before any kill: the two ranks start (and build their FSDP
 model) seconds apart on a loaded machine; the kill comes only once that save has committed."""
-BUDGET = float(os.environ.get("SHARDSAFE_TEST_CRASH_SECONDS", 30.0))  # seconds of kill rounds per lane
+BUDGET = float(os.environ.get("SHARDSAFE_TEST_CRASH_SECONDS", 20.0))  # seconds of kill rounds per lane
 LANES = 3  # independent roots killed concurrently (the survivors' waits overlap)
 MIN_ROUNDS = -(-int(os.environ.get("SHARDSAFE_TEST_CRASH_ROUNDS", 3 * LANES)) // LANES)  # per lane
 TARGETS = ("a", "b")

@@ -4,7 +4,8 @@ and ends its process the instant its last ``save`` / ``async_save(...).wait()`` 
 normally: rank 0 returns only once every live rank has read the outcome.
 
 Each scenario runs ``TRIALS`` times on fresh processes, half with ``init_method="tcp://..."`` and half
-with ``env://``; not one trial may fail on the other ranks.
+with ``env://``; not one trial may fail on the other ranks. ``SHARDSAFE_TEST_END_TRIALS`` (default 10)
+chooses the count; a long run is e.g. ``SHARDSAFE_TEST_END_TRIALS=200``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import shardsafe
 
 from harness import Outcome, run_ranks
 
-TRIALS = 20
+TRIALS = int(os.environ.get("SHARDSAFE_TEST_END_TRIALS", "10"))
 WORLD = 3
 
 

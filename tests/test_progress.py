@@ -59,13 +59,13 @@ def _tensor_bytes(state: dict[str, Any]) -> int:
 
 def test_save_and_load_progress_in_one_process(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SHARDSAFE_PROGRESS_INTERVAL", "0.05")
-    monkeypatch.setenv("SHARDSAFE_FAULT", "save.write:rank=0:sleep=0.3,load.read:rank=0:sleep=0.3")
+    monkeypatch.setenv("SHARDSAFE_FAULT", "save.write:rank=0:sleep=0.6,load.read:rank=0:sleep=0.6")
     path = str(tmp_path / "c")
     state = _state()
     saved: list[Progress] = []
     shardsafe.save(path, state, progress=saved.append)
     last = _check_series(saved, "save", path)
-    assert len(saved) >= 3  # the write took 6 intervals
+    assert len(saved) >= 3  # the write took 12 intervals (a loaded machine may deliver few of them)
     assert last.phase == "done" and last.error is None and last.ranks == 1
     assert last.done_bytes == last.total_bytes == _data_bytes(path)
     assert last.fraction == 1.0 and last.slowest_fraction == 1.0
