@@ -241,8 +241,10 @@ def mutate(case: Case, kind: str) -> None:
             case.touch(victim)
             _remove(victim)
             link = victim
-        else:  # a newer step appears as a link
+        elif runs:  # a newer step appears as a link
             link = rng.choice(runs) / tiers.step_name(rng.choice([5, 7, 99]), sid(rng.randrange(30, 40)))
+        else:  # no step to replace and no run folder left (a lost node): nothing to link
+            return
         link.symlink_to(target, target_is_directory=True)
         case.protected.add(link)
         case.what.append(f"{link.relative_to(root)} -> {target.name}")
@@ -358,20 +360,21 @@ def mutate(case: Case, kind: str) -> None:
             meta = shardsafe.inspect(entry).metadata
             was = dict(meta)
             field = rng.choice(["step", "rank", "run", "save", "incarnation", "world_size"])
-            meta[field] = rng.choice(
-                [
-                    v
-                    for v in {
-                        "step": [1, 2, 3, 4, 7],
-                        "rank": [0, 1, 2, 3],
-                        "run": [OTHER],
-                        "save": [sid(k) for k in range(1, 6)],
-                        "incarnation": [INC1, INC2, INC3],
-                        "world_size": [1, 2, 4],
-                    }[field]
-                    if v != was[field]
-                ]
-            )
+            others = [
+                v
+                for v in {
+                    "step": [1, 2, 3, 4, 7],
+                    "rank": [0, 1, 2, 3],
+                    "run": [OTHER],
+                    "save": [sid(k) for k in range(1, 6)],
+                    "incarnation": [INC1, INC2, INC3],
+                    "world_size": [1, 2, 4],
+                }[field]
+                if v != was[field]
+            ]
+            if not others:  # e.g. the run of a copy that is already another run's
+                return
+            meta[field] = rng.choice(others)
             shutil.rmtree(entry)
             # its bytes: the original share's, or (for a claim of another place) that place's; an edited
             # incarnation alone keeps the original bytes (a forged copy consistent with its place and its
