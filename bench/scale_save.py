@@ -28,7 +28,8 @@ from typing import Any
 import xxhash
 
 from bench.scale_layouts import MODELS, Layout
-from shardsafe.coord.messages import Envelope, SaveArrival, SaveStart, WriteReport
+from shardsafe.coord.messages import Envelope
+from shardsafe.engine.messages import CHANNEL, SAVE_ARRIVE, SaveArrival, SaveStart, WriteReport
 from shardsafe.engine.plan import SavePlan, plan_save
 from shardsafe.engine.save import _fingerprint
 from shardsafe.format.datafile import build_header
@@ -321,10 +322,12 @@ def _protocol_ranks(
             store = TCPStore(
                 "127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=1800)
             )
-            op = Operation.begin("save", target, budget.start(), store=store, rank=rank, world_size=world)
+            op = Operation.begin(
+                "save", target, budget.start(), channel=CHANNEL, store=store, rank=rank, world_size=world
+            )
             try:
-                start = SaveStart(save_id, pending, BLOCK, {}, [], [], [""] * world)
-                op.agree("arrive", SaveArrival({}, {}, ""), (lambda _e: start) if rank == 0 else None)
+                start = SaveStart(save_id, pending, BLOCK, None, [], [], [""] * world)
+                op.agree(SAVE_ARRIVE, SaveArrival({}, {}, ""), lambda _e: start)
                 report = WriteReport.from_json(Envelope.from_text(texts[rank]).body)
                 mine = inputs if inputs is not None and rank == 0 else _follower_inputs(target, pending, save_id)
                 tracker = Tracker("save", target, None)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from shardsafe.coord import Deadlines, Operation
-from shardsafe.coord.messages import Attempts, Counts, Envelope
+from shardsafe.coord import Deadlines, Empty, Message, Operation, Round
+from shardsafe.engine.messages import Counts
 from shardsafe.errors import CheckpointError, RankDesyncError, RankTimeoutError, RemoteRankError
 
 from harness import check_ok, run_ranks
@@ -13,8 +15,21 @@ from harness import check_ok, run_ranks
 D = Deadlines(arrive=3.0, io=3.0)
 
 
-def _collect(envelopes: dict[int, Envelope]) -> Attempts:
-    return Attempts([envelopes[r].body for r in sorted(envelopes)])
+@dataclass(frozen=True)
+class Gathered(Message):
+    """Rank 0's decision in these tests: every rank's counts, in rank order."""
+
+    counts: list[list[int]]
+    TYPES: ClassVar[dict[str, Any]] = {"counts": list}
+
+
+ARRIVE = Round("arrive", Empty, Empty)
+WRITE = Round("write", Counts, Gathered)
+ID = Round("id", Counts, Empty)
+
+
+def _collect(counts: dict[int, Counts]) -> Gathered:
+    return Gathered([counts[r].counts for r in sorted(counts)])
 
 
 def _guard_then_all(rank: int, world: int) -> dict[str, object]:
@@ -23,7 +38,7 @@ def _guard_then_all(rank: int, world: int) -> dict[str, object]:
         t = time.monotonic()
         op = Operation.begin("save", "/ckpt/a", D.start())
         try:
-            op.agree("arrive", None)
+            op.agree(ARRIVE, Empty())
         except RankTimeoutError as err:
             out["guard"] = (str(err), err.missing_ranks, time.monotonic() - t)
         finally:
@@ -31,9 +46,9 @@ def _guard_then_all(rank: int, world: int) -> dict[str, object]:
     else:
         time.sleep(4.0)  # rank 1 is busy elsewhere while rank 0 times out
     op = Operation.begin("save", "/ckpt/b", D.start())  # then every rank calls: must meet
-    op.agree("arrive", None)
-    got = op.agree("write", Counts([rank]), _collect if rank == 0 else None)
-    out["payloads"] = [b["counts"] for b in got["attempts"]]
+    op.agree(ARRIVE, Empty())
+    got = op.agree(WRITE, Counts([rank]), _collect)
+    out["payloads"] = got.counts
     out["seq"] = op.seq
     op.close()
     return out
@@ -50,12 +65,12 @@ def test_rank0_guard_times_out_naming_missing_rank_then_next_call_meets() -> Non
 
 def _one_rank_fails(rank: int, world: int) -> tuple[str, float, int, str]:
     op = Operation.begin("save", "/ckpt", Deadlines(arrive=30, io=30).start())
-    op.agree("arrive", None)
+    op.agree(ARRIVE, Empty())
     t = time.monotonic()
     try:
         if rank == 2:
-            op.agree("write", None, failure=OSError(28, "No space left on device"))
-        op.agree("write", None)
+            op.agree(WRITE, None, failure=OSError(28, "No space left on device"))
+        op.agree(WRITE, Counts([rank]), _collect)
     except RemoteRankError as err:
         return ("remote", time.monotonic() - t, err.rank, str(err))
     except CheckpointError as err:
@@ -77,7 +92,7 @@ def test_failure_on_one_rank_reaches_every_rank_promptly() -> None:
 def _desync(rank: int, world: int) -> str:
     op = Operation.begin("save" if rank == 0 else "load", "/ckpt", D.start())
     try:
-        op.agree("arrive", None)
+        op.agree(ARRIVE, Empty())
     except RankDesyncError as err:
         return str(err)
     finally:
@@ -93,6 +108,6 @@ def test_out_of_step_ranks_raise_on_both_with_what_each_did() -> None:
 def test_single_process_needs_no_store() -> None:
     op = Operation.begin("save", "/x", D.start())
     assert op.world_size == 1 and op.single
-    assert op.agree("write", Counts([7]), _collect) == {"attempts": [{"counts": [7]}]}
-    assert op.agree("id", Counts([1])) == {}
+    assert op.agree(WRITE, Counts([7]), _collect) == Gathered([[7]])
+    assert op.agree(ID, Counts([1])) == Empty()
     op.close()

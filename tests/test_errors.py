@@ -36,6 +36,8 @@ ALLOWED_BUILTIN_RAISES = {
     ("storage/remote.py", "OSError"): "a batch delete that failed for some objects, like os; callers catch OSError",
     ("catalog/delete.py", "ValueError"): "a name shardsafe did not write: refused; callers catch ValueError",
     ("catalog/unlink.py", "ValueError"): "a name shardsafe did not write: refused; callers catch ValueError",
+    ("catalog/publish.py", "ValueError"): "an export file name that is not a new plain name; the export maps it",
+    ("catalog/publish.py", "OSError"): "an export's file that is not a regular file, like os; the export abandons",
     ("runtime/launch.py", "TypeError"): "an unpicklable worker result/exception; caught and reported as WorkerError",
     ("runtime/strategies.py", "AssertionError"): "unreachable branch",
     ("manager/listing.py", "AssertionError"): "unreachable branch",

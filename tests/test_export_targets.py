@@ -265,3 +265,31 @@ def test_a_disk_full_midway_through_a_shardsafe_export_leaves_nothing_and_says_s
     assert isinstance(info.value, CheckpointError) and info.value.errno == errno.ENOSPC
     assert "free space" in str(info.value) and len(calls) >= 2
     assert _tree(tmp_path) == before
+
+
+def test_a_shardsafe_export_whose_read_hangs_ends_at_its_deadline_and_leaves_nothing(
+    ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shardsafe-format export has one deadline for the whole copy (``timeout=``): a read of the
+    source that never returns (a hung disk or mount) ends the call with ``CheckpointTimeoutError`` at
+    that deadline, and what it wrote is removed."""
+    import threading
+    import time
+
+    from shardsafe.interop import consolidate as module
+
+    release = threading.Event()
+
+    def hung(*args: Any, **kwargs: Any) -> None:
+        release.wait(60)
+
+    monkeypatch.setattr(module, "read_blocks", hung)
+    before = _tree(tmp_path)
+    started = time.monotonic()
+    try:
+        with pytest.raises(shardsafe.CheckpointTimeoutError):
+            _export("shardsafe", ckpt, tmp_path / "new" / "out", timeout=1.0)
+        assert time.monotonic() - started < 30
+        assert _tree(tmp_path) == before
+    finally:
+        release.set()

@@ -14,6 +14,8 @@ check, the sweep, the delete gate and the listing.
 - A pending directory with a spec-valid save id holding dots (``.ck.staging-a.b``) is listed by
   ``shardsafe ls`` and the manager, and removed by the manager's cleanup and by a save's sweep once
   abandoned.
+- What an export left (its hidden folder, a replaced export set aside) is listed by ``shardsafe ls``
+  as incomplete, with what it is, and the manager's cleanup leaves it (it is not a save's).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 import shardsafe
 from shardsafe.catalog.delete import delete_checkpoint
 from shardsafe.catalog.names import DATA_FILE, data_file, is_own
-from shardsafe.catalog.unlink import delete_files
+from shardsafe.catalog.unlink import remove as delete_files
 from shardsafe.cli.ls import ls_main
 from shardsafe.engine import commit
 from shardsafe.manager.cleanup import remove_leftovers
@@ -276,6 +278,24 @@ def test_a_saves_sweep_removes_an_abandoned_pending_directory_with_a_dotted_save
     shardsafe.save(str(tmp_path / "ck"), _state(2.0), overwrite=True)
     assert not pending.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_what_an_export_left_is_listed_and_the_cleanup_leaves_it(tmp_path: Path) -> None:
+    shardsafe.save(str(tmp_path / "ck"), _state(1.0))
+    hidden, aside = tmp_path / ".out.export-0123456789ab", tmp_path / ".out.replaced-ba9876543210"
+    for folder in (hidden, aside):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"x")
+        _old(folder / "model.safetensors")
+        _old(folder)
+    out = io.StringIO()
+    assert ls_main(str(tmp_path), verify=False, as_json=True, out=out) == 0
+    listed = {c["name"]: (c["status"], c["reason"]) for c in json.loads(out.getvalue())["checkpoints"]}
+    assert set(listed) == {"ck", hidden.name, aside.name}, listed
+    assert listed[hidden.name][0] == listed[aside.name][0] == "incomplete"
+    assert "export to 'out'" in listed[hidden.name][1] and "replaced" in listed[aside.name][1]
+    removed = remove_leftovers(LocalStorage(), LocalStorage(), scan(LocalStorage(), str(tmp_path)), min_age=HOUR)
+    assert removed == [] and (hidden / "model.safetensors").exists() and (aside / "model.safetensors").exists()
 
 
 def test_the_delete_rule_never_follows_a_link_nor_removes_recursively(tmp_path: Path) -> None:

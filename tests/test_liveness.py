@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 import shardsafe
-from shardsafe.coord import Deadlines, Operation
+from shardsafe.coord import Deadlines, Empty, Operation
+from shardsafe.coord.operation import ARRIVE
 from shardsafe.storage import local
 
 from harness import check_ok, run_ranks
@@ -103,7 +104,7 @@ def test_a_heartbeat_that_loses_the_store_is_reported_and_raises(
         threading.Timer(1.0, lambda: os.kill(host.pid, signal.SIGSTOP)).start()
         started = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="shardsafe"), pytest.raises(shardsafe.RankDeadError) as info:
-            op.agree("arrive", None)
+            op.agree(ARRIVE, Empty())
         op.close()
     finally:
         host.kill()

@@ -353,3 +353,25 @@ def test_remote_root_saves_keeps_cleans_and_resumes(tmp_path: Path, caplog: pyte
         mgr.save(8, state)  # the crashed prefix of step 8 is replaced, then retention runs
         assert [r.step for r in mgr.list()] == [4, 6, 8]
     assert "step-00000008" in caplog.text and "no MANIFEST.json" in caplog.text
+
+
+def test_a_resume_has_one_deadline_for_all_its_candidates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The manager's ``timeout=`` bounds the whole resume, not each candidate: three damaged candidates
+    that each take 1.5 s to fail, under timeout=2, end with ``CheckpointTimeoutError`` before the third
+    is tried (each candidate had its own fresh 2 s before, and the resume took 4.5 s for a 2 s timeout)."""
+    from shardsafe.engine import api
+
+    with CheckpointManager(tmp_path, keep_last=None) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, make_state())
+    tried: list[str] = []
+
+    def slow_damaged(path: str, *args: Any, **kwargs: Any) -> None:
+        tried.append(os.path.basename(path))
+        time.sleep(1.5)
+        raise CorruptCheckpointError(f"{path}: damaged (test)")
+
+    monkeypatch.setattr(api, "load", slow_damaged)
+    with CheckpointManager(tmp_path, timeout=2.0) as mgr, pytest.raises(shardsafe.CheckpointTimeoutError):
+        mgr.resume(make_state())
+    assert tried == ["step-00000003", "step-00000002"]  # the third was never tried

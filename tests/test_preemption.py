@@ -21,7 +21,7 @@ from shardsafe.deadline import Deadline
 from shardsafe.errors import RankTimeoutError
 from shardsafe.manager import CheckpointManager, ManagerConfig
 from shardsafe.manager.preemption import SignalFlag
-from shardsafe.manager.schedule import INTERVAL, PREEMPTION, TIME, Schedule
+from shardsafe.manager.schedule import INTERVAL, PREEMPTION, TICK, TIME, Schedule
 
 from harness import Outcome, check_ok, run_ranks
 
@@ -92,7 +92,7 @@ def test_step_broadcast_passes_rank0_decision_and_cleans_up_its_keys() -> None:
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     client = StoreClient(store, "test")
     keys = StoreKeys(client, "ns/manager/0", 0.3)
-    rank0, rank1 = (StepBroadcast(keys, "every_seconds", rank=r, world_size=2) for r in (0, 1))
+    rank0, rank1 = (StepBroadcast(keys, TICK, rank=r, world_size=2) for r in (0, 1))
     assert rank0.share(5, "1") == "1"
     assert rank1.share(5, None) == "1"
     soon = Deadline.after(10, "test")  # the deletes are posted: a request on the same client comes after them
@@ -111,7 +111,7 @@ def _schedule(clock: list[float], **kwargs: Any) -> tuple[Schedule, SignalFlag]:
         rank=0,
         flag=flag,
         stop=StopAgreement(None),
-        tick=StepBroadcast(None, "every_seconds", rank=0, world_size=1),
+        tick=StepBroadcast(None, TICK, rank=0, world_size=1),
         clock=lambda: clock[0],
     )
     return sched, flag

@@ -209,7 +209,7 @@ def _two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
         from shardsafe.deadline import Deadline
 
         client = client_for(dist.distributed_c10d._get_default_store(), id(dist.group.WORLD))  # shardsafe's own
-        key = "shardsafe/g0-1/ckpt/{}/progress/r/{}".format
+        key = "shardsafe/g0-1/ckpt/{}/counters/progress/{}".format
         soon = Deadline.after(10, "test")
         out["keys"] = [[client.check([key(seq, r)], soon) for r in range(world)] for seq in (1, 2, 3)]
     return out

@@ -68,7 +68,7 @@ def test_a_save_run_between_the_deletes_scan_and_its_unlinks_does_not_commit(
     see the tombstone and fail, committing nothing; the delete then goes on."""
     base, new = tmp_path / "step-1", tmp_path / "step-2"
     shardsafe.save(base, _state(1.0))
-    real = delete_rule.unlink.delete_files
+    real = delete_rule.unlink.remove
     outcomes: list[str] = []
 
     def save_before_the_unlinks(storage: Any, directory: str, names: Any, **kwargs: Any) -> Any:
@@ -80,7 +80,7 @@ def test_a_save_run_between_the_deletes_scan_and_its_unlinks_does_not_commit(
                 outcomes.append(f"refused: {err}")
         return real(storage, directory, names, **kwargs)
 
-    monkeypatch.setattr(delete_rule.unlink, "delete_files", save_before_the_unlinks)
+    monkeypatch.setattr(delete_rule.unlink, "remove", save_before_the_unlinks)
     delete_checkpoint(LocalStorage(), str(base))
     assert len(outcomes) == 1 and outcomes[0].startswith("refused"), outcomes
     assert not (new / "MANIFEST.json").exists() and not [n for n in os.listdir(tmp_path) if ".staging-" in n]
@@ -97,7 +97,7 @@ def test_a_delete_that_begins_while_the_save_builds_its_manifest_and_unlinks_aft
     base, new = tmp_path / "step-1", tmp_path / "step-2"
     shardsafe.save(base, _state(1.0))
     at_unlink, save_over = threading.Event(), threading.Event()
-    real_unlink, real_build = delete_rule.unlink.delete_files, engine_commit.build_manifest
+    real_unlink, real_build = delete_rule.unlink.remove, engine_commit.build_manifest
     errors: list[BaseException] = []
 
     def stalled_unlink(storage: Any, directory: str, names: Any, **kwargs: Any) -> Any:
@@ -119,7 +119,7 @@ def test_a_delete_that_begins_while_the_save_builds_its_manifest_and_unlinks_aft
         assert at_unlink.wait(60)
         return real_build(*args, **kwargs)
 
-    monkeypatch.setattr(delete_rule.unlink, "delete_files", stalled_unlink)
+    monkeypatch.setattr(delete_rule.unlink, "remove", stalled_unlink)
     monkeypatch.setattr(engine_commit, "build_manifest", build_while_the_delete_begins)
     try:
         with pytest.raises(shardsafe.CheckpointNotFoundError, match="being deleted"):

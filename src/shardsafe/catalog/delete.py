@@ -86,13 +86,12 @@ from shardsafe.catalog.names import (
 from shardsafe.errors import CorruptCheckpointError
 from shardsafe.format.manifest import parse_manifest
 from shardsafe.storage.base import MANIFEST_NAME, Storage
-from shardsafe.storage.local import fsync_dir
 
 logger = logging.getLogger(__name__)
 
 
 def delete_files(storage: Storage, directory: str, names: Iterable[str], *, side: Collection[str] = ()) -> list[str]:
-    """Remove ``names`` from ``directory`` through the gate (:func:`shardsafe.catalog.unlink.delete_files`),
+    """Remove ``names`` from ``directory`` through the gate (:func:`shardsafe.catalog.unlink.remove`),
     less the data files another checkpoint beside ``directory`` refers to (kept, logged); returns the
     names removed. ``side``: the side files among ``names``, taken from a validated manifest or from the save
     that wrote them. Raises ``ValueError`` without removing anything if one of them is not a name
@@ -104,7 +103,7 @@ def delete_files(storage: Storage, directory: str, names: Iterable[str], *, side
         if kept:
             logger.info("shardsafe: keeping %s in %s: other checkpoints refer to them", sorted(kept), directory)
             todo = [n for n in todo if n not in kept]
-    return unlink.delete_files(storage, directory, todo, side=side)
+    return unlink.remove(storage, directory, todo, side=side)
 
 
 def refuse_link(path: str, what: str) -> None:
@@ -134,8 +133,7 @@ def remove_link(path: str) -> str:
             "(no MANIFEST.json there); shardsafe removes only links to its own checkpoints. Remove it by hand if it "
             "should go."
         )
-    os.unlink(local)  # the link, not its target
-    fsync_dir(os.path.dirname(os.path.abspath(local)))
+    unlink.remove_link(local)  # the link, not its target
     return target
 
 
@@ -218,7 +216,7 @@ def _finish(storage: Storage, path: str) -> list[str]:
     _release_replaced(storage, path, raw, tomb)  # before the tombstone goes: a crash repeats it
     delete_files(storage, path, [TOMBSTONE])
     if live is None:
-        storage.remove_dir_if_empty(path)
+        unlink.remove_folder(storage, path)
     _release_bases(storage, path, raw, tomb)
     return removed
 
@@ -357,7 +355,7 @@ def discard_save(
     own = [data_file(r, save_id) for r in range(world_size)]
     if pending != target and storage.is_dir(pending):  # another rank may have removed it already
         delete_files(storage, pending, [*own, *STAGED_MANIFEST, *side], side=side)
-        storage.remove_dir_if_empty(pending)
+        unlink.remove_folder(storage, pending)
     storage.cancel_uploads(target, save_id)
     if not storage.is_dir(target):
         return
@@ -405,7 +403,7 @@ def remove_pending(storage: Storage, pending: str) -> bool:
         if n in STAGED_MANIFEST or n in side or ((d := DATA_FILE.match(n)) is not None and d["sid"] == sid)
     ]
     delete_files(storage, pending, mine, side=side)
-    if storage.remove_dir_if_empty(pending):
+    if unlink.remove_folder(storage, pending):
         return True
     logger.warning(
         "shardsafe: %s holds files shardsafe did not write there (%s); left in place",

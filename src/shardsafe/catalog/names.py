@@ -8,9 +8,14 @@ by name: data files ``data-<rank:05d>-<saveid>.safetensors``, hidden pending dir
 ``.MANIFEST.json.tmp-<saveid>`` (where the manifest is written then renamed, and, empty, the in-flight
 marker of a save whose data files go straight into its target: URL storage), the tombstone
 ``.MANIFEST.json.deleting`` of a checkpoint being deleted, and the clock probe
-``.shardsafe-clock-<id>`` a sweep writes for an instant to read the storage's own time. The save id
-grammar and the data file name are the format's (:mod:`shardsafe.format.names`), used here as they
-are; every pattern matches ASCII only.
+``.shardsafe-clock-<id>`` a sweep writes for an instant to read the storage's own time. Beside those,
+what a publication of another kind writes (:mod:`shardsafe.catalog.publish`): an export's hidden
+folder ``.<name>.export-<id>`` and the folder a replaced export is set aside as ``.<name>.replaced-<id>``,
+its marker ``.shardsafe-export.json`` (which lists the export's files), a file export's hidden
+``.<name>.export-<id>.tmp``, and the temporary folders shardsafe makes for side files
+(``shardsafe-side-files-<id>``, ``shardsafe-accelerate-hook-<id>``). The save id grammar and the data
+file name are the format's (:mod:`shardsafe.format.names`), used here as they are; every pattern
+matches ASCII only.
 
 A save target must be absent, an empty folder, or hold nothing but such names, each a regular file
 (a committed checkpoint, or what a crashed save or delete of one left); anything else is refused
@@ -33,8 +38,13 @@ from shardsafe.storage.base import MANIFEST_NAME, Commit, Storage
 __all__ = [
     "CLOCK_PROBE",
     "DATA_FILE",
+    "EXPORT_HIDDEN",
+    "EXPORT_MARKER",
+    "EXPORT_REPLACED",
+    "EXPORT_TEMP",
     "LITTER_DIR",
     "PENDING_DIR",
+    "SCRATCH_DIR",
     "STAGED_MANIFEST",
     "TEMP_MANIFEST",
     "TOMBSTONE",
@@ -42,11 +52,16 @@ __all__ = [
     "clock_probe",
     "commit_of",
     "data_file",
+    "export_hidden",
+    "export_replaced",
+    "export_temp",
     "in_flight_marker",
+    "is_export_folder",
     "is_own",
     "link_target",
     "listed_side_files",
     "pending_name",
+    "plain_name",
     "refusal",
     "save_id_of",
     "temp_manifest",
@@ -60,6 +75,17 @@ CLOCK_PROBE = re.compile(rf"^\.shardsafe-clock-(?P<sid>{SAVE_ID_CHARS})\Z", re.A
 """The empty file a sweep writes, reads the modification time of, and removes: the storage's own
 "now" (:class:`shardsafe.catalog.orphans.StorageClock`)."""
 TOMBSTONE = ".MANIFEST.json.deleting"
+_ID = r"[0-9a-f]{12}"
+EXPORT_HIDDEN = re.compile(rf"^\.(?P<target>.+)\.export-(?P<id>{_ID})\Z", re.ASCII)
+"""An export's folder while it is written (beside its target), renamed to the target when published."""
+EXPORT_REPLACED = re.compile(rf"^\.(?P<target>.+)\.replaced-(?P<id>{_ID})\Z", re.ASCII)
+"""A previous export set aside by the one that replaced it, until its listed files are removed."""
+EXPORT_TEMP = re.compile(rf"^\.(?P<target>.+)\.export-(?P<id>{_ID})\.tmp\Z", re.ASCII)
+"""A file export while it is written (beside its target), linked to the target's name when published."""
+EXPORT_MARKER = ".shardsafe-export.json"
+"""Lists the files of an export folder, so a later export can recognise (and replace) it and nothing else."""
+SCRATCH_DIR = re.compile(r"^shardsafe-(?:side-files|accelerate-hook)-[A-Za-z0-9_]{1,64}\Z", re.ASCII)
+"""A temporary folder shardsafe makes (``tempfile.mkdtemp``) for the side files a callback writes."""
 STAGED_MANIFEST = (MANIFEST_NAME, f"{MANIFEST_NAME}.tmp")
 """The manifest and its temporary file inside a pending directory (uncommitted there)."""
 
@@ -73,6 +99,21 @@ def pending_name(target: str, save_id: str) -> str:
 def temp_manifest(save_id: str) -> str:
     """The temporary manifest of save ``save_id`` where the manifest is written then renamed."""
     return f".{MANIFEST_NAME}.tmp-{save_id}"
+
+
+def export_hidden(target: str, unique: str) -> str:
+    """The hidden folder of an export to the folder named ``target`` (``unique``: 12 hex digits)."""
+    return f".{target}.export-{unique}"
+
+
+def export_replaced(target: str, unique: str) -> str:
+    """The name a replaced export of ``target`` is set aside under until its files are removed."""
+    return f".{target}.replaced-{unique}"
+
+
+def export_temp(target: str, unique: str) -> str:
+    """The hidden file an export to the file named ``target`` is written to."""
+    return f".{target}.export-{unique}.tmp"
 
 
 def in_flight_marker(save_id: str) -> str:
@@ -109,14 +150,35 @@ def basename(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 
 
-def is_own(name: str, *, in_pending: bool = False) -> bool:
+def is_own(name: str, *, in_pending: bool = False, in_export: bool = False) -> bool:
     """Whether shardsafe writes files called ``name`` inside a checkpoint (or inside a pending
-    directory, where the staged manifest is shardsafe's too). ``MANIFEST.json`` of a checkpoint is not
-    in this set: it is never deleted, only renamed to the tombstone. A side file (format v3) is shardsafe's
-    only where a validated manifest lists it (:func:`listed_side_files`) or the save that wrote it names it."""
+    directory, where the staged manifest is shardsafe's too; or inside an export folder, where its
+    marker is). ``MANIFEST.json`` of a checkpoint is not in this set: it is never deleted, only renamed
+    to the tombstone. A side file (format v3) is shardsafe's only where a validated manifest lists it
+    (:func:`listed_side_files`) or the save that wrote it names it; an export's files only where its
+    marker lists them or the export that wrote them names them. Beside a target: a file export's
+    hidden file."""
     if DATA_FILE.match(name) or TEMP_MANIFEST.match(name) or CLOCK_PROBE.match(name) or name == TOMBSTONE:
         return True
-    return in_pending and name in STAGED_MANIFEST
+    if EXPORT_TEMP.match(name):
+        return True
+    return (in_pending and name in STAGED_MANIFEST) or (in_export and name == EXPORT_MARKER)
+
+
+def is_export_folder(path: str) -> bool:
+    """Whether ``path``'s own name is an export folder's while shardsafe owns it whole: hidden while
+    written, or set aside once replaced (a published export has the user's name and its marker)."""
+    name = basename(path)
+    return EXPORT_HIDDEN.match(name) is not None or EXPORT_REPLACED.match(name) is not None
+
+
+def plain_name(name: object) -> bool:
+    """Whether ``name`` is a plain, visible file name (what an export may call its files): letters,
+    digits, ``._-``, not starting with a dot, no ``..``, at most 255 characters."""
+    return isinstance(name, str) and bool(_PLAIN.match(name)) and ".." not in name
+
+
+_PLAIN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}\Z", re.ASCII)
 
 
 def link_target(path: str) -> str | None:

@@ -85,7 +85,7 @@ class StorageClock:
             try:
                 stamped = self.storage.stamp(self.storage.join(self.folder, name))
             finally:
-                unlink.delete_files(self.storage, self.folder, [name])
+                unlink.remove(self.storage, self.folder, [name])
             self._at = (stamped, time.monotonic())
         stamped, then = self._at
         return stamped + (time.monotonic() - then)

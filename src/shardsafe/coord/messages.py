@@ -1,60 +1,119 @@
-"""Every message that crosses ranks, typed: what each rank sends in an agreement, and what the leader
-decides. Each is a frozen dataclass with ``to_json()`` (a JSON-able value) and a validating
-``from_json()``: a message of another shape (another shardsafe version on some rank, a bug) raises
-:class:`~shardsafe.errors.InternalError` naming the field, never a ``KeyError`` three calls later.
+"""The typed messages of the protocol engine: the base every message that crosses ranks derives from
+(:class:`Message`), and the envelopes the engine itself sends (:class:`Arrival`, :class:`Envelope`,
+:class:`Outcome`, :class:`Timeout`, :class:`Empty`, :class:`Decision`).
 
-Envelopes (:class:`Envelope`, :class:`Outcome`) carry a body of one of the classes below, or a
-:class:`~shardsafe.coord.failures.Failure`. Which body goes with which agreement is written where the
-agreement is made (docs/architecture.md lists them in protocol order)."""
+A message is a frozen dataclass deriving from :class:`Message`, with ``TYPES`` naming the type of each
+field: a JSON type (or a tuple of them), another :class:`Message` class (a nested record), or
+:func:`list_of` / :func:`dict_of` / :func:`optional` one. ``to_json()`` gives a JSON-able value and
+``from_json()`` checks every field, nested ones included: a message of another shape (another
+shardsafe version on some rank, a bug) raises :class:`~shardsafe.errors.InternalError` naming the
+field, never a ``KeyError`` three calls later.
+
+The messages of the save and the load are the engine's (``engine/messages.py``), those of resume and
+the local tier the manager's (``manager/messages.py``): each layer declares its own rounds and message
+types (:mod:`shardsafe.coord.rounds`); this package knows none of them."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Protocol, TypeVar
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, TypeVar
 
 from shardsafe.coord.failures import Failure
 from shardsafe.errors import InternalError
 
-B = TypeVar("B", bound="Body")
+B = TypeVar("B", bound="Message")
 
 
-class Body(Protocol):
-    """A message body: a dataclass whose fields are JSON values of the declared types."""
+@dataclass(frozen=True)
+class _ListOf:
+    item: type[Message]
 
-    def to_json(self) -> dict[str, Any]: ...
+
+@dataclass(frozen=True)
+class _DictOf:
+    item: type[Message]
+
+
+@dataclass(frozen=True)
+class _Optional:
+    item: type[Message]
+
+
+def list_of(item: type[Message]) -> Any:
+    """The ``TYPES`` entry of a field holding a list of ``item`` records."""
+    return _ListOf(item)
+
+
+def dict_of(item: type[Message]) -> Any:
+    """The ``TYPES`` entry of a field holding a dict of str to ``item`` records."""
+    return _DictOf(item)
+
+
+def optional(item: type[Message]) -> Any:
+    """The ``TYPES`` entry of a field holding an ``item`` record or ``None``."""
+    return _Optional(item)
+
+
+def _bad(cls: type, name: str, value: Any, want: Any) -> InternalError:
+    return InternalError(
+        f"a {cls.__name__} message from another rank has {name}={value!r:.80} (expected {want}); are all "
+        "ranks running the same shardsafe version?"
+    )
+
+
+def _decode(cls: type, name: str, value: Any, want: Any) -> Any:
+    if isinstance(want, _ListOf):
+        if not isinstance(value, list):
+            raise _bad(cls, name, value, "a list")
+        return [want.item.from_json(v) for v in value]
+    if isinstance(want, _DictOf):
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise _bad(cls, name, value, "an object")
+        return {k: want.item.from_json(v) for k, v in value.items()}
+    if isinstance(want, _Optional):
+        return None if value is None else want.item.from_json(value)
+    if isinstance(want, type) and issubclass(want, Message):
+        return want.from_json(value)
+    if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+        raise _bad(cls, name, value, want)
+    return value
 
 
 def _check(cls: type, doc: Any, types: dict[str, Any]) -> dict[str, Any]:
-    """``doc`` as the keyword arguments of ``cls``, each of the type in ``types`` (a type or a tuple of
-    types); raises :class:`InternalError` naming the first field that is not."""
+    """``doc`` as the keyword arguments of ``cls``, each of the type in ``types``; raises
+    :class:`InternalError` naming the first field that is not."""
     if not isinstance(doc, dict):
         raise InternalError(f"a {cls.__name__} message from another rank is not an object: {doc!r:.200}")
     out = {}
     for name, want in types.items():
         if name not in doc:
             raise InternalError(f"a {cls.__name__} message from another rank lacks {name!r}: {doc!r:.200}")
-        value = doc[name]
-        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
-            raise InternalError(
-                f"a {cls.__name__} message from another rank has {name}={value!r:.80} (expected {want}); are all "
-                "ranks running the same shardsafe version?"
-            )
-        out[name] = value
+        out[name] = _decode(cls, name, doc[name], want)
     return out
 
 
-class _Simple:
-    """to_json/from_json for a dataclass whose fields are JSON values of the types in ``TYPES``."""
+def _encode(value: Any) -> Any:
+    if isinstance(value, Message):
+        return value.to_json()
+    if isinstance(value, list):
+        return [_encode(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
+    return value
+
+
+class Message:
+    """A typed message: a frozen dataclass whose fields have the types in ``TYPES`` (module docstring)."""
 
     TYPES: ClassVar[dict[str, Any]] = {}
 
     def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+        return {f.name: _encode(getattr(self, f.name)) for f in fields(self)}  # type: ignore[arg-type]
 
     @classmethod
     def from_json(cls: type[B], doc: Any) -> B:
-        return cls(**_check(cls, doc, cls.TYPES))  # type: ignore[attr-defined, call-arg]
+        return cls(**_check(cls, doc, cls.TYPES))
 
     def to_text(self) -> str:
         return json.dumps(self.to_json(), allow_nan=True, separators=(",", ":"))
@@ -65,14 +124,28 @@ class _Simple:
             doc = json.loads(text)
         except ValueError as err:
             raise InternalError(f"a {cls.__name__} read from the store is not JSON ({err}): {text[:200]!r}") from None
-        return cls.from_json(doc)  # type: ignore[attr-defined, no-any-return]
+        return cls.from_json(doc)
+
+
+@dataclass(frozen=True)
+class Empty(Message):
+    """The message of a round in which a rank has nothing to say but that it is there, and the decision
+    of a round whose outcome is only that every rank got there."""
+
+
+@dataclass(frozen=True)
+class Decision(Message):
+    """A value rank 0 chooses alone for every rank (:class:`~shardsafe.coord.broadcast.Broadcast`)."""
+
+    value: str
+    TYPES: ClassVar[dict[str, Any]] = {"value": str}
 
 
 # ---------------------------------------------------------------------------------- envelopes
 
 
 @dataclass(frozen=True)
-class Arrival(_Simple):
+class Arrival(Message):
     """Who calls what, from where: sent in the first agreement of every operation, compared by the
     leader (ranks doing different things are out of step)."""
 
@@ -180,154 +253,3 @@ class Outcome:
         if isinstance(doc, dict) and "timeout" in doc:
             return Outcome(timeout=Timeout.from_json(doc["timeout"]))
         raise InternalError(f"an outcome read from the store has an unknown form: {text[:200]!r}")
-
-
-# ---------------------------------------------------------------------------------- save
-
-
-@dataclass(frozen=True)
-class SaveArrival(_Simple):
-    """(every rank, the save's first agreement) What rank 0 needs to start the save: this rank's digest of
-    every value and stateful entry (``entries``: key -> [kind, digest]), the digests and structure of
-    their nodes when there are few (``nodes``: json(path) -> [digest, signature]; ``None`` when there
-    are too many to send: rank 0 then asks for them in a second round, only if some entry differs),
-    and the FSDP1 optimizer-state structure this rank holds (``fsdp1``, JSON; "" when none)."""
-
-    entries: dict[str, list[str]]
-    nodes: dict[str, list[str]] | None
-    fsdp1: str
-    TYPES: ClassVar[dict[str, Any]] = {"entries": dict, "nodes": (dict, type(None)), "fsdp1": str}
-
-
-@dataclass(frozen=True)
-class SaveStart(_Simple):
-    """(rank 0 decides) The save's id, its pending directory, the checksum block size every writer uses,
-    the incremental base (``base``: {"base", "base_name", "base_sid"} or {}), the per-rank subtrees
-    (``per_rank``: paths, or ``None`` when a second round must find them among ``differ``) and every
-    rank's FSDP1 payload (``fsdp1``, in rank order)."""
-
-    save_id: str
-    pending: str
-    block_bytes: int
-    base: dict[str, str]
-    per_rank: list[list[Any]] | None
-    differ: list[str]
-    fsdp1: list[str]
-    TYPES: ClassVar[dict[str, Any]] = {
-        "save_id": str,
-        "pending": str,
-        "block_bytes": int,
-        "base": dict,
-        "per_rank": (list, type(None)),
-        "differ": list,
-        "fsdp1": list,
-    }
-
-
-@dataclass(frozen=True)
-class PerRankNodes(_Simple):
-    """(every rank, only when the first agreement could not decide) The digest and structure of every
-    node of the entries that differ (``nodes``), and, after an FSDP1 exchange, every entry's digest
-    (``entries``, else empty)."""
-
-    entries: dict[str, list[str]]
-    nodes: dict[str, list[str]]
-    TYPES: ClassVar[dict[str, Any]] = {"entries": dict, "nodes": dict}
-
-
-@dataclass(frozen=True)
-class PerRankPaths(_Simple):
-    """(rank 0 decides) The smallest subtrees that differ between ranks: each is kept per rank."""
-
-    paths: list[list[Any]]
-    TYPES: ClassVar[dict[str, Any]] = {"paths": list}
-
-
-@dataclass(frozen=True)
-class WriteReport(_Simple):
-    """(every rank, after its data is durable) What it wrote: ``chunks`` ([tensor name, chunk record]) of
-    the tensors the manifest lists chunk by chunk (a ruled tensor's chunks, format v3, follow from its
-    rule and this rank's data file: none is reported, so a report is O(this rank's tensors) at most),
-    ``files`` (name -> [size, header bytes, header checksum, index checksum]), a ``fingerprint`` of the
-    state's structure (sharding rules included), the ``block_bytes`` used, its ``per_rank`` values, its
-    final progress ``counts``, its ``side`` files (name -> [size, xxh3-64]: written, on rank 0; given, to
-    compare, on the others) and the digests of its copies of the replicated tensors (``replicas``: at
-    most 128, engine/replicas.py)."""
-
-    chunks: list[list[Any]]
-    files: dict[str, list[Any]]
-    fingerprint: str
-    block_bytes: int
-    per_rank: dict[str, Any]
-    counts: list[int] = field(default_factory=list)
-    side: dict[str, list[Any]] = field(default_factory=dict)
-    replicas: list[str] = field(default_factory=list)
-    TYPES: ClassVar[dict[str, Any]] = {
-        "chunks": list,
-        "files": dict,
-        "fingerprint": str,
-        "block_bytes": int,
-        "per_rank": dict,
-        "counts": list,
-        "side": dict,
-        "replicas": list,
-    }
-
-
-@dataclass(frozen=True)
-class Committed(_Simple):
-    """(rank 0, after publishing) The save is committed, with ``save_id`` in its manifest."""
-
-    save_id: str
-    TYPES: ClassVar[dict[str, Any]] = {"save_id": str}
-
-
-# ---------------------------------------------------------------------------------- load
-
-
-@dataclass(frozen=True)
-class Counts(_Simple):
-    """(every rank of a load) Its progress counts so far: bytes done and bytes to move (``[done, total]``)."""
-
-    counts: list[int]
-    TYPES: ClassVar[dict[str, Any]] = {"counts": list}
-
-
-# ---------------------------------------------------------------------------------- manager
-
-
-@dataclass(frozen=True)
-class ResumePlan(_Simple):
-    """(rank 0 lists the root) The committed checkpoints, newest first ([name, path, step]), and the
-    entries skipped with why ([name, path, step, reason])."""
-
-    candidates: list[list[Any]]
-    skipped: list[list[Any]]
-    TYPES: ClassVar[dict[str, Any]] = {"candidates": list, "skipped": list}
-
-
-@dataclass(frozen=True)
-class Attempt(_Simple):
-    """(every rank) How one step of resuming from a candidate went on this rank: ``ok``, else whether
-    the checkpoint is ``damaged`` (then an older one is tried) and the ``error``."""
-
-    ok: bool
-    damaged: bool
-    error: str
-    TYPES: ClassVar[dict[str, Any]] = {"ok": bool, "damaged": bool, "error": str}
-
-
-@dataclass(frozen=True)
-class Attempts(_Simple):
-    """(rank 0 decides) Every rank's :class:`Attempt`, in rank order."""
-
-    attempts: list[dict[str, Any]]
-    TYPES: ClassVar[dict[str, Any]] = {"attempts": list}
-
-
-@dataclass(frozen=True)
-class Decision(_Simple):
-    """(rank 0 decides alone) A value rank 0 chooses for every rank (a manager's per-step decision)."""
-
-    value: str
-    TYPES: ClassVar[dict[str, Any]] = {"value": str}

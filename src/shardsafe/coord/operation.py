@@ -1,102 +1,47 @@
-"""One coordinated operation (a save, a load, a barrier, a resume) on every rank of a group.
+"""The protocol engine: one coordinated operation (a save, a load, a barrier, a resume) on every rank of
+a group, run as a short sequence of declared rounds (:mod:`shardsafe.coord.rounds`).
 
-Built from parts rather than inherited: a :class:`~shardsafe.coord.client.StoreClient` (the only path
-to the store), the process's :class:`~shardsafe.coord.liveness.Watchdog`, and agreements
-(:mod:`~shardsafe.coord.agreement`). With no process group (one process), or a group of one, every
-agreement is decided locally and nothing touches a store.
-
-Operations are matched across ranks by a per-process sequence number per channel: ``ckpt`` for saves
-and loads, ``misc`` for everything else. Within a channel a process runs one operation at a time (a
-save or load first waits for the save in flight), so once every rank has arrived at an operation, the
-keys of the ones before it are no longer read by anyone: rank 0 deletes them then (posted deletes,
-not waited for), and a long run leaves nothing behind.
-
-Store layout under ``shardsafe/<group>/``::
-
-    <channel>/<seq>/<phase>/{m,n,ready,outcome}   one agreement (see agreement.py)
-    <channel>/<seq>/present                       rank 0 is inside the operation (its watchers start then)
-    <channel>/<seq>/decision                      a save's commit or abort: the first compare_set wins
-    <channel>/<seq>/ack/{n,all}                   acknowledgements: rank 0 returns after every live rank's
-    <channel>/<seq>/progress/r/<rank>             progress counts (progress/keys.py)
-    alive/<rank>                                  the rank's heartbeat counter (liveness.py)
-    status/<rank>                                 where the rank is now (stall and timeout reports)
-"""
+Every cross-rank exchange goes through one :class:`Operation`: :meth:`~Operation.agree` (an agreement,
+:mod:`~shardsafe.coord.agreement`), :meth:`~Operation.commit` (decide, act, confirm,
+:mod:`~shardsafe.coord.commitment`), :meth:`~Operation.counters` (per-rank counters,
+:mod:`~shardsafe.coord.counters`), then :meth:`~Operation.acknowledge`. Built from parts rather than
+inherited: a :class:`~shardsafe.coord.session.Session` (who takes part, the keys, the tally), the
+process's :class:`~shardsafe.coord.client.StoreClient` (the only path to the store) and
+:class:`~shardsafe.coord.liveness.Watchdog`. With no process group (one process), or a group of one,
+every round is decided locally and nothing touches a store."""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import socket
-import threading
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from torch._C._distributed_c10d import Store
 
-from shardsafe import knobs
-from shardsafe.coord.agreement import Decide, Round, agree, describe_timeout, status_record
-from shardsafe.coord.client import StoreClient, Tally, client_for
-from shardsafe.coord.failures import Failure, error_for
-from shardsafe.coord.liveness import Watch, Watchdog, watchdog_for
-from shardsafe.coord.messages import Arrival, Body, Outcome
-from shardsafe.coord.resolve import call_site, channel_of, resolve_group
+from shardsafe.coord import agreement, commitment, ending
+from shardsafe.coord.client import client_for
+from shardsafe.coord.counters import Counters
+from shardsafe.coord.messages import Empty, Message
+from shardsafe.coord.resolve import resolve_group
+from shardsafe.coord.rounds import Commitment, Round
+from shardsafe.coord.session import LAST_TALLY, Session
 from shardsafe.deadline import Clock, Deadline, Deadlines
-from shardsafe.errors import CheckpointError, InvalidArgumentError, RankDeadError, RankTimeoutError
+from shardsafe.errors import InvalidArgumentError
+
+__all__ = ["LAST_TALLY", "Operation", "rendezvous"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-_seq_lock = threading.Lock()
-_seq: dict[tuple[int, str], int] = {}
-_used: dict[tuple[int, str, int], set[str]] = {}  # (identity, prefix, seq) -> phases rank 0 used there
-LAST_TALLY: dict[str, Tally] = {}
-"""The request tally of the last operation of each kind in this process (``"save"``, ``"load"``...);
-read by the round-trip test and the protocol-cost bench."""
+M = TypeVar("M", bound=Message)
+D = TypeVar("D", bound=Message)
+C = TypeVar("C", bound=Message)
 
 
 class Operation:
     """Cross-rank talk for one operation; create with :meth:`begin` on every rank of the group."""
 
-    def __init__(
-        self,
-        op: str,
-        target: str,
-        clock: Clock,
-        *,
-        client: StoreClient | None,
-        rank: int,
-        world_size: int,
-        global_rank: int,
-        namespace: str,
-        identity: int,
-        match_site: bool,
-    ) -> None:
-        self.op = op
-        self.target = target
-        self.clock = clock
-        self.client = client
-        self.rank = rank
-        self.world_size = world_size
-        self.global_rank = global_rank
-        self.namespace = namespace
-        self.prefix = f"{namespace}/{channel_of(op)}"
-        self.identity = identity
-        self.match_site = match_site
-        self.single = client is None or world_size == 1
-        self.dog: Watchdog | None = None if self.single else watchdog_for(client, namespace, rank)  # type: ignore[arg-type]
-        self.tally = Tally()
-        self.seq = 0
-        self.used: set[str] = set()
-        self.arrived_all = False
-        self.first_phase = ""
-        self.arrival = Arrival(op, target, call_site(), socket.gethostname(), os.getpid())
-        self.arrivals: list[Arrival] = [self.arrival]
-        self.own_decided: CheckpointError | None = None
-        self.outcome_known = False
-        """True once this rank read an outcome that says the operation failed (it raises that)."""
-        self._present = False
+    def __init__(self, session: Session) -> None:
+        self.session = session
         self._closed = False
 
     @classmethod
@@ -106,6 +51,7 @@ class Operation:
         target: str,
         clock: Clock,
         *,
+        channel: str = "misc",
         group: Any = None,
         store: Store | None = None,
         rank: int | None = None,
@@ -113,7 +59,8 @@ class Operation:
         match_site: bool = False,
     ) -> Operation:
         """(every rank of the group) Start operation ``op`` on ``target``: no store request is waited
-        for here (the first :meth:`agree` is the rendezvous). The group comes from
+        for here (the first round is the rendezvous). ``channel``: operations of one channel are
+        matched in order (saves and loads share ``ckpt``). The group comes from
         ``store``/``rank``/``world_size`` when given, else from ``group`` or the default process group,
         else it is one process. Whoever begins an operation must :meth:`close` it."""
         if store is None:
@@ -124,7 +71,7 @@ class Operation:
             global_rank, namespace, identity = rank, f"shardsafe/custom{world_size}", id(store)
         assert rank is not None and world_size is not None
         client = None if store is None or world_size == 1 else client_for(store, identity)
-        self = cls(
+        s = Session(
             op,
             target,
             clock,
@@ -135,188 +82,119 @@ class Operation:
             namespace=namespace,
             identity=identity,
             match_site=match_site,
+            channel=channel,
         )
-        self.next_sequence()
-        if self.dog is not None:
-            assert client is not None
-            client.acquire()
-            self.dog.activate(clock.end.or_grace())
-        LAST_TALLY[op] = self.tally
-        return self
+        s.next_sequence()
+        if s.dog is not None:
+            assert s.client is not None
+            s.client.acquire()
+            s.dog.activate(clock.end.or_grace())
+        LAST_TALLY[op] = s.tally
+        return cls(s)
 
-    def next_sequence(self) -> None:
-        """Take this channel's next sequence number (also to skip an operation the others abandoned)."""
-        key = (self.identity, self.prefix)
-        with _seq_lock:
-            self.seq = _seq.get(key, 0) + 1
-            _seq[key] = self.seq
-        self.used = set()
-        if self.rank == 0:
-            _used[(self.identity, self.prefix, self.seq)] = self.used
-        self._present = False
+    # ------------------------------------------------------------------------------ who and where
 
-    def key(self, *parts: str) -> str:
-        return "/".join((self.prefix, str(self.seq), *parts))
+    @property
+    def rank(self) -> int:
+        return self.session.rank
 
-    # ------------------------------------------------------------------------------ agreements
+    @property
+    def world_size(self) -> int:
+        return self.session.world_size
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the default process group (named in errors and fault points)."""
+        return self.session.global_rank
+
+    @property
+    def single(self) -> bool:
+        """One process (no store): every round is decided locally."""
+        return self.session.single
+
+    @property
+    def clock(self) -> Clock:
+        return self.session.clock
+
+    @property
+    def seq(self) -> int:
+        return self.session.seq
+
+    @property
+    def outcome_known(self) -> bool:
+        """True once this rank read an outcome that says the operation failed (it raises that)."""
+        return self.session.outcome_known
+
+    # ------------------------------------------------------------------------------ rounds
 
     def agree(
         self,
-        phase: str,
-        mine: Body | None,
-        decide: Decide | None = None,
+        rnd: Round[M, D],
+        mine: M | None,
+        decide: Callable[[dict[int, M]], D] | None = None,
         *,
         deadline: Deadline | None = None,
         failure: BaseException | None = None,
         failed_in: str | None = None,
-    ) -> dict[str, Any]:
-        """(every rank) One agreement (:func:`~shardsafe.coord.agreement.agree`); ``deadline``: the
-        arrival deadline for the first agreement of the operation, else the end of the call."""
+    ) -> D:
+        """(every rank) One agreement: send ``mine`` (or ``failure``, this rank's error, raised in phase
+        ``failed_in``: then every rank raises, this one its own error); rank 0 decides with ``decide``
+        (called on rank 0 only, with every rank's message; none for a round whose decision is
+        :class:`~shardsafe.coord.messages.Empty`); every rank returns the same decision, or raises the
+        same failure. ``deadline``: the arrival deadline for the first round of the operation, else the
+        end of the call. Raises :class:`RankTimeoutError` at ``deadline``."""
+        s = self.session
         if deadline is None:
-            deadline = self.clock.arrive if not self.arrived_all else self.clock.end
-        return agree(self, phase, mine, decide, deadline=deadline, failure=failure, failed_in=failed_in)
+            deadline = s.clock.arrive if not s.arrived_all else s.clock.end
+        return agreement.agree(s, rnd, mine, decide, deadline=deadline, failure=failure, failed_in=failed_in)
 
-    def round(self, phase: str) -> Round:
-        return Round(self, phase)
-
-    def settle(self, outcome: Outcome, own: BaseException | None) -> dict[str, Any]:
-        """(every rank) The body of ``outcome``, or raise what it says (the same on every rank)."""
-        if outcome.failure is not None or outcome.timeout is not None:
-            self.outcome_known = True
-        if outcome.failure is not None:
-            mine = own if own is not None else self.own_decided
-            raise error_for(outcome.failure, rank=self.global_rank, op=self.op, target=self.target, own=mine)
-        if outcome.timeout is not None:
-            t = outcome.timeout
-            lines = self.status_lines(Deadline.after(1.0, "report"))
-            missing = t.missing
-            raise RankTimeoutError(describe_timeout(self, t, lines), missing_ranks=missing)
-        return outcome.body if outcome.body is not None else {}
-
-    def failure_of(self, err: BaseException, phase: str, *, decided: bool = False) -> Failure:
-        return Failure.of(err, rank=self.global_rank, phase=phase, decided=decided)
-
-    def dead_failure(self, rank: int, phase: str, silent: float) -> Failure:
-        """The outcome that says rank ``rank`` stopped responding (decided: every rank raises it)."""
-        message = (
-            f"{self.op} of {self.target!r}: rank {rank} joined but stopped responding {silent:.0f}s ago in phase "
-            f"{phase!r} (its heartbeat stopped: the process died or is frozen). Nothing was committed; restart the "
-            "job, it resumes from the last committed checkpoint."
+    def commit(
+        self,
+        step: Commitment[M, C],
+        mine: M | None,
+        *,
+        failure: BaseException | None = None,
+        failed_in: str,
+        decide: Callable[[dict[int, M]], T],
+        act: Callable[[T], C],
+        acted_failed: Callable[[BaseException], BaseException | None],
+        abandon: Callable[[], None],
+        probe: Callable[[str, BaseException | None], C],
+        on_phase: Callable[[str], None],
+    ) -> C:
+        """(every rank) Decide, act, confirm (:mod:`~shardsafe.coord.commitment`, whose :class:`Step
+        <shardsafe.coord.commitment.Step>` says what each callable does): returns the confirmation on
+        every rank once rank 0 acted, else raises the same failure on every rank (after ``abandon``
+        and the acknowledgement). The caller acknowledges after a confirmation."""
+        run = commitment.Step(
+            self.session,
+            step,
+            decide=decide,
+            act=act,
+            acted_failed=acted_failed,
+            abandon=abandon,
+            probe=probe,
+            on_phase=on_phase,
+            acknowledge=self.acknowledge,
         )
-        return Failure(rank, phase, "RankDeadError", message, decided=True)
+        confirmed: C = run.run(mine, failure, failed_in)
+        return confirmed
 
-    # ------------------------------------------------------------------------------ presence
-
-    def announce_leader(self, deadline: Deadline) -> None:
-        """(rank 0, its first agreement) Say that rank 0 is inside the operation (its watchers start then)."""
-        assert self.client is not None
-        self.client.set(self.key("present"), "1", deadline.or_grace(), self.tally)
-
-    def leader_present(self) -> bool:
-        """(a watchdog, a rank giving up) Whether rank 0 is inside this operation."""
-        if self._present or self.single:
-            return True
-        if self.arrived_all:
-            self._present = True
-            return True
-        assert self.client is not None
-        self._present = self.client.check([self.key("present")], Deadline.after(knobs.dead_after(), "store"))
-        return self._present
-
-    # ------------------------------------------------------------------------------ status
-
-    def status(self, phase: str) -> None:
-        """(every rank) Post where this rank is (read only by stall and timeout reports)."""
-        if self.single:
-            return
-        assert self.client is not None
-        self.client.set(
-            f"{self.namespace}/status/{self.rank}", status_record(self, phase), self.clock.end.or_grace(), self.tally
-        )
-
-    def status_lines(self, deadline: Deadline) -> list[str]:
-        """One line per rank: where it was last (error path: one request per rank at most)."""
-        if self.single or self.client is None:
-            return [f"  rank 0: {self.op}({self.target!r})"]
-        lines = []
-        now = time.time()
-        for r in range(self.world_size):
-            key = f"{self.namespace}/status/{r}"
-            try:
-                if not self.client.check([key], deadline):
-                    lines.append(f"  rank {r}: no shardsafe call seen yet")
-                    continue
-                s = json.loads(self.client.get(key, deadline))
-                lines.append(
-                    f"  rank {r}: {s['op']}({s['target']!r}) #{s['seq']} in phase {s['phase']!r} for "
-                    f"{now - s['since']:.1f}s"
-                )
-            except (CheckpointError, ValueError, KeyError, TypeError):
-                lines.append(f"  rank {r}: unknown (store unreachable)")
-        return lines
+    def counters(self, name: str) -> Counters | None:
+        """(every rank) The per-rank counters ``name`` of this operation; ``None`` alone (no peers)."""
+        return None if self.session.single else Counters(self.session, name)
 
     # ------------------------------------------------------------------------------ the end
 
     def acknowledge(self) -> list[int]:
-        """(every rank, once it has read the operation's outcome) Say so. Rank 0 waits until every other
-        rank has said so or is dead (its heartbeat stopped), within the call's end (at most the arrival
-        budget from now), and returns the ranks that did neither (after a WARNING): a script that ends
-        the process hosting the store right after the call strands nobody."""
-        if self.single:
-            return []
-        assert self.client is not None
-        bound = self.clock.end.or_grace().within(self.clock.budget.arrive, "acknowledge")
-        count, every = self.key("ack", "n"), self.key("ack", "all")
-        self.used.add("ack")
-        if self.rank != 0:
-            try:
-                if self.client.add(count, 1, bound, self.tally) == self.world_size - 1:
-                    self.client.set(every, "1", bound, self.tally)
-            except RankDeadError as err:  # the store is gone: nobody is left to tell
-                logger.debug("shardsafe: rank %d could not acknowledge %s: %s", self.rank, self.op, err)
-            return []
-        excused: set[int] = set()
-
-        def excuse(ranks: list[int], _silent: float) -> None:
-            assert self.client is not None
-            for r in ranks:
-                if r not in excused:
-                    excused.add(r)
-                    if self.client.add(count, 1, bound) == self.world_size - 1:
-                        self.client.set(every, "1", bound)
-
-        others = list(range(1, self.world_size))
-        watch = Watch(lambda: others, excuse)
-        assert self.dog is not None
-        self.dog.watch(watch)
-        try:
-            got = self.client.wait_value(every, bound, tally=self.tally, wake=watch.wake)
-        except RankDeadError as err:
-            logger.warning(
-                "shardsafe: %s of %s is done, but the store went away before every rank confirmed: %s",
-                self.op,
-                self.target,
-                err,
-            )
-            return others
-        finally:
-            self.dog.unwatch(watch)
-        if got is not None:
-            return sorted(excused)
-        logger.warning(
-            "shardsafe: %s of %s is done, but some ranks did not confirm they read the outcome within %.0fs; "
-            "returning anyway. If this process ends now and hosts the rendezvous store, those ranks may raise "
-            "RankDeadError (a committed checkpoint stays committed).",
-            self.op,
-            self.target,
-            bound.seconds,
-        )
-        return others
+        """(every rank, once it has read the operation's outcome) See
+        :func:`~shardsafe.coord.ending.acknowledge`; rank 0 returns the ranks that did not."""
+        return ending.acknowledge(self.session)
 
     def conclude(self, body: Callable[[], T]) -> T:
-        """(every rank) Run ``body`` (the operation's agreements and work), acknowledge the outcome it
-        read (also when it raised, once an outcome was read: every rank got the same one, and rank 0
-        may be waiting for the acknowledgements) and :meth:`close`. Returns what ``body`` returns."""
+        """(every rank) Run ``body`` (the operation's rounds and work), acknowledge the outcome it read
+        (also when it raised, once an outcome was read: every rank got the same one, and rank 0 may be
+        waiting for the acknowledgements) and :meth:`close`. Returns what ``body`` returns."""
         try:
             try:
                 result = body()
@@ -336,43 +214,25 @@ class Operation:
         if self._closed:
             return
         self._closed = True
-        if self.dog is not None:
-            assert self.client is not None
+        s = self.session
+        if s.dog is not None:
+            assert s.client is not None
             try:
-                self.dog.deactivate()
+                s.dog.deactivate()
             finally:
-                self.client.release()
+                s.client.release()
 
-    def clean_previous(self) -> None:
-        """(rank 0, once every rank has arrived at this operation, so none reads the channel's earlier
-        ones any more) Post the deletion of the keys of the channel's previous operations."""
-        if self.rank != 0 or self.single or self.client is None:
-            return
-        deadline = Deadline.after(knobs.error_report_seconds(), "housekeeping")
-        for seq in sorted(k[2] for k in list(_used) if k[:2] == (self.identity, self.prefix) and k[2] < self.seq):
-            phases = _used.pop((self.identity, self.prefix, seq), set())
-            base = f"{self.prefix}/{seq}"
-            names = [f"{base}/present", f"{base}/decision"]
-            for phase in phases:
-                if phase == "ack":
-                    names += [f"{base}/ack/n", f"{base}/ack/all"]
-                elif phase == "progress":
-                    names += [f"{base}/progress/r/{r}" for r in range(self.world_size)]
-                else:
-                    names += [f"{base}/{phase}/{leaf}" for leaf in ("m", "n", "ready", "outcome")]
-            try:
-                for name in names:
-                    self.client.delete(name, deadline)
-            except CheckpointError as err:  # housekeeping only: keys of a finished operation are inert
-                logger.debug("shardsafe: could not delete the keys of %s: %s", base, err)
+
+ARRIVE = Round("arrive", Empty, Empty)
+"""The round of an operation that is only its rendezvous."""
 
 
 def rendezvous(op: str, target: str, budget: Deadlines, *, match_site: bool = False, group: Any = None) -> None:
-    """(every rank) An operation that is only its first agreement: every rank reaches this point (within
-    the arrival budget) doing the same thing (``op``, ``target``, and with ``match_site`` the same call
-    site), else every rank raises (:class:`RankTimeoutError`, :class:`RankDesyncError`)."""
+    """(every rank) An operation that is only its first round: every rank reaches this point (within the
+    arrival budget) doing the same thing (``op``, ``target``, and with ``match_site`` the same call site),
+    else every rank raises (:class:`RankTimeoutError`, :class:`RankDesyncError`)."""
     meeting = Operation.begin(op, target, budget.start(), group=group, match_site=match_site)
     try:
-        meeting.agree("arrive", None)
+        meeting.agree(ARRIVE, Empty())
     finally:
         meeting.close()

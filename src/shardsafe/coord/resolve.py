@@ -1,5 +1,5 @@
 """Group resolution: which store, ranks and key namespace an operation uses (the default process group,
-a given group, or one process), its channel, and the user's call site named in desync errors."""
+a given group, or one process), and the user's call site named in desync errors."""
 
 from __future__ import annotations
 
@@ -13,12 +13,6 @@ from torch._C._distributed_c10d import Store
 from shardsafe.errors import InvalidArgumentError
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def channel_of(op: str) -> str:
-    """Saves and loads share the ``ckpt`` channel (so a save meeting a load is caught as out of step);
-    every other operation uses ``misc``."""
-    return "ckpt" if op in ("save", "load") else "misc"
 
 
 def call_site() -> str:

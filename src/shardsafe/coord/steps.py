@@ -1,16 +1,18 @@
-"""The manager's per-step agreements: rank 0's decision for a step (:class:`StepBroadcast`) and the
-preemption step (:class:`StopAgreement`).
+"""Per-step agreements outside any operation: rank 0's decision for a step (:class:`StepBroadcast`, a
+declared :class:`~shardsafe.coord.rounds.Broadcast`) and a step every rank settles on, the first
+proposal winning (:class:`StopAgreement`). The checkpoint manager is their user (its schedule and its
+preemption step); this module knows none of its words.
 
-These are the one form of agreement in which only rank 0's input counts, so nobody else sends a
+A broadcast is the one form of round in which only rank 0's input counts, so nobody else sends a
 message: rank 0 posts its typed :class:`~shardsafe.coord.messages.Decision` under
-``<group namespace>/manager/<n>/<name>/<step>``, each other rank waits for it (one blocking ``get``)
+``<group namespace>/<owner>/<n>/<name>/<step>``, each other rank waits for it (one blocking ``get``)
 and counts itself in (``add``); the last reader deletes both keys, so nothing accumulates over a long
 run. Being per step, they stay out of the operations' sequence numbers, and rank 0 never waits for
 the others. Every request goes through the process's :class:`~shardsafe.coord.client.StoreClient`,
-bounded by the manager's ``timeout``.
+bounded by the owner's ``timeout``.
 
-``<n>`` is the manager's creation index in this process: every rank creates its managers in the
-same order, so the n-th manager of each rank uses the same keys.
+``<n>`` is the owner's creation index in this process: every rank creates its owners (managers) in the
+same order, so the n-th of each rank uses the same keys.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from shardsafe.coord.client import StoreClient, client_for
 from shardsafe.coord.messages import Decision
+from shardsafe.coord.rounds import Broadcast
 from shardsafe.deadline import Deadline
 from shardsafe.errors import RankTimeoutError
 
@@ -33,7 +36,7 @@ _instances = itertools.count()
 
 
 class StoreKeys:
-    """One manager's keys, and the client its requests go through."""
+    """One owner's keys, and the client its requests go through."""
 
     def __init__(self, client: StoreClient, prefix: str, timeout: float) -> None:
         self.client = client
@@ -41,26 +44,30 @@ class StoreKeys:
         self.timeout = timeout
 
     @classmethod
-    def for_manager(cls, store: Store | None, namespace: str, identity: int, timeout: float) -> StoreKeys | None:
-        """The keys of a newly created manager; ``None`` with no store (one process)."""
+    def for_owner(
+        cls, store: Store | None, namespace: str, identity: int, timeout: float, owner: str
+    ) -> StoreKeys | None:
+        """The keys of a newly created ``owner`` (``"manager"``); ``None`` with no store (one process)."""
         index = next(_instances)
         if store is None:
             return None
-        return cls(client_for(store, identity), f"{namespace}/manager/{index}", timeout)
+        return cls(client_for(store, identity), f"{namespace}/{owner}/{index}", timeout)
 
     def key(self, *parts: str) -> str:
         return "/".join((self.prefix, *parts))
 
     def deadline(self) -> Deadline:
-        return Deadline.after(self.timeout, "manager")
+        return Deadline.after(self.timeout, "step")
 
 
 class StepBroadcast:
-    """(every rank) Rank 0's decision for a step, shared with the others; see the module docstring."""
+    """(every rank) Rank 0's decision for a step in the broadcast ``rnd``, shared with the others; see
+    the module docstring."""
 
-    def __init__(self, keys: StoreKeys | None, name: str, *, rank: int, world_size: int) -> None:
+    def __init__(self, keys: StoreKeys | None, rnd: Broadcast, *, rank: int, world_size: int) -> None:
         self.keys = keys
-        self.name = name
+        self.rnd = rnd
+        self.name = rnd.name
         self.rank = rank
         self.world_size = world_size
 
@@ -83,9 +90,8 @@ class StepBroadcast:
         raw = keys.client.wait_value(key, deadline)
         if raw is None:
             raise RankTimeoutError(
-                f"CheckpointManager.should_save({step}) on rank {self.rank}: rank 0 gave no {self.name} decision for "
-                f"step {step} within {keys.timeout:.0f}s. Every rank must call should_save / maybe_save with the same "
-                "steps in the same order; if rank 0 is merely slow, raise timeout=.",
+                f"{self.rnd.what}({step}) on rank {self.rank}: rank 0 gave no {self.name} decision for step {step} "
+                f"within {keys.timeout:.0f}s. {self.rnd.hint}",
                 missing_ranks=[0],
             )
         got = Decision.from_text(raw).value

@@ -1,24 +1,20 @@
-"""The end of a save: every rank's write report, one decision, one publish, one acknowledgement.
+"""The end of a save, declared, not hand-written: the commitment ``written``
+(:data:`~shardsafe.engine.messages.SAVE_WRITTEN`) run by the protocol engine
+(:meth:`Operation.commit <shardsafe.coord.operation.Operation.commit>`: decide, act, confirm), with what
+only a save knows handed to it:
 
-This is the save's second agreement (``written``), with one key more than an ordinary one: the
-decision. The outcome of a save is settled by the first ``compare_set`` on ``<save>/decision``:
-``"commit"`` (rank 0, once every report is in and the manifest is durable in the pending directory) or an abort
-(any rank that failed, gave up at its deadline, or found a rank dead). Nobody acts on an outcome
-before it is decided and nobody undoes it after: rank 0 publishes only after it won "commit", and
-the pending directory is discarded only where an abort won.
+- decide (rank 0, every write report in): build the manifest, validate its bytes with the loader's own
+  parser, write it durably into the pending directory, check the bases of an incremental save
+  (:meth:`Committer._decide`); a refusal is the outcome for every rank;
+- act (rank 0, once it won "go" on the decision key): publish, under the end deadline; a publish that
+  has not reached its commit point at the deadline is called off (:meth:`Committer._publish`);
+- abandon (every rank, once an abort won): discard the pending directory (:func:`discard`);
+- probe (another rank that lost rank 0 or the store after "go"): a manifest carrying the save id means
+  committed (:meth:`Committer._ask_storage`).
 
-- (rank 0) :meth:`Committer.run`: wait for every report (watching the others' heartbeats), check them,
-  build the manifest, validate its bytes with the loader's own parser, write it durably into the pending directory,
-  propose "commit"; if it won, publish (under the end deadline; a publish that has not reached its
-  commit point at the deadline is called off), post the outcome, remove the replaced checkpoint's
-  unreferenced files, and wait for every live rank's acknowledgement.
-- (other ranks) the same :meth:`Committer.run`: send the report, wait for the outcome (watching rank
-  0's heartbeat). A rank that gives up, or finds rank 0 dead, proposes an abort; if "commit" had won
-  already it asks the storage instead: a manifest carrying the save id means committed.
-
-A rank whose own part failed sends its failure instead of a report, and proposes the abort at once, so
-the others raise within a second. No interleaving of timeouts, failures and a slow publish leaves a
-committed manifest without its data, and every rank sees one outcome.
+Then rank 0 removes the replaced checkpoint's unreferenced files and what failed saves left, and every
+rank acknowledges; rank 0 returns once every live rank has. No interleaving of timeouts, failures and
+a slow publish leaves a committed manifest without its data, and every rank sees one outcome.
 """
 
 from __future__ import annotations
@@ -39,19 +35,15 @@ from shardsafe.catalog.delete import (
     delete_files,
     discard_save,
     manifest_files,
-    release_references,
     remove_pending,
-    stale_files,
-    stale_side_files,
 )
-from shardsafe.catalog.names import commit_of, in_flight_marker
 from shardsafe.catalog.orphans import abandoned_pending, orphaned_files
+from shardsafe.catalog.publish import CheckpointPublication
 from shardsafe.catalog.refs import check_ref_files
 from shardsafe.coord import Deadline, Operation, fault_point
-from shardsafe.coord.agreement import Round
-from shardsafe.coord.failures import Failure, wrap
-from shardsafe.coord.messages import Committed, Envelope, Outcome, Timeout, WriteReport
+from shardsafe.coord.failures import wrap
 from shardsafe.engine import incremental, replicas, sidefiles, unremoved
+from shardsafe.engine.messages import SAVE_WRITTEN, Committed, WriteReport
 from shardsafe.engine.plan import Rules
 from shardsafe.errors import CheckpointError, CorruptCheckpointError, RankDeadError, UnsafeValueError
 from shardsafe.format.manifest import (
@@ -59,7 +51,6 @@ from shardsafe.format.manifest import (
     FileEntry,
     Manifest,
     TensorEntry,
-    parse_manifest,
 )
 from shardsafe.progress.tracker import Tracker
 from shardsafe.state import per_rank
@@ -69,8 +60,6 @@ from shardsafe.storage.base import PublishRefusedError
 from shardsafe.workers import Lane, run_bounded
 
 logger = logging.getLogger(__name__)
-
-COMMIT = "commit"
 
 
 @dataclass(frozen=True)
@@ -105,10 +94,6 @@ class CommitResult:
     unacknowledged: list[int] = field(default_factory=list)
 
 
-class _LeaderLost(Exception):
-    """(internal) Rank 0 stopped after "commit" won: only the storage can tell whether it published."""
-
-
 def discard(
     storage: Storage,
     path: str,
@@ -124,14 +109,8 @@ def discard(
     hung disk must not hang the error path); returns whether that worked. A failure is logged and,
     with ``remember`` (rank 0), kept for the next save of this process beside ``path``
     (:mod:`shardsafe.engine.unremoved`). ``side``: the side files this save wrote (rank 0)."""
-    storage.set_deadline(deadline)  # its object-store requests are bounded by the same deadline
     try:
-        run_bounded(
-            "removing the files of the failed save",
-            pending,
-            deadline,
-            lambda: discard_save(storage, pending, path, save_id, world_size, side),
-        )
+        CheckpointPublication(storage, path, save_id, pending=pending).abandon(world_size, deadline, side=side)
     except FileNotFoundError as err:  # another rank removed it first: the removal is shared and idempotent
         logger.debug("shardsafe: pending directory %s of a failed save was already removed: %s", pending, err)
     except (OSError, ValueError, CheckpointError) as err:
@@ -160,161 +139,67 @@ def refused(err: BaseException) -> bool:
     return False
 
 
-def committed_on_storage(storage: Storage, path: str, save_id: str) -> bool:
-    """Whether the manifest at ``path`` validates and carries ``save_id``."""
-    where = storage.join(path, MANIFEST_NAME)
-    try:
-        return parse_manifest(storage.read_bytes(where), where).save_id == save_id
-    except (OSError, CorruptCheckpointError):
-        return False
+@dataclass(frozen=True)
+class _Decided:
+    """(rank 0) What the save decided to publish: the commit, the manifest's bytes and where it goes,
+    and the bytes of data files every rank wrote."""
+
+    commit: Commit
+    raw: bytes
+    where: str
+    total: int
 
 
 class Committer:
-    """(every rank) The end of one save; see the module docstring. ``set_phase`` names the phase this
-    rank is in (errors, progress, stall reports)."""
+    """(every rank) The end of one save: the commitment ``written``
+    (:data:`~shardsafe.engine.messages.SAVE_WRITTEN`, run by
+    :meth:`Operation.commit <shardsafe.coord.operation.Operation.commit>`); see the module docstring.
+    ``set_phase`` names the phase this rank is in (errors, progress, stall reports)."""
 
     def __init__(self, op: Operation, inputs: CommitInputs, tracker: Tracker, set_phase: Callable[[str], None]) -> None:
         self.op = op
         self.inputs = inputs
         self.tracker = tracker
         self.set_phase = set_phase
-        self.round: Round | None = None if op.single else op.round("written")
-        self.decision = op.key("decision")
-        self._leader_lost = False
-
-    # ------------------------------------------------------------------------------ decision
-
-    def _abort(self, outcome: Outcome, deadline: Deadline) -> Outcome | None:
-        """(any rank) Propose ``outcome`` (a failure or a timeout) as the save's decision; the settled
-        abort (maybe another rank's), or ``None`` when "commit" won first."""
-        op, r = self.op, self.round
-        if r is None:
-            return outcome
-        assert op.client is not None
-        bound = deadline.or_grace()
-        settled = op.client.compare_set(self.decision, outcome.to_text(), bound, op.tally)
-        if settled == COMMIT:
-            return None
-        return r.propose(outcome if settled == outcome.to_text() else Outcome.from_text(settled), bound)
-
-    def _raise(self, outcome: Outcome, own: BaseException | None) -> None:
-        """(every rank) Discard the pending directory (an abort won) and raise what ``outcome`` says."""
-        i, op = self.inputs, self.op
-        if i.pending:
-            discard(
-                i.storage,
-                i.path,
-                i.pending,
-                i.save_id,
-                op.world_size,
-                op.clock.arrive.or_grace(),
-                remember=op.rank == 0,
-                side=i.side_written,
-            )
-        self.op.acknowledge()
-        self.op.settle(outcome, own)
-
-    # ------------------------------------------------------------------------------ the round
+        self._old: bytes | None = None  # rank 0: the manifest the publish replaced
+        self._never = False  # rank 0: a failed publish surely did not happen
+        self._probed = False  # another rank: the storage, not rank 0, confirmed the commit
+        self.publication = CheckpointPublication(inputs.storage, inputs.path, inputs.save_id, pending=inputs.pending)
 
     def run(self, report: WriteReport | None, error: BaseException | None, phase: str = "write") -> CommitResult:
         """(every rank, its data durable or its part failed in ``phase``) See the module docstring.
         Returns once the checkpoint is committed; raises the save's failure (the same on every rank)
         otherwise."""
         op = self.op
-        deadline = op.clock.end
-        failure = op.failure_of(error, phase) if error is not None else None
-        if op.single:
-            if error is not None:
-                self._raise(Outcome(failure=failure), error)
-            assert report is not None
-            return self._lead({0: report})
-        r = self.round
-        assert r is not None
-        op.status("written")
-        r.send(Envelope(op.rank, None if report is None else report.to_json(), failure), deadline.or_grace())
-        if failure is not None:
-            settled = self._abort(Outcome(failure=failure), deadline)
-            if settled is None:  # "commit" won without this rank's report: impossible; the storage tells
-                raise CheckpointError(f"save of {self.inputs.path!r}: this rank failed after the commit decision")
-            self._raise(settled, error)
-        if op.rank == 0:
-            return self._collect(r, deadline)
-        return self._follow(r, deadline)
+        decided: list[_Decided] = []
 
-    def _collect(self, r: Round, deadline: Deadline) -> CommitResult:
-        """(rank 0) Wait for every report, then lead."""
-        op = self.op
+        def decide(reports: dict[int, WriteReport]) -> _Decided:
+            decided.append(self._decide(reports))
+            return decided[0]
 
-        def dead(ranks: list[int], silent: float) -> None:
-            self._abort(Outcome(failure=op.dead_failure(ranks[0], "written", silent)), deadline)
-
-        got = r.wait(r.ready, deadline, r.watch_others(dead), r.stalled("every rank to reach 'written'", deadline))
-        if got is None:
-            settled = self._abort(_timeout(r, deadline), deadline)
-            assert settled is not None
-            self._raise(settled, None)
-        envelopes = r.messages(deadline.or_grace())
-        failed = [e.failure for _, e in sorted(envelopes.items()) if e.failure is not None]
-        if failed or len(envelopes) < op.world_size:
-            assert op.client is not None
-            if failed:
-                settled = self._abort(Outcome(failure=failed[0]), deadline)
-            else:  # woken by an outcome proposed early (a dead rank): read it
-                settled = Outcome.from_text(op.client.get(self.decision, deadline.or_grace(), op.tally))
-            assert settled is not None
-            self._raise(settled, None)
-        reports = {rank: WriteReport.from_json(e.body) for rank, e in envelopes.items()}
-        return self._lead(reports)
-
-    def _lead(self, reports: dict[int, WriteReport]) -> CommitResult:
-        """(rank 0, every report in) Decide, publish, acknowledge."""
-        op, i = self.op, self.inputs
-        deadline = op.clock.end
-        self.set_phase("commit")
-        self.tracker.final({r: rep.counts for r, rep in reports.items()})
-        try:
-            fault_point("save.commit", op.global_rank)
-            manifest = build_manifest(i, op.world_size, reports)
-            raw = manifest.to_bytes()
-            where = i.storage.join(i.path, MANIFEST_NAME)
-            try:
-                parse_manifest(raw, where)  # what a loader will read: never publish what it would refuse
-            except CorruptCheckpointError as err:
-                raise UnsafeValueError(
-                    f"save of {i.path!r}: the state holds something the format cannot store: {err}"
-                ) from None
-            i.storage.set_deadline(deadline)
-            commit = commit_of(i.pending, i.path, i.save_id, raw, [*manifest.files, *manifest.side_files])
-            i.storage.stage_manifest(commit)
-            if manifest.refs:
-                # An incremental save: its intent (the staged manifest, which a delete of a base reads
-                # after writing its tombstone) is on storage first; then its bases are checked: still
-                # committed, not being deleted, every referred file there. One of the two sees the other.
-                check_ref_files(i.storage, i.path, manifest, committed=i.base_name)
-        except BaseException as err:
-            decided = isinstance(err, CheckpointError)
-            failure = op.failure_of(err, "commit", decided=decided)
-            if decided:
-                op.own_decided = err  # type: ignore[assignment]
-            settled = self._abort(Outcome(failure=failure), deadline)
-            assert settled is not None
-            self._raise(settled, err)
-            raise  # not reached: _raise raises
-        self.set_phase("decide")
-        if not op.single:
-            assert op.client is not None
-            settled_text = op.client.compare_set(self.decision, COMMIT, deadline.or_grace(), op.tally)
-            if settled_text != COMMIT:
-                self._raise(Outcome.from_text(settled_text), None)
-        self.set_phase("publish")
-        old = self._publish(commit, raw)
-        if self.round is not None:
-            self.round.propose(Outcome(body=Committed(i.save_id).to_json()), deadline.or_grace())
-        self._remove_stale(old, raw, where)
+        op.commit(
+            SAVE_WRITTEN,
+            report,
+            failure=error,
+            failed_in=phase,
+            decide=decide,
+            act=self._publish,
+            acted_failed=self._publish_failed,
+            abandon=self._abandon,
+            probe=self._ask_storage,
+            on_phase=self.set_phase,
+        )
+        if self._probed:  # rank 0 is gone: nobody to acknowledge to
+            return CommitResult(True)
+        if decided:
+            self._remove_stale(self._old, decided[0].raw, decided[0].where)
         self._confirm()
         self.set_phase("acknowledge")
         late = op.acknowledge()
-        total = sum(int(f[0]) for rep in reports.values() for f in rep.files.values())
+        if not decided:
+            return CommitResult(True)
+        i = self.inputs
+        total = decided[0].total
         took = time.monotonic() - i.started
         logger.info(
             "shardsafe: saved %s (%.1f MiB, %d ranks, %s) in %.2fs (%.0f MiB/s; blocking %.2fs)",
@@ -328,9 +213,48 @@ class Committer:
         )
         return CommitResult(True, total, late)
 
-    def _publish(self, commit: Commit, raw: bytes) -> bytes | None:
-        """(rank 0, "commit" won) Make the manifest visible within the end deadline; on failure, post
-        the failure as the outcome, discard the pending directory when the publish surely did not happen, and raise."""
+    def _abandon(self) -> None:
+        """(every rank, an abort is the outcome) Discard the pending directory."""
+        i, op = self.inputs, self.op
+        if i.pending:
+            discard(
+                i.storage,
+                i.path,
+                i.pending,
+                i.save_id,
+                op.world_size,
+                op.clock.arrive.or_grace(),
+                remember=op.rank == 0,
+                side=i.side_written,
+            )
+
+    def _decide(self, reports: dict[int, WriteReport]) -> _Decided:
+        """(rank 0, every report in) Build the manifest, check it with the loader's parser, stage it
+        durably, check the bases of an incremental save. A :class:`CheckpointError` is the outcome for
+        every rank."""
+        op, i = self.op, self.inputs
+        self.tracker.final({r: rep.counts for r, rep in reports.items()})
+        fault_point("save.commit", op.global_rank)
+        manifest = build_manifest(i, op.world_size, reports)
+        raw = manifest.to_bytes()
+        where = self.publication.where
+        try:  # what a loader will read: never publish what it would refuse; then staged durably
+            commit = self.publication.verify(raw, [*manifest.files, *manifest.side_files], op.clock.end)
+        except CorruptCheckpointError as err:
+            raise UnsafeValueError(
+                f"save of {i.path!r}: the state holds something the format cannot store: {err}"
+            ) from None
+        if manifest.refs:
+            # An incremental save: its intent (the staged manifest, which a delete of a base reads
+            # after writing its tombstone) is on storage first; then its bases are checked: still
+            # committed, not being deleted, every referred file there. One of the two sees the other.
+            check_ref_files(i.storage.within(op.clock.end), i.path, manifest, committed=i.base_name)
+        total = sum(int(f[0]) for rep in reports.values() for f in rep.files.values())
+        return _Decided(commit, raw, where, total)
+
+    def _publish(self, decided: _Decided) -> Committed:
+        """(rank 0, "go" won) Make the manifest visible within the end deadline. On failure, raise the
+        save's error (every rank raises it), noting whether the publish surely did not happen."""
         op, i = self.op, self.inputs
         gate = _Gate()
 
@@ -338,19 +262,23 @@ class Committer:
             fault_point("save.publish", op.global_rank)
             if gate.cancelled:  # called off while this thread was held up: touch nothing
                 raise TimeoutError("publish called off: the save's deadline passed")
-            return i.storage.publish(commit, overwrite=i.overwrite, at_commit=gate)
+            return self.publication.publish(
+                decided.commit, overwrite=i.overwrite, at_commit=gate, deadline=op.clock.end
+            )
 
         lane = Lane("publish")
         try:
-            return lane.call("publishing the manifest", i.path, work, op.clock.end)
+            self._old = lane.call("publishing the manifest", i.path, work, op.clock.end)
+            return Committed(i.save_id)
         except BaseException as err:
             hung = lane.wedged
             never = gate.cancel() if hung else not gate.passed
-            if not never and not hung and committed_on_storage(i.storage, i.path, i.save_id):
+            if not never and not hung and self.publication.committed(op.clock.end.or_grace()):
                 logger.warning("shardsafe: publishing %s raised (%s), but it is committed", i.path, err)
-                return None
+                return Committed(i.save_id)
             if not hung and (not is_remote(i.path) or isinstance(err, PublishRefusedError)):
                 never = True  # a local rename that raised did not happen; nor a PUT the store refused
+            self._never = never
             if never:
                 message = (
                     f"save of {i.path!r}: rank 0's publish failed ({type(err).__name__}: {err}); nothing was "
@@ -368,56 +296,48 @@ class Committer:
                     f"still complete if the storage recovers: the checkpoint is committed iff {MANIFEST_NAME} there "
                     f"carries save id {i.save_id}. Check the storage, then save again."
                 )
-            failure = Failure(op.global_rank, "publish", "CheckpointError", message, decided=True)
-            if self.round is not None:
-                try:
-                    self.round.propose(Outcome(failure=failure), op.clock.end.or_grace())
-                except RankDeadError as lost:
-                    logger.error("shardsafe: could not tell the ranks that publishing %s failed: %s", i.path, lost)
-            if never and not discard(
-                i.storage,
-                i.path,
-                i.pending,
-                i.save_id,
-                op.world_size,
-                op.clock.arrive.or_grace(),
-                remember=True,
-                side=i.side_written,
-            ):
-                message += (
-                    f" What this save wrote could not be removed either ({i.pending}); it is never read, and the next "
-                    "save that commits beside it removes it."
-                )
-            op.acknowledge()
             raise CheckpointError(message) from err
         finally:
             lane.close()
 
+    def _publish_failed(self, err: BaseException) -> BaseException | None:
+        """(rank 0, its failed publish told to every rank) Discard the pending directory when the publish
+        surely did not happen; the error to raise instead of ``err`` when that failed too."""
+        i, op = self.inputs, self.op
+        if self._never and not discard(
+            i.storage,
+            i.path,
+            i.pending,
+            i.save_id,
+            op.world_size,
+            op.clock.arrive.or_grace(),
+            remember=True,
+            side=i.side_written,
+        ):
+            worse = CheckpointError(
+                f"{err} What this save wrote could not be removed either ({i.pending}); it is never read, and the "
+                "next save that commits beside it removes it."
+            )
+            worse.__cause__ = err.__cause__
+            return worse
+        return None
+
     def _remove_stale(self, old: bytes | None, new: bytes, where: str) -> None:
-        """(rank 0, committed) Remove the data files of the replaced checkpoint that the new manifest
-        does not list (taken from the old manifest, validated), then what only the old manifest referred
-        to in sibling checkpoints; then :meth:`_sweep`. A failure leaves unreferenced files (logged)."""
+        """(rank 0, committed) Retire what the new manifest replaced (the publication's last step:
+        :meth:`CheckpointPublication.retire <shardsafe.catalog.publish.CheckpointPublication.retire>`),
+        then :meth:`_sweep`, both within the grace after the end. A failure leaves unreferenced files
+        (logged)."""
         i = self.inputs
         began = time.monotonic()
-        stale = stale_files(old, new, where)
-        # URL storage: the save's in-flight marker goes too, in the same request (its data files are listed)
-        marker = [in_flight_marker(i.save_id)] if i.pending == i.path else []
-        stale_side = stale_side_files(old, new, where)
-
-        def remove() -> None:
-            delete_files(i.storage, i.path, [*stale, *marker])
-            if stale_side:
-                delete_files(i.storage, i.path, stale_side, side=stale_side)
-            release_references(i.storage, i.path, old, where)
-
         grace = self.op.clock.end.or_grace()
-        i.storage.set_deadline(grace)  # its requests to an object store are bounded by the same
+        stale: list[str] = []
         try:
-            run_bounded("removing the old data files", i.path, grace, remove)
+            stale = self.publication.retire(old, new, grace)
         except (OSError, ValueError, CheckpointError) as err:
-            logger.warning("shardsafe: committed %s but could not remove old data files %s: %s", i.path, stale, err)
+            logger.warning("shardsafe: committed %s but could not remove the replaced files: %s", i.path, err)
+        storage = i.storage.within(grace)
         try:
-            run_bounded("removing what failed saves left", i.path, grace, lambda: self._sweep(new, where))
+            run_bounded("removing what failed saves left", i.path, grace, lambda: self._sweep(storage, new, where))
         except (OSError, ValueError, CheckpointError) as err:
             logger.warning("shardsafe: committed %s but could not remove what failed saves left there: %s", i.path, err)
         logger.debug(
@@ -427,7 +347,7 @@ class Committer:
             time.monotonic() - began,
         )
 
-    def _sweep(self, new: bytes, where: str) -> None:
+    def _sweep(self, storage: Storage, new: bytes, where: str) -> None:
         """(rank 0, committed) Remove what failed saves of this process beside the path could not
         remove themselves (:mod:`shardsafe.engine.unremoved`), then the pending directories that saves
         of the path, or of a sibling path, which never committed left beside it
@@ -437,7 +357,7 @@ class Committer:
         i = self.inputs
         for left in unremoved.beside(i.path):
             try:
-                discard_save(i.storage, left.pending, left.path, left.save_id, left.world_size)
+                discard_save(storage, left.pending, left.path, left.save_id, left.world_size)
             except (OSError, ValueError, CheckpointError) as err:
                 logger.warning(
                     "shardsafe: still cannot remove what failed save %s left in %s: %s", left.save_id, left.pending, err
@@ -448,9 +368,9 @@ class Committer:
         age = knobs.leftover_age_seconds()
         # first: a save whose pending directory is gone is no longer in flight, and its files in the
         # checkpoint are orphans
-        for pending in abandoned_pending(i.storage, i.path, min_age=age, siblings=True):
+        for pending in abandoned_pending(storage, i.path, min_age=age, siblings=True):
             try:
-                if remove_pending(i.storage, pending):
+                if remove_pending(storage, pending):
                     logger.info(
                         "shardsafe: removed %s, left by a save that never committed (beside %s)", pending, i.path
                     )
@@ -462,9 +382,9 @@ class Committer:
                     err,
                 )
         _, listed = manifest_files(new, where)
-        orphans = orphaned_files(i.storage, i.path, listed, min_age=age)
+        orphans = orphaned_files(storage, i.path, listed, min_age=age)
         if orphans:
-            removed = delete_files(i.storage, i.path, orphans)
+            removed = delete_files(storage, i.path, orphans)
             logger.info(
                 "shardsafe: removed %s from %s: data files no manifest lists, unchanged for over %.0fs (a save there "
                 "that never committed; SHARDSAFE_LEFTOVER_AGE_SECONDS)",
@@ -472,54 +392,6 @@ class Committer:
                 i.path,
                 age,
             )
-
-    def _follow(self, r: Round, deadline: Deadline) -> CommitResult:
-        """(ranks other than 0, report sent) Learn the outcome; see the module docstring."""
-        op = self.op
-        self.set_phase("decision")
-        wake_flag = threading.Event()
-
-        def dead(_ranks: list[int], silent: float) -> None:
-            if self._abort(Outcome(failure=op.dead_failure(0, "written", silent)), deadline) is None:
-                self._leader_lost = True
-                wake_flag.set()
-
-        watch = r.watch_leader(dead)
-
-        def interrupt() -> None:
-            if self._leader_lost:
-                raise _LeaderLost()
-
-        assert op.client is not None and op.dog is not None
-        op.dog.watch(watch)
-        try:
-            raw = op.client.wait_value(r.outcome, deadline, tally=op.tally, interrupt=interrupt, wake=watch.wake)
-            if raw is None:
-                settled = self._abort(_timeout(r, deadline), deadline)
-                if settled is not None:
-                    self._raise(settled, None)
-                # "commit" won: rank 0 is publishing; give it until the grace after the end
-                raw = op.client.wait_value(r.outcome, deadline.or_grace(), tally=op.tally, interrupt=interrupt)
-        except _LeaderLost:
-            return self._ask_storage("rank 0 stopped responding after deciding to commit")
-        except RankDeadError as err:
-            if err.store_lost:
-                return self._ask_storage(str(err), err)
-            raise
-        finally:
-            op.dog.unwatch(watch)
-        if raw is None:
-            return self._ask_storage(
-                f"rank 0 decided to commit but did not report its publish within the end deadline "
-                f"({deadline.seconds:.0f}s)"
-            )
-        outcome = Outcome.from_text(raw)
-        if outcome.body is None:
-            self._raise(outcome, None)
-        self._confirm()
-        self.set_phase("acknowledge")
-        op.acknowledge()
-        return CommitResult(True)
 
     def _confirm(self) -> None:
         """(every rank, the outcome "committed" read) The last fault point; a failure here is this rank's
@@ -529,10 +401,11 @@ class Committer:
         except Exception as err:
             raise wrap(err, op="save", target=self.inputs.path, rank=self.op.global_rank, phase="confirm") from err
 
-    def _ask_storage(self, why: str, cause: BaseException | None = None) -> CommitResult:
-        """ "commit" won but rank 0 cannot confirm the publish: the storage says whether it happened."""
+    def _ask_storage(self, why: str, cause: BaseException | None = None) -> Committed:
+        """(a rank other than 0) "go" won but rank 0 cannot confirm the publish: the storage says whether
+        it happened."""
         i = self.inputs
-        if committed_on_storage(i.storage, i.path, i.save_id):
+        if self.publication.committed(self.op.clock.end.or_grace()):
             logger.warning(
                 "shardsafe: rank %d: %s, but %s is committed with save id %s; this save succeeded",
                 self.op.rank,
@@ -540,7 +413,8 @@ class Committer:
                 i.path,
                 i.save_id,
             )
-            return CommitResult(True)
+            self._probed = True
+            return Committed(i.save_id)
         err = RankDeadError(
             f"save of {i.path!r}: {why}, and the checkpoint is not committed (it may still appear if rank 0's storage "
             "recovers: it is committed iff its manifest carries save id "
@@ -548,15 +422,6 @@ class Committer:
             store_lost=isinstance(cause, RankDeadError) and cause.store_lost,
         )
         raise err from cause
-
-
-def _timeout(r: Round, deadline: Deadline) -> Outcome:
-    """The timeout a rank proposes when its deadline passed in the ``written`` agreement."""
-    op = r.op
-    sent = set(r.messages(deadline.or_grace()))
-    arrived = sorted(sent | {0})
-    missing = [x for x in range(op.world_size) if x not in sent] if op.rank == 0 else [0]
-    return Outcome(timeout=Timeout(op.rank, r.phase, arrived, missing, deadline.budget, deadline.seconds))
 
 
 class _Gate:

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from shardsafe.coord import Clock, Operation, fault_point
-from shardsafe.coord.messages import Counts, Envelope
+from shardsafe.coord.messages import Empty
+from shardsafe.engine.messages import CHANNEL, LOAD_ARRIVE, LOAD_LOADED, Counts
 from shardsafe.engine.phases import PhaseLog
 from shardsafe.engine.read import (
     Task,
@@ -66,10 +67,9 @@ def load(
     """(all ranks of the group, or one process) See :func:`shardsafe.load`. ``rest``: which unrequested
     entries are read and returned (state/rest.py); without a state, every entry."""
     path = str(path)
-    storage = get_storage(path, storage_options, deadline=clock.end)
-    storage.set_deadline(clock.work)  # every request to an object store ends by then
+    storage = get_storage(path, storage_options, deadline=clock.end).within(clock.work)  # every request ends by then
     single = state is None
-    op = None if single else Operation.begin("load", path, clock, group=group)
+    op = None if single else Operation.begin("load", path, clock, channel=CHANNEL, group=group)
     started = time.monotonic()
     phases = PhaseLog("load", path, "manifest")
     phase = phases.enter("manifest", None if op is None else op.global_rank)
@@ -102,7 +102,7 @@ def load(
         if op is not None:
             failed_in = phases.phase
             phase = tracker.phase = phases.enter("go")
-            op.agree("arrive", Counts(tracker.own_counts()), failure=failure, failed_in=failed_in)  # the go
+            op.agree(LOAD_ARRIVE, Counts(tracker.own_counts()), failure=failure, failed_in=failed_in)  # the go
         elif failure is not None:
             raise failure
         assert plan is not None
@@ -118,7 +118,7 @@ def load(
             failed_in = phases.phase
             phase = tracker.phase = phases.enter("confirm")
             op.agree(
-                "loaded", Counts(tracker.own_counts()), _final_counts(tracker), failure=failure, failed_in=failed_in
+                LOAD_LOADED, Counts(tracker.own_counts()), _final_counts(tracker), failure=failure, failed_in=failed_in
             )
             op.acknowledge()  # rank 0 returns once every live rank knows
         elif failure is not None:
@@ -257,11 +257,12 @@ def _read_and_restore(
     return nbytes
 
 
-def _final_counts(tracker: Tracker) -> Callable[[dict[int, Envelope]], None]:
+def _final_counts(tracker: Tracker) -> Callable[[dict[int, Counts]], Empty]:
     """(rank 0) The ``loaded`` agreement's decision: hand every rank's final counts to the tracker."""
 
-    def decide(envelopes: dict[int, Envelope]) -> None:
-        tracker.final({r: Counts.from_json(e.body).counts for r, e in envelopes.items() if e.body is not None})
+    def decide(counts: dict[int, Counts]) -> Empty:
+        tracker.final({r: c.counts for r, c in counts.items()})
+        return Empty()
 
     return decide
 

@@ -56,8 +56,7 @@ def delete(
     """
     path = os.fspath(path)
     deadline = Deadlines.resolve(timeout).start().end
-    storage = get_storage(path, storage_options, deadline=deadline)
-    storage.set_deadline(deadline)
+    storage = get_storage(path, storage_options, deadline=deadline)  # every request bounded by it
     if link_target(path) is not None:
         try:
             target = run_bounded("removing the link", path, deadline, lambda: remove_link(path))

@@ -4,8 +4,8 @@ asynchronous one runs :meth:`SaveJob.finish` on a background thread.
 (all ranks) ``begin``: flatten the state locally (and digest its values for the per-rank check);
     rank 0 checks the target (absent, empty, or shardsafe's own files only), picks the save id and the
     checksum block size and creates staging; then the first agreement, ``arrive``: every rank sends
-    its digests (:class:`~shardsafe.coord.messages.SaveArrival`), rank 0 decides the
-    :class:`~shardsafe.coord.messages.SaveStart` (save id, staging, per-rank subtrees, base). Then plan
+    its digests (:class:`~shardsafe.engine.messages.SaveArrival`), rank 0 decides the
+    :class:`~shardsafe.engine.messages.SaveStart` (save id, staging, per-rank subtrees, base). Then plan
     locally and stage (async: copy this rank's share into one reusable slab; with
     ``staging="background"``, only record what to copy, :mod:`shardsafe.engine.snapshot`).
 (all ranks) ``finish``: with ``staging="background"``, copy this rank's share first (a tensor changed
@@ -35,10 +35,21 @@ from typing import Any
 import torch
 
 from shardsafe import knobs
-from shardsafe.catalog.names import in_flight_marker, refusal
+from shardsafe.catalog.names import refusal
+from shardsafe.catalog.publish import CheckpointPublication
 from shardsafe.coord import Clock, Operation, fault_point
-from shardsafe.coord.messages import PerRankNodes, PerRankPaths, SaveArrival, SaveStart, WriteReport
 from shardsafe.engine import commit, hostmem, incremental, replicas, sidefiles, snapshot, staging
+from shardsafe.engine.messages import (
+    CHANNEL,
+    SAVE_ARRIVE,
+    SAVE_PER_RANK,
+    Base,
+    PerRankNodes,
+    PerRankPaths,
+    SaveArrival,
+    SaveStart,
+    WriteReport,
+)
 from shardsafe.engine.options import SaveOptions
 from shardsafe.engine.phases import PhaseLog
 from shardsafe.engine.plan import PendingChunk, Rules, file_bytes, plan_save
@@ -110,7 +121,7 @@ class SaveJob:
         ``defer`` too (``staging="background"``), only the state is captured here (flattened, its plain
         values encoded, its tensors' versions recorded, the optimizers gated: :mod:`~shardsafe.engine.snapshot`)
         and :meth:`finish` does the rest on the save's thread: rendezvous, plan, copies."""
-        self.op = op = Operation.begin("save", self.path, self.clock, group=self.options["group"])
+        self.op = op = Operation.begin("save", self.path, self.clock, channel=CHANNEL, group=self.options["group"])
         self.deferred = defer and self._capture(op)
         if not self.deferred:  # else the save's thread starts progress reporting, with the rest of the save
             self.tracker.start(op, lambda: self.phase)
@@ -146,9 +157,11 @@ class SaveJob:
             fault_point("save.rendezvous", op.global_rank)
             self.phase = "plan"
             self.save_id, self.pending, self.block_bytes = start.save_id, start.pending, start.block_bytes
-            if start.base:
-                self.base_name = start.base["base_name"]
-                self.base_manifest = incremental.read_base(self.storage, start.base["base"], start.base["base_sid"])
+            if start.base is not None:
+                self.base_name = start.base.name
+                self.base_manifest = incremental.read_base(
+                    self.storage.within(self.clock.work), start.base.path, start.base.save_id
+                )
             if self.flat is None:  # the FSDP1 exchange came with the first agreement
                 payloads = [p for p in start.fsdp1 if p]
                 self.flat = flatten(
@@ -176,7 +189,7 @@ class SaveJob:
                     self.base_manifest,
                     self.base_name,
                     self.block_bytes,
-                    self.storage,
+                    self.storage.within(self.clock.work),
                     self.path,
                     self.clock.work,
                 )
@@ -239,11 +252,10 @@ class SaveJob:
         except Exception as err:  # sent to every rank in the agreement; raised on every rank
             failure = err
         try:
-            result = op.agree("arrive", body, self._decide_start if op.rank == 0 else None, failure=failure)
+            return op.agree(SAVE_ARRIVE, body, self._decide_start, failure=failure)
         except BaseException:
             self._discard_prepared(op)
             raise
-        return SaveStart.from_json(result)
 
     def _prepare(self) -> None:
         """(rank 0, before the rendezvous) Refuse a target that is neither absent, nor empty, nor
@@ -251,36 +263,37 @@ class SaveJob:
         base; else a fresh save id, its staging, and the checksum block size every writer uses (rank 0's,
         so ranks configured differently still write one loadable checkpoint). A refusal is kept and
         decided for every rank once all have arrived."""
-        self.storage.set_deadline(self.clock.arrive)
+        storage = self.storage.within(self.clock.arrive)  # every rank is there by then
         side = bool(self.options["files"]) or self.options["write_files"] is not None  # rank 0's: the writer's
-        why = refusal(self.storage, self.path, overwrite=self.options["overwrite"], side_files=side)
+        why = refusal(storage, self.path, overwrite=self.options["overwrite"], side_files=side)
         if why is not None:
             self._refused = CheckpointExistsError(why)
             return
-        self._base: dict[str, str] = {}
+        self._base: Base | None = None
         chosen = self.options["base"]
         if callable(chosen):  # rank 0 chooses now (the manager: from what the root holds)
             chosen = chosen()
         if chosen is not None:
             import json
 
-            checked = json.loads(incremental.check_base(self.storage, self.path, os.fspath(chosen)))
+            checked = json.loads(incremental.check_base(storage, self.path, os.fspath(chosen)))
             if "base_error" in checked:
                 self._refused = incremental.BaseRefusedError(checked["base_error"])
                 return
-            self._base = checked
+            self._base = Base(checked["base"], checked["base_name"], checked["base_sid"])
         self.save_id = f"{int(time.time())}{uuid.uuid4().hex[:10]}"
-        self.pending = self.storage.pending_dir(self.path, self.save_id)
-        self.storage.prepare_pending(self.pending, in_flight_marker(self.save_id))
+        publication = CheckpointPublication(self.storage, self.path, self.save_id)  # write hidden, ...
+        self.pending = publication.pending
+        publication.hide(self.clock.arrive)
         self._prepared = True
         self.block_bytes = knobs.checksum_block_bytes()
 
-    def _decide_start(self, envelopes: dict[int, Any]) -> SaveStart:
+    def _decide_start(self, arrivals: dict[int, SaveArrival]) -> SaveStart:
         """(rank 0, every arrival in) The save's start, the same for every rank."""
         if self._refused is not None:
             raise self._refused
-        assert self.flat is not None or any(e.body and e.body.get("fsdp1") for e in envelopes.values())
-        bodies = [SaveArrival.from_json(envelopes[r].body) for r in range(len(envelopes))]
+        assert self.flat is not None or any(a.fsdp1 for a in arrivals.values())
+        bodies = [arrivals[r] for r in range(len(arrivals))]
         fsdp1 = [b.fsdp1 for b in bodies]
         paths: list[list[Any]] | None
         differ: list[str]
@@ -306,8 +319,8 @@ class SaveJob:
             entries, _ = per_rank.digests(flat)
             body = PerRankNodes(entries, per_rank.nodes_of(flat, [k for k, v in entries.items() if v[1]]))
 
-        def decide(envelopes: dict[int, Any]) -> PerRankPaths:
-            tables = [PerRankNodes.from_json(envelopes[r].body) for r in range(len(envelopes))]
+        def decide(messages: dict[int, PerRankNodes]) -> PerRankPaths:
+            tables = [messages[r] for r in range(len(messages))]
             keys = differ
             if not keys:
                 _, keys = per_rank.decide(flat, [t.entries for t in tables], [None for _ in tables], self.path)
@@ -315,7 +328,7 @@ class SaveJob:
                     return PerRankPaths([])
             return PerRankPaths(per_rank.paths(flat, keys, [t.nodes for t in tables]))
 
-        return PerRankPaths.from_json(op.agree("per_rank", body, decide if op.rank == 0 else None)).paths
+        return op.agree(SAVE_PER_RANK, body, decide).paths
 
     def _discard_prepared(self, op: Operation) -> None:
         """(rank 0) The rendezvous failed: remove the staging it created (nothing else was written)."""
@@ -347,7 +360,7 @@ class SaveJob:
         writer: Writer | None = None
         report: WriteReport | None = None
         error: BaseException | None = None
-        self.storage.set_deadline(self.clock.work)
+        storage = self.storage.within(self.clock.work)  # this rank's own writes and fsyncs
         try:
             if self.background is not None:
                 self.phase = "stage"
@@ -359,7 +372,7 @@ class SaveJob:
             chunks: list[list[Any]] = []
             if self.chunks:
                 name = data_file(op.rank, self.save_id)
-                writer = self.storage.open_writer(self.storage.join(self.pending, name))
+                writer = storage.open_writer(storage.join(self.pending, name))
                 assert self.staged is not None
                 entry, records = write_file(
                     writer,
@@ -414,7 +427,10 @@ class SaveJob:
             return sidefiles.digests(files)
         self.phase = "side_files"
         self.side = sidefiles.SideWriter(
-            self.storage, self.pending, self.path, lambda: fault_point("save.side_files", op.global_rank)
+            self.storage.within(self.clock.work),
+            self.pending,
+            self.path,
+            lambda: fault_point("save.side_files", op.global_rank),
         )
         return self.side.write(files, self.options["write_files"])
 

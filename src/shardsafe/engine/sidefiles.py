@@ -28,6 +28,7 @@ from typing import Any
 
 import xxhash
 
+from shardsafe.catalog import unlink
 from shardsafe.errors import CorruptCheckpointError, InvalidArgumentError, InvalidTypeError, MissingKeysError
 from shardsafe.format.model import SideFile
 from shardsafe.format.names import side_file_problem
@@ -133,7 +134,7 @@ class SideWriter:
                 if problem is not None:
                     raise InvalidArgumentError(f"save of {self.path!r}: write_files wrote {problem}")
                 self._write_one(name, lambda emit, source=source: _copy(source, emit))  # type: ignore[misc]
-                os.unlink(source)
+                unlink.remove_scratch(scratch, [name])  # its copy is in the checkpoint: free the space now
         finally:
             _remove_scratch(scratch)
 
@@ -145,14 +146,11 @@ def _copy(source: str, emit: Callable[[memoryview], None]) -> None:
 
 
 def _remove_scratch(scratch: str) -> None:
-    """Remove the callback's folder: the plain files left in it (it is this module's own temporary folder),
-    then the folder; a sub-folder keeps it (logged), since nothing is removed recursively."""
+    """Remove the callback's folder through the catalog's gate (:func:`~shardsafe.catalog.unlink.remove_scratch`:
+    the plain files and links left in it, then the folder; a sub-folder keeps it, logged, since nothing is
+    removed recursively)."""
     try:
-        with os.scandir(scratch) as it:
-            for e in it:
-                if e.is_file(follow_symlinks=False) or e.is_symlink():
-                    os.unlink(e.path)
-        os.rmdir(scratch)
+        unlink.remove_scratch(scratch)
     except OSError as err:
         logger.warning("shardsafe: could not remove the side files' temporary folder %s: %s", scratch, err)
 

@@ -1,15 +1,17 @@
-"""Where an export is written: a new directory that appears whole or not at all.
+"""Where an export is written: a new directory that appears whole or not at all, through the one
+publication transaction (:class:`~shardsafe.catalog.publish.FolderPublication`: write hidden, verify,
+publish, retire).
 
-Files are written into a hidden pending directory beside the target (``<parent>/.<name>.export-<hex>``),
-fsynced, and the pending directory is renamed into place. A crash at any instant leaves the target as
-it was (absent, empty, or the previous export) plus at most a hidden pending directory: never a
-half-written export under the target's name.
+Files are written into a hidden folder beside the target (``<parent>/.<name>.export-<hex>``), fsynced,
+listed in a marker (``.shardsafe-export.json``), and the folder is renamed into place. A crash at any
+instant leaves the target as it was (absent, empty, or the previous export) plus at most a hidden
+folder: never a half-written export under the target's name.
 
 The target must be absent, an empty directory, or a previous export (a directory holding exactly the
-files its ``.shardsafe-export.json`` lists; replaced only with ``overwrite``). Anything else is
-refused untouched, and so is a target under a regular file (:func:`make_parents`). Deleting is limited
-to the files this module wrote or a previous export's marker lists, each name checked to be a plain name
-inside the directory, and to the empty folders it created above the target, when the export fails.
+files its marker lists; replaced only with ``overwrite``). Anything else is refused untouched, and so is
+a target under a regular file (:func:`make_parents`). Deleting goes through the catalog's gate and is
+limited to the files this export wrote or a previous export's marker lists, and to the empty folders it
+created above the target, when the export fails.
 """
 
 from __future__ import annotations
@@ -17,26 +19,21 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import stat
-import uuid
 from typing import Any
 
+from shardsafe.catalog import unlink
+from shardsafe.catalog.names import EXPORT_MARKER, plain_name
+from shardsafe.catalog.publish import FolderPublication
 from shardsafe.errors import CheckpointExistsError, InvalidArgumentError
-from shardsafe.storage import is_remote
-from shardsafe.storage.local import LocalStorage, fsync_dir
+from shardsafe.storage import LocalStorage, is_remote
 
 logger = logging.getLogger(__name__)
 
-MARKER = ".shardsafe-export.json"
+MARKER = EXPORT_MARKER
 """Lists the files of an export, so a later export can recognise (and replace) it and nothing else."""
 MARKER_FORMAT = "shardsafe-export"
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
 _MARKER_MAX = 1 << 20
-
-
-def plain_name(name: Any) -> bool:
-    return isinstance(name, str) and bool(_NAME.match(name)) and ".." not in name
 
 
 def marker_files(path: str) -> list[str] | None:
@@ -111,12 +108,14 @@ def check_parents(parent: str) -> list[str]:
 
 
 def remove_created(created: list[str]) -> None:
-    """Remove the folders :func:`make_parents` created, innermost first, each only if empty."""
+    """Remove the folders :func:`make_parents` created, innermost first, each only if empty (through the
+    catalog's gate)."""
+    local = LocalStorage()
     for folder in reversed(created):
         try:
-            os.rmdir(folder)
-        except FileNotFoundError:
-            continue
+            if not unlink.remove_folder(local, folder):
+                logger.warning("shardsafe export: the folder %s it created is no longer empty; left", folder)
+                return
         except OSError as err:  # something else was put there meanwhile: left as it is, said so
             logger.warning("shardsafe export: could not remove the folder %s it created: %s", folder, err)
             return
@@ -148,14 +147,13 @@ class ExportDir:
             )
         self.replaces: list[str] | None = self._check(overwrite)
         self.overwrite = overwrite
-        self.pending = os.path.join(self.parent, f".{self.name}.export-{uuid.uuid4().hex[:12]}")
-        self.created = make_parents(self.parent)
-        try:
-            os.mkdir(self.pending)
-        except BaseException:
-            remove_created(self.created)
-            raise
-        self.written: list[str] = []
+        self.publication = FolderPublication(self.target, replaces=self.replaces, parents=make_parents)
+        self.publication.hide()
+        self.pending = self.publication.hidden
+
+    @property
+    def written(self) -> list[str]:
+        return list(self.publication.written)
 
     def _check(self, overwrite: bool) -> list[str] | None:
         """``None`` for an absent or empty target, else the previous export's files; refuses the rest."""
@@ -191,11 +189,10 @@ class ExportDir:
 
     def create(self, name: str) -> int:
         """A new file ``name`` in pending, open for writing (the caller closes it after :func:`os.fsync`)."""
-        if not plain_name(name) or name in self.written:
-            raise InvalidArgumentError(f"export file name {name!r} is not a new plain name")
-        fd = os.open(os.path.join(self.pending, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        self.written.append(name)
-        return fd
+        try:
+            return self.publication.create(name)
+        except ValueError:
+            raise InvalidArgumentError(f"export file name {name!r} is not a new plain name") from None
 
     def write_file(self, name: str, data: bytes) -> None:
         """A small file (index, config), written whole and fsynced."""
@@ -207,67 +204,21 @@ class ExportDir:
             os.close(fd)
 
     def publish(self, about: dict[str, Any]) -> None:
-        """Write the marker, make the pending folder durable and rename it into place (replacing the previous
-        export, if any, whose files are then deleted by the names its marker lists)."""
-        marker = {"format": MARKER_FORMAT, "version": 1, "files": sorted(self.written), **about}
-        fd = os.open(os.path.join(self.pending, MARKER), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            write_all(fd, memoryview(json.dumps(marker, indent=1).encode()))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        fsync_dir(self.pending)
-        if self.replaces is None:
-            os.rename(self.pending, self.target)  # onto an empty directory too; fails if one appeared non-empty
-            fsync_dir(self.parent)
-            return
-        files = previous_export(self.target)
-        if files is None:
-            raise CheckpointExistsError(f"{self.target} changed during the export and is no longer an export: refused")
-        aside = os.path.join(self.parent, f".{self.name}.replaced-{uuid.uuid4().hex[:12]}")
-        os.rename(self.target, aside)
-        try:
-            os.rename(self.pending, self.target)
-        except BaseException:
-            os.rename(aside, self.target)
-            raise
-        fsync_dir(self.parent)
-        _remove_export(aside, files)
+        """Verify what was written and write the marker listing it, rename the hidden folder into place
+        (setting the previous export, if any, aside), then remove the previous export by the names its
+        marker lists."""
+        marker = {"format": MARKER_FORMAT, "version": 1, "files": sorted(self.publication.written), **about}
+        self.publication.verify(json.dumps(marker, indent=1).encode())
+        self.publication.publish(lambda: previous_export(self.target))
+        self.publication.retire()
 
     def abort(self) -> None:
-        """Remove what this export wrote (its pending directory, the folders it created), nothing else."""
-        try:
-            gone = _remove_listed(self.pending, self.written)
-        except OSError as err:
-            logger.warning("shardsafe export: could not remove pending directory %s: %s", self.pending, err)
-            return
-        if not gone:
-            logger.warning("shardsafe export: pending directory %s holds files it did not write: left", self.pending)
-            return
-        remove_created(self.created)
+        """Remove what this export wrote (its hidden folder, the folders it created), nothing else."""
+        self.publication.abandon()
 
 
 def _some(names: list[str]) -> str:
     return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-
-
-def _remove_listed(path: str, files: list[str]) -> bool:
-    """Remove ``files`` (plain names this module wrote or a marker listed) and the marker from the
-    directory ``path``, then the directory if it is empty, through the local backend's delete
-    primitives (the ones the catalog's delete rule calls). Whether the directory is gone."""
-    names = [*(n for n in files if plain_name(n)), MARKER]
-    local = LocalStorage()
-    local.unlink_names(path, names)
-    return local.remove_dir_if_empty(path)
-
-
-def _remove_export(path: str, files: list[str]) -> None:
-    """Delete a replaced export: the files its marker listed, the marker, the directory if then empty."""
-    try:
-        if not _remove_listed(path, files):
-            logger.warning("shardsafe export: the replaced export at %s holds files it did not list: left", path)
-    except OSError as err:  # the new export is in place; what is left is hidden litter, said loudly
-        logger.warning("shardsafe export: the replaced export at %s could not be removed fully: %s", path, err)
 
 
 def write_all(fd: int, data: memoryview) -> None:

@@ -8,28 +8,26 @@ anything: an existing target is refused, since nothing in a ``torch.save`` file 
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import time
-import uuid
 from typing import Any
 
 import torch
 
 from shardsafe import knobs
+from shardsafe.catalog.publish import FilePublication
 from shardsafe.deadline import Deadline
 from shardsafe.engine.guard import entry_point, mapped_errors
 from shardsafe.engine.read import check_sizes, load_bytes, plan_reads, read_manifest, run_tasks
 from shardsafe.errors import CheckpointExistsError, InvalidArgumentError
 from shardsafe.format.values import decode, validate
 from shardsafe.interop.hf import ExportResult, _out_dtype, resolve_dtype
-from shardsafe.interop.outdir import check_parents, inside, make_parents, remove_created
+from shardsafe.interop.outdir import check_parents, inside, make_parents
 from shardsafe.interop.select import select
 from shardsafe.progress.record import ProgressCallback, check_callback
 from shardsafe.progress.tracker import tracked
 from shardsafe.storage import get_storage, is_remote
-from shardsafe.storage.local import fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -85,23 +83,15 @@ def export_torch(
             for ref, t in tensors.items():
                 tensors[ref] = t.to(_out_dtype(t.dtype, out_dtype))
             value = decode(chosen.node, f"{source}: {chosen.key}", tensors.__getitem__, allow_pickle=allow_pickle)
-        created = make_parents(parent)
-        tmp = os.path.join(parent, f".{os.path.basename(target)}.export-{uuid.uuid4().hex[:12]}.tmp")
+        publication = FilePublication(target, make_parents(parent))  # write hidden, verify, publish, retire
         done = False
         try:
-            torch.save(value, tmp)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            _link_new(tmp, target)
-            fsync_dir(parent)
+            torch.save(value, publication.hidden)
+            publication.verify()
+            publication.publish()
             done = True
         finally:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            if not done:
-                remove_created(created)
+            publication.retire(published=done)
     total = sum(t.nbytes for t in tensors.values())
     logger.info(
         "shardsafe: exported %s [%s] to %s (torch.save): %d tensors, %.1f MiB, %.2fs",
@@ -120,17 +110,3 @@ def export_torch(
         skipped=[],
         key=chosen.key,
     )
-
-
-def _link_new(tmp: str, target: str) -> None:
-    """Give ``tmp`` the name ``target`` only if no file has it (a hard link fails on an existing name)."""
-    try:
-        os.link(tmp, target)
-    except FileExistsError:
-        raise CheckpointExistsError(f"{target} appeared during the export: refused, nothing was changed") from None
-    except OSError as err:
-        if err.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV):
-            raise
-        if os.path.lexists(target):  # no hard links on this filesystem: check, then rename
-            raise CheckpointExistsError(f"{target} appeared during the export: refused") from None
-        os.rename(tmp, target)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from shardsafe.catalog import unlink
 from shardsafe.catalog.delete import delete_checkpoint as _delete_checkpoint
 from shardsafe.catalog.delete import delete_files, finish_deletion, remove_pending
 from shardsafe.catalog.names import PENDING_DIR, TOMBSTONE, link_target
@@ -195,7 +196,7 @@ def _clear(storage: Storage, path: str, names: list[str], *, rmdir: bool = True)
     """Finish an interrupted delete, remove the data files ``names``, then the folder if empty."""
     finish_deletion(storage, path)
     delete_files(storage, path, names)
-    return storage.remove_dir_if_empty(path) if rmdir else True
+    return unlink.remove_folder(storage, path) if rmdir else True
 
 
 def _remove(action: Callable[[], bool], path: str) -> bool:

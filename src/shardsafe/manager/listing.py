@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-from shardsafe.catalog.names import DATA_FILE, LITTER_DIR, PENDING_DIR, TOMBSTONE
+from shardsafe.catalog.names import DATA_FILE, EXPORT_HIDDEN, EXPORT_REPLACED, LITTER_DIR, PENDING_DIR, TOMBSTONE
 from shardsafe.catalog.refs import referenced_files
 from shardsafe.engine import api
 from shardsafe.errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -124,9 +124,11 @@ def scan(
 def _leftover(
     fs: Storage, name: str, path: str, template: NameTemplate | None, others: bool
 ) -> CheckpointRecord | None:
-    m, staging = PENDING_DIR.match(name), True  # the catalog's names: what the sweep and the gate see too
-    if m is None:
-        m, staging = LITTER_DIR.match(name), False
+    kind = "staging"  # the catalog's names: what the sweep and the gate see too
+    m = PENDING_DIR.match(name)
+    for pattern, what in ((LITTER_DIR, "litter"), (EXPORT_HIDDEN, "export"), (EXPORT_REPLACED, "replaced")):
+        if m is None:
+            m, kind = pattern.match(name), what
     if m is None or not fs.is_dir(path):
         return None
     target = m.group("target")
@@ -139,11 +141,12 @@ def _leftover(
         created, size = fs.mtime(path), fs.total_size(path)
     except FileNotFoundError:  # finished (renamed into place) or removed while we looked
         return None
-    reason = (
-        f"pending directory of a save of {target!r} that has not committed (still running, or crashed)"
-        if staging
-        else f"remains of an earlier crashed save of {target!r}, set aside by a later save"
-    )
+    reason = {
+        "staging": f"pending directory of a save of {target!r} that has not committed (still running, or crashed)",
+        "litter": f"remains of an earlier crashed save of {target!r}, set aside by a later save",
+        "export": f"hidden folder of an export to {target!r} that has not been published (still running, or crashed)",
+        "replaced": f"an export of {target!r} replaced by a newer one, not yet removed (its removal failed)",
+    }[kind]
     return CheckpointRecord(name, path, "incomplete", step, created, size, reason=reason, target=target)
 
 

@@ -32,20 +32,39 @@ resumed from the step chosen (local or durable), and each rank deletes what it h
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from shardsafe.coord import Deadline, Deadlines, Operation
-from shardsafe.coord.messages import Attempt, Attempts, Decision
+from shardsafe.coord.messages import Empty
 from shardsafe.coord.resolve import SOLO, resolve_group
 from shardsafe.engine import api
 from shardsafe.errors import CheckpointError, CorruptCheckpointError, RemoteRankError
 from shardsafe.manager import replica
 from shardsafe.manager.lineage import RunRecord, read_record, record_path, write_record
+from shardsafe.manager.messages import (
+    TIER_ARRIVE,
+    TIER_DONE,
+    TIER_FETCH,
+    TIER_LOAD,
+    TIER_RECORD,
+    TIER_RESUME_ARRIVE,
+    TIER_SCAN,
+    Attempt,
+    Attempts,
+    Copies,
+    Peer,
+    Recorded,
+    Table,
+    TierPlan,
+    TierStart,
+    TierTable,
+    collect,
+    peer_table,
+)
 from shardsafe.manager.resume import _attempt, _outcome
 from shardsafe.manager.tiers import (
     REPLICA_RE,
@@ -57,7 +76,6 @@ from shardsafe.manager.tiers import (
     new_run_id,
     new_save_id,
     node_identity,
-    peers,
     real_dir,
     retain,
     run_name,
@@ -70,22 +88,6 @@ from shardsafe.manager.tiers import (
 from shardsafe.storage import Storage
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Table:
-    """Every rank's node, replica-server address and that server's token, in rank order."""
-
-    nodes: list[str]
-    addresses: list[str]
-    tokens: list[str]
-
-    def peers(self, rank: int, replicas: int) -> list[int]:
-        return peers(self.nodes, rank, replicas)
-
-    def members(self, node: str) -> list[int]:
-        """The ranks on node ``node`` now, in rank order."""
-        return [r for r, n in enumerate(self.nodes) if n == node]
 
 
 @dataclass(frozen=True)
@@ -109,14 +111,6 @@ class LocalFailure:
             phase="tier.save",
             cause=self.message,
         )
-
-
-def _collect(envelopes: dict[int, Any]) -> list[Any]:
-    return [envelopes[r].body["value"] for r in range(len(envelopes))]
-
-
-def _attempts(envelopes: dict[int, Any]) -> Attempts:
-    return Attempts([envelopes[r].body for r in range(len(envelopes))])
 
 
 class LocalTierRuntime:
@@ -150,12 +144,8 @@ class LocalTierRuntime:
     def close(self) -> None:
         self.server.close()
 
-    def _me(self) -> str:
-        return json.dumps({"node": self.node, "address": self.server.address, "token": self.server.token})
-
-    def _table(self, values: list[str]) -> Table:
-        docs = [json.loads(v) for v in values]
-        return Table([d["node"] for d in docs], [d["address"] for d in docs], [d["token"] for d in docs])
+    def _me(self) -> Peer:
+        return Peer(self.node, self.server.address, self.server.token)
 
     def _members(self, table: Table) -> list[int]:
         members = table.members(self.node)
@@ -195,35 +185,32 @@ class LocalTierRuntime:
         a deadline) raises."""
         op = Operation.begin("tier.save", self.tier.path_template, self.deadlines.start())
 
-        def arrive(envelopes: dict[int, Any]) -> Decision:
-            doc: dict[str, Any] = {"table": _collect(envelopes)}
+        def arrive(peers: dict[int, Peer]) -> TierStart:
+            table = peer_table(peers)
             try:
-                doc.update(run=self._run_id(), incarnation=self._incarnation, save=new_save_id())
+                return TierStart(table, self._run_id(), self._incarnation, new_save_id(), None)
             except (CheckpointError, OSError) as err:  # every rank's failure: reported, the job goes on
-                doc["refused"] = f"{type(err).__name__}: {err}"
-            return Decision(json.dumps(doc))
+                return TierStart(table, None, None, None, f"{type(err).__name__}: {err}")
 
-        def done(envelopes: dict[int, Any]) -> Attempts:
-            attempts = _attempts(envelopes)
-            if all(Attempt.from_json(a).ok for a in attempts.attempts):
+        def done(outcomes: dict[int, Attempt]) -> Attempts:
+            attempts = collect(outcomes)
+            if all(a.ok for a in attempts.attempts):
                 try:
                     self._record_incarnation()
                 except (CheckpointError, OSError) as err:  # the save does not count: every rank's failure
                     where = record_path(self.fs, self.root)
                     account = f"rank 0 (recording the run in {where}): {type(err).__name__}: {err}"
-                    attempts.attempts[0] = Attempt(False, False, account).to_json()
+                    attempts = replace(attempts, attempts=[Attempt(False, False, account), *attempts.attempts[1:]])
             return attempts
 
         def body() -> tuple[Table, str, str] | LocalFailure:
-            decided = json.loads(
-                Decision.from_json(op.agree("arrive", Decision(self._me()), arrive if op.rank == 0 else None)).value
-            )
-            table = self.table = self._table(decided["table"])
-            if "refused" in decided:
+            decided = op.agree(TIER_ARRIVE, self._me(), arrive)
+            table = self.table = decided.table
+            if decided.refused is not None or decided.run is None or decided.save is None:
                 where = record_path(self.fs, self.root)
-                return LocalFailure(0, f"rank 0 (the run record {where}): {decided['refused']}", None)
-            run = self.run = decided["run"]
-            sid = decided["save"]
+                return LocalFailure(0, f"rank 0 (the run record {where}): {decided.refused}", None)
+            run = self.run = decided.run
+            sid = decided.save
             error: Exception | None = None
             try:
                 where = step_folder(self.folder, run, step, sid, create=True)
@@ -234,7 +221,7 @@ class LocalTierRuntime:
                     "world_size": self.world_size,
                     "run": run,
                     "save": sid,
-                    "incarnation": decided["incarnation"],
+                    "incarnation": decided.incarnation,
                 }
                 api.save(path, state, group=SOLO, timeout=self.timeout, metadata=meta)
                 deadline = Deadline.after(self.deadlines.io, "io")
@@ -246,8 +233,7 @@ class LocalTierRuntime:
             if error is not None:
                 account = f"rank {self.rank} (node {self.node}, folder {self.folder}): {mine.error}"
                 mine = Attempt(False, False, account)
-            result = op.agree("done", mine, done if op.rank == 0 else None)
-            outcomes = [Attempt.from_json(o) for o in Attempts.from_json(result).attempts]
+            outcomes = op.agree(TIER_DONE, mine, done).attempts
             failed = [(r, o) for r, o in enumerate(outcomes) if not o.ok]
             if failed:
                 r, o = (self.rank, mine) if error is not None else failed[0]
@@ -273,7 +259,7 @@ class LocalTierRuntime:
         return op.conclude(lambda: self._resume(op, state, durable))
 
     def _resume(self, op: Operation, state: MutableMapping[str, Any], durable: int | None) -> int | None:
-        def arrive(envelopes: dict[int, Any]) -> Decision:
+        def arrive(peers: dict[int, Peer]) -> TierTable:
             try:
                 self._record = read_record(self.fs, self.root)
             except CheckpointError as err:
@@ -284,24 +270,22 @@ class LocalTierRuntime:
                 )
                 self._record = None
             run = None if self._record is None else self._record.run
-            return Decision(json.dumps({"table": _collect(envelopes), "run": run}))
+            return TierTable(peer_table(peers), run)
 
-        decided = json.loads(
-            Decision.from_json(op.agree("arrive", Decision(self._me()), arrive if op.rank == 0 else None)).value
-        )
-        table = self.table = self._table(decided["table"])
-        run = self.run = decided["run"]
+        decided = op.agree(TIER_RESUME_ARRIVE, self._me(), arrive)
+        table = self.table = decided.table
+        run = self.run = decided.run
         self.resumed = None
         members = self._members(table)
-        mine = Decision(
-            json.dumps([] if run is None else report(self.folder, run, self.rank, members, self.world_size))
-        )
+        mine = Copies([] if run is None else report(self.folder, run, self.rank, members, self.world_size))
 
-        def decide(envelopes: dict[int, Any]) -> Decision:
-            reports = [json.loads(envelopes[r].body["value"]) for r in range(len(envelopes))]
-            return Decision(json.dumps(plan(reports, table.nodes, durable, self._record)))
+        def decide(copies: dict[int, Copies]) -> TierPlan:
+            reports = [copies[r].copies for r in range(len(copies))]
+            return TierPlan(plan(reports, table.nodes, durable, self._record))
 
-        candidates = json.loads(Decision.from_json(op.agree("scan", mine, decide if op.rank == 0 else None)).value)
+        candidates = op.agree(TIER_SCAN, mine, decide).candidates
+        if run is None:  # no usable run record: no copy reported, none planned
+            return None
         deadlines = self.deadlines
         for n, (step, save, incarnation, sources) in enumerate(candidates):
             holder, name = sources[self.rank]
@@ -333,9 +317,9 @@ class LocalTierRuntime:
             def load(path: str = path) -> None:
                 api.load(path, state, group=SOLO, timeout=self.timeout, rest="none")
 
-            why = _attempt(op, f"fetch.{n}", "fetch", fetch, path, deadlines)
+            why = _attempt(op, TIER_FETCH.nth(n), "fetch", fetch, path, deadlines)
             if why is None:
-                why = _attempt(op, f"load.{n}", "load", load, path, deadlines)
+                why = _attempt(op, TIER_LOAD.nth(n), "load", load, path, deadlines)
             if why is None:
                 if op.rank == 0:
                     moved = sorted({r for r, (h, _) in enumerate(sources) if table.nodes[h] != table.nodes[r]})
@@ -358,7 +342,7 @@ class LocalTierRuntime:
         newer than ``step`` (failures logged, never raised: the state is loaded already)."""
         op = Operation.begin("tier.begin", self.tier.path_template, self.deadlines.start())
 
-        def record(_envelopes: dict[int, Any]) -> Decision:
+        def record(_nothing: dict[int, Empty]) -> Recorded:
             self._incarnation, self._start, self._recorded = new_run_id(), -1 if step is None else step, False
             if self._record is not None:
                 try:
@@ -367,10 +351,9 @@ class LocalTierRuntime:
                     self._recorded = True
                 except (CheckpointError, OSError) as err:
                     logger.warning("shardsafe: local tier: %s; the first local save records it", err)
-            return Decision(json.dumps(self._recorded))
+            return Recorded(self._recorded)
 
-        agreed = op.conclude(lambda: op.agree("record", None, record if op.rank == 0 else None))
-        self.recorded = bool(json.loads(Decision.from_json(agreed).value))
+        self.recorded = op.conclude(lambda: op.agree(TIER_RECORD, Empty(), record)).recorded
         resumed = self.resumed if self.resumed is not None and self.resumed[0] == step else None
         if self.run is not None and self.table is not None:
             members = self.table.members(self.node)

@@ -29,7 +29,7 @@ from shardsafe.manager.local import LocalTierRuntime
 from shardsafe.manager.preemption import SignalFlag
 from shardsafe.manager.resume import newest_verified, resume_newest
 from shardsafe.manager.retention import RetentionPolicy
-from shardsafe.manager.schedule import PREEMPTION, Schedule
+from shardsafe.manager.schedule import PREEMPTION, TICK, Schedule
 from shardsafe.manager.tiers import LocalTier
 from shardsafe.progress.record import ProgressCallback, check_callback
 from shardsafe.storage import get_storage
@@ -132,14 +132,14 @@ class CheckpointManager:
             mode=self.config.mode,
             keep_every_n_steps=self.config.keep_every_n_steps,
         )
-        keys = StoreKeys.for_manager(store, namespace, identity, self._deadlines.arrive)
+        keys = StoreKeys.for_owner(store, namespace, identity, self._deadlines.arrive, "manager")
         self._flag = SignalFlag(self.config.save_on_signals)
         self._schedule = Schedule(
             self.config,
             rank=self.rank,
             flag=self._flag,
             stop=StopAgreement(keys),
-            tick=StepBroadcast(keys, "every_seconds", rank=self.rank, world_size=self.world_size),
+            tick=StepBroadcast(keys, TICK, rank=self.rank, world_size=self.world_size),
         )
         self._pending: _Pending | None = None
         self._resumed_step: int | None = None

@@ -19,18 +19,29 @@ Protocol (every rank calls :func:`resume_newest`):
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Collection, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from shardsafe.coord import Deadline, Deadlines, Operation
-from shardsafe.coord.messages import Attempt, Attempts, ResumePlan
+from shardsafe.coord import Deadlines, Operation
+from shardsafe.coord.messages import Empty
+from shardsafe.coord.rounds import Round
 from shardsafe.engine import api
-from shardsafe.errors import CheckpointError, CorruptCheckpointError, RemoteRankError
+from shardsafe.errors import CheckpointError, CheckpointTimeoutError, CorruptCheckpointError, RemoteRankError
 from shardsafe.manager.config import ManagerConfig
 from shardsafe.manager.listing import CheckpointRecord, scan
+from shardsafe.manager.messages import (
+    RESUME_LOAD,
+    RESUME_PLAN,
+    RESUME_VERIFY,
+    Attempt,
+    Attempts,
+    Candidate,
+    ResumePlan,
+    Skipped,
+    collect,
+)
 from shardsafe.progress.record import ProgressCallback
 from shardsafe.storage import Storage
 
@@ -58,26 +69,26 @@ _NO_STEP = (
 
 def candidates(
     fs: Storage, config: ManagerConfig, asked: Collection[str] | None = None
-) -> tuple[list[tuple[CheckpointRecord, bool]], list[list[Any]]]:
+) -> tuple[list[tuple[CheckpointRecord, bool]], list[Skipped]]:
     """(rank 0, local) What a resume may load, newest first, each with whether the manager named it
-    (its ``name`` template made the name), and what it skips with the reason, as ``[name, path, step,
-    reason]``. Every committed checkpoint under the root counts, whatever its name, by its step (of the
-    template's name; else recorded in its metadata or told by its name, manager/listing.py:step_from_name); on
-    equal steps the manager's own name first, then the newer commit. A checkpoint of another name
-    whose step cannot be told, or that lacks an entry of ``asked`` (the state's keys), is skipped."""
+    (its ``name`` template made the name), and what it skips with the reason. Every committed
+    checkpoint under the root counts, whatever its name, by its step (of the template's name; else
+    recorded in its metadata or told by its name, manager/listing.py:step_from_name); on equal steps
+    the manager's own name first, then the newer commit. A checkpoint of another name whose step
+    cannot be told, or that lacks an entry of ``asked`` (the state's keys), is skipped."""
     records = scan(fs, config.root, config.template, others=True)
     found: list[tuple[CheckpointRecord, bool]] = []
-    skipped: list[list[Any]] = []
+    skipped: list[Skipped] = []
     for r in records:
         if r.status == "retired":
             continue
         if r.status != "committed":
-            skipped.append([r.name, r.path, r.step, r.reason])
+            skipped.append(Skipped(r.name, r.path, r.step, r.reason))
             continue
         own = config.template.parse(r.name) is not None
         why = _NO_STEP if r.step is None else None if own or asked is None else _lacks(r.path, asked)
         if why is not None:
-            skipped.append([r.name, r.path, r.step, why])
+            skipped.append(Skipped(r.name, r.path, r.step, why))
             continue
         found.append((r, own))
     found.sort(key=lambda c: (c[0].step or 0, c[1], c[0].created or 0.0, c[0].name), reverse=True)
@@ -102,7 +113,7 @@ def _lacks(path: str, asked: Collection[str]) -> str | None:
 
 def _candidates_plan(fs: Storage, config: ManagerConfig, asked: Collection[str]) -> ResumePlan:
     found, skipped = candidates(fs, config, asked)
-    return ResumePlan([[r.name, r.path, r.step, own] for r, own in found], skipped)
+    return ResumePlan([Candidate(r.name, r.path, r.step or 0, own) for r, own in found], skipped)
 
 
 def _outcome(err: Exception | None) -> Attempt:
@@ -133,7 +144,7 @@ def resume_newest(
     ``verify``), and re-raises on every rank a failure that is not about the checkpoint's bytes; a
     listing that fails on rank 0 raises the same :class:`CheckpointError` on every rank. ``progress``
     is passed to each :func:`shardsafe.load` (rank 0 calls it)."""
-    op = Operation.begin("manager.resume", config.root, deadlines.start())
+    op = Operation.begin("manager.resume", config.root, deadlines.start())  # one deadline for the whole resume
     return op.conclude(lambda: _resume(op, fs, config, state, deadlines, verify, progress))
 
 
@@ -146,7 +157,7 @@ def _resume(
     verify: bool,
     progress: ProgressCallback | None,
 ) -> Resumed | None:
-    def listing(_envelopes: dict[int, Any]) -> ResumePlan:
+    def listing(_arrivals: dict[int, Empty]) -> ResumePlan:
         try:
             return _candidates_plan(fs, config, list(state))
         except CheckpointError:
@@ -157,18 +168,27 @@ def _resume(
                 f"{err}); fix the storage or the path and restart"
             ) from err
 
-    plan = ResumePlan.from_json(op.agree("plan", None, listing if op.rank == 0 else None))
+    plan = op.agree(RESUME_PLAN, Empty(), listing)
     damaged: list[str] = []
     failures: list[str] = []
-    for n, (name, path, step, own) in enumerate(plan.candidates):
-        steps: list[tuple[str, Callable[[], Any]]] = []
+    for n, candidate in enumerate(plan.candidates):
+        name, path, step, own = candidate.name, candidate.path, candidate.step, candidate.own
+        steps: list[tuple[Round[Attempt, Attempts], Callable[[], Any]]] = []
         if verify:
-            steps.append(("verify", functools.partial(api.verify, path, part=(op.rank, op.world_size))))
-        load = functools.partial(api.load, path, state, timeout=config.timeout, progress=progress, rest="none")
-        steps.append(("load", load))  # rest="none": nothing is returned, so nothing unrequested is read
+
+            def check(path: str = path) -> None:
+                _left(op, path, "verifying")
+                api.verify(path, part=(op.rank, op.world_size))
+
+            steps.append((RESUME_VERIFY, check))
+
+        def load(path: str = path) -> None:  # rest="none": nothing is returned, so nothing unrequested is read
+            api.load(path, state, timeout=_left(op, path, "loading"), progress=progress, rest="none")
+
+        steps.append((RESUME_LOAD, load))
         why = None
-        for what, run in steps:
-            why = _attempt(op, f"{what}.{n}", what, run, path, deadlines)
+        for rnd, run in steps:
+            why = _attempt(op, rnd.nth(n), rnd.phase, run, path, deadlines)
             if why is not None:
                 break
         if why is None:
@@ -198,24 +218,33 @@ def _resume(
     return None
 
 
+def _left(op: Operation, path: str, what: str) -> Deadlines:
+    """(every rank, before a step of a resume on ``path``) What is left of the resume's one deadline, as
+    the budget of that step's own call. Raises :class:`CheckpointTimeoutError` (not damage: shared and
+    raised on every rank) when nothing is left."""
+    left = op.clock.end.remaining()
+    if left <= 0:
+        raise CheckpointTimeoutError(
+            f"resume: its deadline ({op.clock.end.seconds:.0f}s, the manager's timeout=) passed before {what} "
+            f"{path!r}; raise timeout= or move the damaged checkpoints away"
+        )
+    return Deadlines(arrive=min(op.clock.budget.arrive, left), io=left)
+
+
 def _attempt(
-    op: Operation, phase: str, what: str, run: Callable[[], Any], path: str, deadlines: Deadlines
+    op: Operation, rnd: Round[Attempt, Attempts], what: str, run: Callable[[], Any], path: str, deadlines: Deadlines
 ) -> str | None:
     """(every rank) Run one step on a candidate and share its outcome, so every rank takes the same
     branch: ``None`` when it succeeded on every rank, the reasons when some rank found the checkpoint
-    damaged; any other failure is raised on every rank."""
+    damaged; any other failure is raised on every rank. The agreement waits until the end of the
+    operation's one deadline at most, or ``deadlines.io`` if that is sooner."""
     error: Exception | None = None
     try:
         run()
     except Exception as err:  # classified and shared below; re-raised unless it means "damaged"
         error = err
     mine = _outcome(error)
-
-    def collect(envelopes: dict[int, Any]) -> Attempts:
-        return Attempts([envelopes[r].body for r in range(len(envelopes))])
-
-    decided = op.agree(phase, mine, collect if op.rank == 0 else None, deadline=Deadline.after(deadlines.io, "io"))
-    outcomes = [Attempt.from_json(o) for o in Attempts.from_json(decided).attempts]
+    outcomes = op.agree(rnd, mine, collect, deadline=op.clock.end.within(deadlines.io, "io")).attempts
     if all(o.ok for o in outcomes):
         return None
     why = "; ".join(f"rank {r}: {o.error}" for r, o in enumerate(outcomes) if not o.ok)
@@ -233,13 +262,13 @@ def _attempt(
     return why
 
 
-def _warn_skipped(rank: int, skipped: list[list[Any]], chosen_step: int | None) -> None:
+def _warn_skipped(rank: int, skipped: list[Skipped], chosen_step: int | None) -> None:
     """(rank 0 logs) The incomplete or unreadable entries newer than the one resumed from."""
     if rank != 0:
         return
-    for _name, path, step, reason in skipped:
-        if chosen_step is None or step is None or step > chosen_step:
-            logger.warning("shardsafe: resume skips %s (step %s): %s", path, step, reason)
+    for s in skipped:
+        if chosen_step is None or s.step is None or s.step > chosen_step:
+            logger.warning("shardsafe: resume skips %s (step %s): %s", s.path, s.step, s.reason)
 
 
 def newest_verified(fs: Storage, config: ManagerConfig) -> CheckpointRecord | None:

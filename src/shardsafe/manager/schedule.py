@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from shardsafe.coord.rounds import Broadcast
 from shardsafe.coord.steps import StepBroadcast, StopAgreement
 from shardsafe.manager.config import ManagerConfig
 from shardsafe.manager.preemption import SignalFlag
@@ -28,6 +29,14 @@ logger = logging.getLogger(__name__)
 PREEMPTION = "preemption"
 INTERVAL = "every_n_steps"
 TIME = "every_seconds"
+
+TICK = Broadcast(
+    TIME,
+    what="CheckpointManager.should_save",
+    hint="Every rank must call should_save / maybe_save with the same steps in the same order; if rank 0 is "
+    "merely slow, raise timeout=.",
+)
+"""Rank 0's clock decides ``every_seconds`` for every rank: the one round of the schedule."""
 
 
 class Schedule:

@@ -18,11 +18,12 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from shardsafe import knobs
-from shardsafe.progress.keys import RankCounts, gather, publish, register, shared
+from shardsafe.progress.keys import RankCounts, gather, publish, shared
 from shardsafe.progress.record import Progress, ProgressCallback, describe
 
 if TYPE_CHECKING:
     from shardsafe.coord import Operation
+    from shardsafe.coord.counters import Counters
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class Tracker:
         self.interval = knobs.progress_interval()
         self.phase = "rendezvous"  # set by the operation, or read through ``phase_of``
         self.phase_of: Callable[[], str] | None = None
-        self.coord: Operation | None = None
+        self.counters: Counters | None = None  # shared with the other ranks through these
         self.rank, self.world = 0, 1
         self._lock = threading.Lock()
         self._done = self._total = 0
@@ -60,15 +61,13 @@ class Tracker:
         """(every rank, the operation's thread, once joined; ``coord=None``: one process) Start the
         progress thread (rank 0, and every rank with peers) and, on rank 0, the callback's thread.
         A callback passed on another rank is not called (documented: rank 0 reports for all)."""
-        self.coord, self.phase_of = coord, phase_of
+        self.phase_of = phase_of
         if coord is not None:
             self.rank, self.world = coord.rank, coord.world_size
-        if shared(coord):
-            assert coord is not None
-            register(coord)
+        self.counters = shared(coord)
         if self.rank == 0 and self.callback is not None:
             self._caller = _Caller(self, self.callback)
-        if self.rank == 0 or shared(coord):
+        if self.rank == 0 or self.counters is not None:
             self._thread = threading.Thread(target=self._tick, name=f"shardsafe-progress-{self.op}", daemon=True)
             self._thread.start()
 
@@ -178,11 +177,10 @@ class Tracker:
             )
 
     def _merge_others(self) -> None:
-        if not shared(self.coord) or self._store_failed:
+        if self.counters is None or self._store_failed:
             return
-        assert self.coord is not None
         try:
-            others = gather(self.coord)
+            others = gather(self.counters)
         except Exception as err:
             self._store_trouble(err)
             return
@@ -230,12 +228,11 @@ class Tracker:
                     self._merge_others()
                 return
             try:
-                if shared(self.coord) and not self._store_failed:
-                    assert self.coord is not None
+                if self.counters is not None and not self._store_failed:
                     own = self._own()
                     if own != posted and time.monotonic() >= self.started + self.interval:
                         try:
-                            publish(self.coord, own)
+                            publish(self.counters, own)
                             posted = own
                         except Exception as err:
                             self._store_trouble(err)

@@ -32,12 +32,14 @@ def get_storage(
 ) -> Storage:
     """The backend for ``path``: local POSIX for plain paths, fsspec for paths with a scheme.
     ``storage_options`` (a dict) are the fsspec filesystem's options; a plain path accepts and ignores
-    them, as frameworks pass theirs whatever the path. ``deadline``: the call's, whose length bounds an
-    object store client's own timeouts and retries."""
+    them, as frameworks pass theirs whatever the path. ``deadline``: the call's: it bounds every blocking
+    step of the storage returned (a step with a nearer one gets its own view,
+    :meth:`~shardsafe.storage.base.Storage.within`), and its length bounds an object store client's own
+    timeouts and retries."""
     if storage_options is not None and not isinstance(storage_options, Mapping):
         raise InvalidTypeError(f"storage_options must be a dict of fsspec options or None, not {storage_options!r}")
     if is_remote(path):
         from shardsafe.storage.remote import FsspecStorage
 
         return FsspecStorage.for_path(path, storage_options, deadline=deadline)  # type: ignore[no-any-return]
-    return LocalStorage()
+    return LocalStorage(deadline)

@@ -79,11 +79,17 @@ class Storage(Protocol):
         """``base`` + ``/`` + a plain ``name``."""
         ...
 
-    def set_deadline(self, deadline: Deadline | None) -> None:
-        """Bound the blocking local writes, fsyncs and renames of the save path, and every request to
-        an object store, made from now on (writers opened later included) by ``deadline``: past it they
-        raise :class:`~shardsafe.errors.CheckpointTimeoutError` (a ``TimeoutError``) instead of hanging.
-        ``None``: unbounded."""
+    @property
+    def deadline(self) -> Deadline | None:
+        """What bounds every blocking step of this storage object (``None``: nothing)."""
+        ...
+
+    def within(self, deadline: Deadline | None) -> Storage:
+        """The same storage, with its blocking local writes, fsyncs and renames and every request to an
+        object store (writers it opens included) bounded by ``deadline``: past it they raise
+        :class:`~shardsafe.errors.CheckpointTimeoutError` (a ``TimeoutError``) instead of hanging. A new
+        object: a deadline is handed to each call that needs one, never set on a shared storage
+        (``None``: unbounded)."""
         ...
 
     def pending_dir(self, target: str, save_id: str) -> str:

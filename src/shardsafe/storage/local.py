@@ -170,14 +170,18 @@ def _unlink(path: str) -> None:
 class LocalStorage:
     """:class:`~shardsafe.storage.base.Storage` on a local (or POSIX network) filesystem."""
 
-    def __init__(self) -> None:
-        self.deadline: Deadline | None = None
+    def __init__(self, deadline: Deadline | None = None) -> None:
+        self._deadline = deadline
+
+    @property
+    def deadline(self) -> Deadline | None:
+        return self._deadline
+
+    def within(self, deadline: Deadline | None) -> LocalStorage:
+        return LocalStorage(deadline)
 
     def join(self, base: str, name: str) -> str:
         return os.path.join(base, name)
-
-    def set_deadline(self, deadline: Deadline | None) -> None:
-        self.deadline = deadline
 
     def pending_dir(self, target: str, save_id: str) -> str:
         parent, name = os.path.split(os.path.abspath(target))

@@ -18,11 +18,12 @@ resets and 5xx). On S3 (``s3fs``) large data files upload as parallel multipart 
 
 from __future__ import annotations
 
+import copy
 import errno
 import functools
 import logging
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any, TypeVar
 
 from shardsafe import knobs
@@ -50,7 +51,7 @@ from shardsafe.storage.uploads import (
     precondition_failed,
     s3_call,
 )
-from shardsafe.workers import run_bounded
+from shardsafe.workers import Pool, run_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -137,11 +138,13 @@ class FsspecStorage:
 
     # -- save ------------------------------------------------------------------------------------
 
-    def set_deadline(self, deadline: Deadline | None) -> None:
-        """The operation's deadline (``None``: none): it bounds the local
-        writes and fsyncs of the save path (``file://``) and every request to an object store (each
-        attempt is cut at the deadline and no retry starts past it)."""
-        self.deadline = deadline
+    def within(self, deadline: Deadline | None) -> FsspecStorage:
+        """This storage (the same filesystem object) bounded by ``deadline`` (``None``: none): it bounds
+        the local writes and fsyncs of the save path (``file://``) and every request to an object store
+        (each attempt is cut at the deadline and no retry starts past it)."""
+        bound = copy.copy(self)
+        bound.deadline = deadline
+        return bound
 
     def pending_dir(self, target: str, save_id: str) -> str:
         """(rank 0 and writers) ``target`` itself: data object names carry the save id."""
@@ -273,9 +276,7 @@ class FsspecStorage:
 
     def _local(self) -> LocalStorage:
         """The local backend under this one's deadline, for what ``file://`` does with ``os`` calls."""
-        local = LocalStorage()
-        local.set_deadline(self.deadline)
-        return local
+        return LocalStorage(self.deadline)
 
     def _check_files(self, commit: Commit) -> None:
         """(rank 0, publishing) Every data file of ``commit`` is in its target (one listing, no byte
@@ -408,12 +409,15 @@ class FsspecStorage:
             for s, e in spans:
                 self._read_span(p, path, offset, out, s, e)
             return
-        with ThreadPoolExecutor(
-            min(len(spans), knobs.remote_read_threads()), thread_name_prefix="shardsafe-read"
-        ) as pool:
-            futures = [pool.submit(self._read_span, p, path, offset, out, s, e) for s, e in spans]
+        pool = Pool(min(len(spans), knobs.remote_read_threads()), "remote-read")  # daemon threads
+        futures = [pool.submit(self._read_span, p, path, offset, out, s, e) for s, e in spans]
+        try:
             for f in futures:
-                f.result()  # re-raises a reader thread's error here
+                f.result()  # re-raises a reader thread's error here (each request is bounded by the deadline)
+        finally:
+            pool.shutdown(wait=False, cancel=True)
+            # after a failure, the spans still running end (each bounded) before ``out`` is handed back
+            futures_wait(futures, timeout=(self.deadline or NEVER).remaining())
 
     def _stat(self, path: str) -> dict[str, Any]:
         """``fs.info`` of ``path``; on the local filesystem anything but a directory must also pass

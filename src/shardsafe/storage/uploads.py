@@ -15,13 +15,13 @@ import functools
 import logging
 import os
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, TypeVar
 
 from shardsafe import knobs
 from shardsafe.deadline import NEVER, Deadline
 from shardsafe.storage import retry
-from shardsafe.workers import Lane
+from shardsafe.workers import Lane, Pool
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class PartWriter:
         self.total = 0
         self.upload_id: str | None = None
         self.parts: list[Future[dict[str, Any]]] = []
-        self.pool: ThreadPoolExecutor | None = None
+        self.pool: Pool | None = None  # daemon threads: an upload hung for good never keeps the process alive
         self.finished = False
 
     def _part_size(self, number: int) -> int:
@@ -176,7 +176,7 @@ class PartWriter:
             self.upload_id = retry.call("start multipart upload", self.url, start, self.policy, self.deadline)[
                 "UploadId"
             ]
-            self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shardsafe-upload")
+            self.pool = Pool(self.threads, "upload")
         self._wait_for_room(self.threads - 1)
         number = len(self.parts) + 1
         if number > MAX_PARTS:
