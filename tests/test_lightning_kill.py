@@ -4,7 +4,7 @@ the second up to 0.3 s after the first (unless it ended on its own when it found
 is only checkpoints that verify, or leftovers that are no checkpoint at all; 2 new ranks resume from the
 newest intact one (``shardsafe.lightning.latest_checkpoint``) at its step, then train and rotate on.
 
-``SHARDSAFE_LIGHTNING_KILL_ROUNDS`` rounds (default 2 in the suite; docs/lightning.md gives the figures of a
+``SHARDSAFE_LIGHTNING_KILL_ROUNDS`` rounds (default 1 in the suite; docs/lightning.md gives the figures of a
 larger run of this file).
 """
 
@@ -26,7 +26,7 @@ from shardsafe.catalog.names import TOMBSTONE
 import harness
 
 L = pytest.importorskip("lightning")
-ROUNDS = int(os.environ.get("SHARDSAFE_LIGHTNING_KILL_ROUNDS", "2"))
+ROUNDS = int(os.environ.get("SHARDSAFE_LIGHTNING_KILL_ROUNDS", "1"))
 WORLD = 2
 
 
