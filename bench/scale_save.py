@@ -338,7 +338,7 @@ def _protocol_ranks(
                     tracker.end(None)
             finally:
                 op.close()
-                tallies[rank] = op.tally
+                tallies[rank] = op.session.tally
         except BaseException as err:  # reported by the parent
             errors.append(f"rank {rank}: {type(err).__name__}: {err}"[:2000])
 
