@@ -417,6 +417,58 @@ def _slow_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
+class _SlowStore:
+    """A store client whose every request is answered ``delay`` seconds late (a loaded store host)."""
+
+    def __init__(self, inner: Any, delay: float) -> None:
+        self._inner, self._delay = inner, delay
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def slowly(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(self._delay)
+            return attr(*args, **kwargs)
+
+        return slowly
+
+
+def _save_on_a_slow_store(rank: int, world: int, root: str) -> dict[str, Any]:
+    import shardsafe.coord.client as client
+
+    handler = _Records()
+    logging.getLogger("shardsafe").addHandler(handler)
+    real = client._connect
+    client._connect = lambda address, namespace: _SlowStore(real(address, namespace), 1.5)
+    model, opt = build("ddp")
+    state = {"model": model, "optimizer": opt}
+    if rank == 1:
+        time.sleep(4)  # rank 0 waits at the arrival long enough to report who is missing
+    out = {"save": _attempt(lambda: shardsafe.save(f"{root}/ckpt", state, timeout=90))}
+    out["records"] = handler.records
+    return out
+
+
+def test_a_stall_report_on_a_slow_store_does_not_fail_a_healthy_save(tmp_path: Any) -> None:
+    """Every store request takes 1.5 s, longer than the stall report may wait for its own requests
+    (``SHARDSAFE_ERROR_REPORT_SECONDS=1``) and far inside the save's deadline: the report says the store
+    did not answer it, and the save succeeds on every rank (it was failed as "store lost" on both)."""
+    root = str(tmp_path)
+    env = {
+        "SHARDSAFE_ERROR_REPORT_SECONDS": "1",
+        "SHARDSAFE_ARRIVAL_STALL_SECONDS": "1",
+        "SHARDSAFE_STALL_FRACTION": "0.02",
+        "SHARDSAFE_IO_TIMEOUT": "90",
+    }
+    r0, r1 = check_ok(run_ranks(_save_on_a_slow_store, 2, root, timeout=150, env=env))
+    assert r0["save"]["ok"] and r1["save"]["ok"], (r0["save"], r1["save"])
+    warnings = [m for level, m in r0["records"] if level == "WARNING" and "has waited" in m]
+    assert warnings, r0["records"]
+    shardsafe.verify(f"{root}/ckpt")
+
+
 def test_stall_warns_once_with_phase_missing_ranks_and_stack_and_timeout_shows_every_rank(tmp_path: Any) -> None:
     root = str(tmp_path)
     r0, r1 = check_ok(run_ranks(_slow_rank, 2, root, timeout=120, env={"SHARDSAFE_STALL_FRACTION": "0.2"}))

@@ -40,6 +40,15 @@ from shardsafe.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
+STATUS_LINES = 16
+"""At most this many ranks' status lines in a stall or timeout report (at thousands of ranks, reading every
+rank's line would be thousands of requests from every waiting rank)."""
+
+DIAGNOSTIC = "diagnostic"
+"""The budget of a report's own store requests: a request of it that goes unanswered is a line of the
+report, never a verdict on the store (unlike ``"report"``, a failing operation's grace, after which the store
+is taken as lost)."""
+
 _seq_lock = threading.Lock()
 _seq: dict[tuple[int, str], int] = {}
 _used: dict[tuple[int, str, int], dict[str, tuple[str, ...]]] = {}  # (identity, prefix, seq) -> keys rank 0 used
@@ -155,13 +164,16 @@ class Session:
         )
         self.client.set(f"{self.namespace}/status/{self.rank}", record, self.clock.end.or_grace(), self.tally)
 
-    def status_lines(self, deadline: Deadline) -> list[str]:
-        """One line per rank: where it was last (error path: one request per rank at most)."""
+    def status_lines(self, deadline: Deadline, first: list[int] | None = None) -> list[str]:
+        """Where ranks were last, one line each: the ranks ``first`` names, then the others, at most
+        :data:`STATUS_LINES` of them (two requests each, all within ``deadline``: a diagnostic, whose
+        requests going unanswered say nothing about the operation)."""
         if self.single or self.client is None:
             return [f"  rank 0: {self.op}({self.target!r})"]
+        named = list(dict.fromkeys([*(first or []), *range(self.world_size)]))
         lines = []
         now = time.time()
-        for r in range(self.world_size):
+        for r in named[:STATUS_LINES]:
             key = f"{self.namespace}/status/{r}"
             try:
                 if not self.client.check([key], deadline):
@@ -173,7 +185,9 @@ class Session:
                     f"{now - s['since']:.1f}s"
                 )
             except (CheckpointError, ValueError, KeyError, TypeError):
-                lines.append(f"  rank {r}: unknown (store unreachable)")
+                lines.append(f"  rank {r}: unknown (the store did not answer in time)")
+        if len(named) > STATUS_LINES:
+            lines.append(f"  ({len(named) - STATUS_LINES} more ranks not shown)")
         return lines
 
     # ------------------------------------------------------------------------------ housekeeping

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from shardsafe import knobs
 from shardsafe.coord.liveness import Watch
 from shardsafe.coord.messages import Envelope, Outcome, Timeout
-from shardsafe.coord.session import Session
+from shardsafe.coord.session import DIAGNOSTIC, Session
 from shardsafe.deadline import Deadline
 from shardsafe.errors import CheckpointError
 
@@ -189,10 +189,10 @@ class Wire:
         def report(elapsed: float) -> None:
             s = self.s
             try:
-                bound = Deadline.after(knobs.error_report_seconds(), "report")
+                bound = Deadline.after(knobs.error_report_seconds(), DIAGNOSTIC)
                 sent = set(self.messages(bound)) | {0}
                 missing = [r for r in range(s.world_size) if r not in sent] if s.rank == 0 else [0]
-                lines = s.status_lines(bound)
+                lines = s.status_lines(bound, first=missing if s.rank == 0 else [0, s.rank])
             except CheckpointError as err:
                 missing, lines = [], [f"  (the store did not answer: {err})"]
             stack = "".join(traceback.format_stack(limit=12)[:-3])
