@@ -32,12 +32,9 @@ ALLOWED_REMOVALS = {
     ("manager/tiers.py", ".remove_dir_if_empty"): "local tier: an emptied share folder (its branch moves it)",
     ("manager/replica.py", "os.unlink"): "local tier: the files a failed transfer wrote in its own folder",
     ("manager/replica.py", "os.rmdir"): "local tier: a failed transfer's emptied folder (its branch moves it)",
-    ("accelerate.py", "os.unlink"): "an integration (public API only): the files its hooks left in its own temp folder",
-    ("accelerate.py", "os.rmdir"): "an integration (public API only): its own emptied temp folder",
 }
 ALLOWED_PUBLISHES = {
     ("manager/replica.py", "os.rename"): "local tier: a verified replica renamed into place (its branch moves it)",
-    ("accelerate.py", "os.replace"): "an integration: its hooks' files moved into the save's side-file folder",
 }
 
 

@@ -13,7 +13,7 @@ what a publication of another kind writes (:mod:`shardsafe.catalog.publish`): an
 folder ``.<name>.export-<id>`` and the folder a replaced export is set aside as ``.<name>.replaced-<id>``,
 its marker ``.shardsafe-export.json`` (which lists the export's files), a file export's hidden
 ``.<name>.export-<id>.tmp``, and the temporary folders shardsafe makes for side files
-(``shardsafe-side-files-<id>``, ``shardsafe-accelerate-hook-<id>``). The save id grammar and the data
+(``shardsafe-side-files-<id>``: ``shardsafe.side_files_folder``). The save id grammar and the data
 file name are the format's (:mod:`shardsafe.format.names`), used here as they are; every pattern
 matches ASCII only.
 
@@ -84,7 +84,7 @@ EXPORT_TEMP = re.compile(rf"^\.(?P<target>.+)\.export-(?P<id>{_ID})\.tmp\Z", re.
 """A file export while it is written (beside its target), linked to the target's name when published."""
 EXPORT_MARKER = ".shardsafe-export.json"
 """Lists the files of an export folder, so a later export can recognise (and replace) it and nothing else."""
-SCRATCH_DIR = re.compile(r"^shardsafe-(?:side-files|accelerate-hook)-[A-Za-z0-9_]{1,64}\Z", re.ASCII)
+SCRATCH_DIR = re.compile(r"^shardsafe-side-files-[A-Za-z0-9_]{1,64}\Z", re.ASCII)
 """A temporary folder shardsafe makes (``tempfile.mkdtemp``) for the side files a callback writes."""
 STAGED_MANIFEST = (MANIFEST_NAME, f"{MANIFEST_NAME}.tmp")
 """The manifest and its temporary file inside a pending directory (uncommitted there)."""
