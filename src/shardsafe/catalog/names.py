@@ -147,11 +147,9 @@ def in_flight_marker(save_id: str) -> str:
 
 
 def tier_incoming(entry: str, pid: int, unique: str) -> str:
-    """The hidden folder of a transfer into the entry ``entry`` of a step folder (``unique``: 8 hex digits)."""
-    name = f".incoming-{entry}-{pid}-{unique}"
-    if TIER_INCOMING.match(name) is None:
-        raise ValueError(f"{name!r} is not a transfer's folder name (entry {entry!r})")
-    return name
+    """The hidden folder of a transfer into the entry ``entry`` (a share or replica name) of a step folder
+    (``unique``: 8 hex digits): :data:`TIER_INCOMING`."""
+    return f".incoming-{entry}-{pid}-{unique}"
 
 
 def is_tier_entry(name: str) -> bool:
