@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import shardsafe
+from shardsafe.deadline import Deadline
 from shardsafe.errors import CheckpointError, InternalError
 from shardsafe.format.names import data_file
 from shardsafe.manager import replica
@@ -66,8 +67,9 @@ def test_a_failed_transfer_deletes_nothing_through_a_link(tmp_path: Path) -> Non
     name = data_file(0, "1700000000abcdef0123")
     (victim / name).write_bytes(b"the user's")
     files = [[name, 10], ["MANIFEST.json", 5]]
+    stream: Any = _SwapsItsFolder(where, victim)
     with pytest.raises(CheckpointError, match="closed by the other side"):
-        replica.receive_checkpoint(_SwapsItsFolder(where, victim), str(where), share_name(1), files, {})  # type: ignore[arg-type]
+        replica.receive_checkpoint(stream, str(where), share_name(1), files, {}, Deadline.after(60, "io"))
     assert (victim / name).read_bytes() == b"the user's"
     assert os.listdir(where / "aside") == [name]  # what the transfer wrote stays where it went (logged)
 
@@ -92,8 +94,6 @@ def test_a_push_naming_a_file_a_share_does_not_hold_is_refused_before_any_byte(t
 
 
 def test_a_replica_still_arrives_whole(tmp_path: Path) -> None:
-    from shardsafe.deadline import Deadline
-
     save = new_save_id()
     meta = {"step": 3, "rank": 1, "world_size": 2, "run": RUN, "save": save, "incarnation": "0" * 16}
     share = str(tmp_path / "share")

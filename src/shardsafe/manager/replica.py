@@ -197,12 +197,15 @@ def _check_files(files: Any) -> list[tuple[str, int]]:
     return out
 
 
-def receive_checkpoint(stream: _Stream, where: str, final_name: str, files: Any, expect: dict[str, Any]) -> str:
+def receive_checkpoint(
+    stream: _Stream, where: str, final_name: str, files: Any, expect: dict[str, Any], deadline: Deadline
+) -> str:
     """Write ``files`` read from ``stream`` into a fresh ``.incoming-`` folder of the step folder ``where``
     through the publication transaction (:class:`~shardsafe.catalog.publish.CopyPublication`: its manifest
     under a temporary name until every file is in), verify every byte and that its metadata is ``expect``,
-    then rename it to ``final_name`` (replacing a copy of this run there). Returns the final path; on any
-    failure nothing of the transfer remains (removed through the delete gate)."""
+    then rename it to ``final_name`` (replacing a copy of this run there), the check by ``deadline`` (the
+    puller's, or the server's socket knob). Returns the final path; on any failure nothing of the transfer
+    remains (removed through the delete gate)."""
     listed = _check_files(files)
     if not real_dir(where):
         raise CheckpointError(f"{where} is a symbolic link or not a folder; nothing is written through a link")
@@ -217,7 +220,7 @@ def receive_checkpoint(stream: _Stream, where: str, final_name: str, files: Any,
                 f.close()
                 raise
             copy.seal(f)
-        api.verify(copy.hidden)  # every byte, against the manifest's checksums
+        api.verify(copy.hidden, timeout=max(deadline.remaining(), 0.001))  # every byte, against the checksums
         meta = api.inspect(copy.hidden).metadata
         if meta != expect:
             raise CheckpointError(f"the copy received in {copy.hidden} records {meta!r:.300}, not {expect!r:.300}")
@@ -362,7 +365,8 @@ class ReplicaServer:
             _check_files(head.get("files"))
             where = step_folder(self.folder, run, step, save, create=True)
             stream.send_line({"ok": True})  # accepted: the sender sends the bytes now
-            receive_checkpoint(stream, where, replica_name(rank), head["files"], meta)
+            deadline = Deadline.after(knobs.tier_socket_seconds(), "io")
+            receive_checkpoint(stream, where, replica_name(rank), head["files"], meta, deadline)
             stream.send_line({"ok": True})
         elif op == "pull":
             name = head.get("name")
@@ -426,7 +430,7 @@ def pull(address: str, token: str, name: str, where: str, meta: dict[str, Any], 
         answer = stream.line()
         if answer.get("ok") is not True:
             raise CheckpointError(f"rank {rank}: fetching its share of step {step} failed: {answer.get('error')}")
-        return receive_checkpoint(stream, where, share_name(rank), answer.get("files"), meta)
+        return receive_checkpoint(stream, where, share_name(rank), answer.get("files"), meta, deadline)
 
     result: str = _bounded(address, token, f"rank {rank}: pulling its share of step {step}", deadline, run)
     return result
