@@ -287,7 +287,9 @@ class LocalTierRuntime:
                 logger.warning(
                     "shardsafe: local tier: the run record is not usable (%s); no local copy is used. %s",
                     err,
-                    "Move it away: the next local save records a new run",
+                    "Check the durable store"
+                    if isinstance(err, CheckpointTimeoutError)
+                    else "Move it away: the next local save records a new run",
                 )
                 self._record = None
             run = None if self._record is None else self._record.run

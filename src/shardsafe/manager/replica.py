@@ -204,8 +204,8 @@ def receive_checkpoint(
     through the publication transaction (:class:`~shardsafe.catalog.publish.CopyPublication`: its manifest
     under a temporary name until every file is in), verify every byte and that its metadata is ``expect``,
     then rename it to ``final_name`` (replacing a copy of this run there), the check by ``deadline`` (the
-    puller's, or the server's socket knob). Returns the final path; on any failure nothing of the transfer
-    remains (removed through the delete gate)."""
+    puller's; on the server, ``SHARDSAFE_IO_TIMEOUT``, while the sender waits by its own). Returns the final
+    path; on any failure nothing of the transfer remains (removed through the delete gate)."""
     listed = _check_files(files)
     if not real_dir(where):
         raise CheckpointError(f"{where} is a symbolic link or not a folder; nothing is written through a link")
@@ -365,7 +365,7 @@ class ReplicaServer:
             _check_files(head.get("files"))
             where = step_folder(self.folder, run, step, save, create=True)
             stream.send_line({"ok": True})  # accepted: the sender sends the bytes now
-            deadline = Deadline.after(knobs.tier_socket_seconds(), "io")
+            deadline = Deadline.after(knobs.io_timeout(), "io")  # the check of the copy: as a verify's default
             receive_checkpoint(stream, where, replica_name(rank), head["files"], meta, deadline)
             stream.send_line({"ok": True})
         elif op == "pull":
