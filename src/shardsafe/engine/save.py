@@ -574,8 +574,9 @@ class SaveHandle:
         return self._error if self.done() else None
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the save is staged and committed (or failed); ``timeout`` seconds at most (default: the
-        bound of the save's own waits, :func:`~shardsafe.engine.commit.finish_bound`, plus a margin)."""
+        """Block until the save is staged and committed (or failed); ``timeout`` seconds at most (default: what
+        is left of the save's end deadline, plus ``SHARDSAFE_ERROR_REPORT_SECONDS`` and
+        ``SHARDSAFE_WAIT_MARGIN_SECONDS``)."""
         if self._thread is not None:
             limit = (
                 timeout
