@@ -4,7 +4,8 @@ checked against a traced save and load: a doc that drifts from the code fails he
 Every shardsafe function a call runs is recorded (``sys.setprofile``, and ``threading.setprofile`` for the
 threads it starts: writers, readers, the save's thread), with the thread of its first call and every
 caller-to-callee pair; what runs while a module is being imported is left out. Traced: a plain save and
-load (one process, a local folder, a small model and its AdamW state), an async save with blocking and
+load (one process, a local folder, a small model and its AdamW state; ``SHARDSAFE_PROGRESS_INTERVAL``
+set past the call, so that a slow machine runs the same calls), an async save with blocking and
 with background staging, an incremental save, a save and a load on URL storage (``memory://``), and a
 save and a load on 2 ranks holding a sharded tensor (DTensor).
 
@@ -147,6 +148,21 @@ def traces(ranks: bool = True) -> dict[str, Trace]:
     """Every traced call by name (module docstring); ``ranks=False`` leaves out the 2-rank run."""
     shardsafe.save, shardsafe.load, shardsafe.async_save  # noqa: B018  (the public names' imports)
     out: dict[str, Trace] = {}
+    quiet = {"SHARDSAFE_PROGRESS_INTERVAL": "3600"}  # no progress report falls due: the same calls on a slow machine
+    before = {name: os.environ.get(name) for name in quiet}
+    os.environ.update(quiet)
+    try:
+        _traces(out, ranks, quiet)
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return out
+
+
+def _traces(out: dict[str, Trace], ranks: bool, env: dict[str, str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         state = _state()
         out["save"] = trace(lambda: shardsafe.save(f"{tmp}/a", state))
@@ -163,9 +179,8 @@ def traces(ranks: bool = True) -> dict[str, Trace]:
 
             fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
         if ranks:
-            (s0, l0), (s1, l1) = check_ok(run_ranks(_two_ranks, 2, f"{tmp}/ranks", timeout=120))
+            (s0, l0), (s1, l1) = check_ok(run_ranks(_two_ranks, 2, f"{tmp}/ranks", timeout=120, env=env))
             out.update({"rank 0 save": s0, "rank 0 load": l0, "rank 1 save": s1, "rank 1 load": l1})
-    return out
 
 
 @pytest.fixture(scope="module")
