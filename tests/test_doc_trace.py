@@ -74,6 +74,8 @@ class Trace:
     """Every function called, in the order of its first call, with the name of that call's thread."""
     edges: set[tuple[Key, Key]] = field(default_factory=set)
     """(caller, callee), both named by the function a comprehension or lambda belongs to."""
+    daemon: dict[str, bool] = field(default_factory=dict)
+    """Every thread that ran a shardsafe function: whether it is a daemon thread."""
 
     def first(self) -> dict[Key, int]:
         return {key: i for i, key in enumerate(self.calls)}
@@ -105,7 +107,9 @@ def trace(fn: Callable[[], object]) -> Trace:
             return  # a class body, or what a module runs as it is imported
         key = (code.co_filename[len(src) :], code.co_qualname)
         if key not in out.calls:
-            out.calls[key] = threading.current_thread().name
+            thread = threading.current_thread()
+            out.calls[key] = thread.name
+            out.daemon[thread.name] = thread.daemon
         up = frame.f_back
         if up is not None and up.f_code.co_filename.startswith(src) and up.f_code.co_flags & inspect.CO_NEWLOCALS:
             caller = (up.f_code.co_filename[len(src) :], _named(up.f_code.co_qualname))
@@ -357,9 +361,10 @@ def test_the_figures_of_the_doc_are_the_traced_ones(traced: dict[str, Trace]) ->
 
 
 def test_the_threads_the_docs_name(traced: dict[str, Trace]) -> None:
-    """A synchronous save runs its steps on the caller's thread; an async save steps 1-6 on the caller's
-    and 7-11 on the save's thread; with background staging, steps 4-6 run on the save's thread too
-    (docs/architecture.md, docs/async.md)."""
+    """A synchronous save runs its steps on the caller's thread, its writes and fsyncs and a load's reads
+    on daemon threads (``workers.py``); an async save steps 1-6 on the caller's and 7-11 on the save's
+    thread; with background staging, steps 4-6 run on the save's thread too; no thread shardsafe
+    starts keeps a process from exiting (docs/architecture.md, docs/async.md)."""
 
     def thread(name: str, file: str, qualname: str) -> str:
         return traced[name].calls[(file, qualname)]
@@ -383,6 +388,12 @@ def test_the_threads_the_docs_name(traced: dict[str, Trace]) -> None:
         ("engine/snapshot.py", "BackgroundStaging.run"),
     ):
         assert thread("background", *step).startswith("shardsafe-save-")
+    assert thread("async", "engine/inflight.py", "add") == main
+    assert thread("save", "storage/local.py", "LocalWriter.close.<locals>.sync").startswith("shardsafe-write-")
+    assert thread("load", "storage/local.py", "LocalStorage.read_into").startswith("shardsafe-read-")
+    started = {name: daemon for t in traced.values() for name, daemon in t.daemon.items() if name != main}
+    assert len(started) > 10
+    assert [name for name, daemon in started.items() if not daemon] == []
 
 
 def test_a_drifted_walk_fails(traced: dict[str, Trace]) -> None:
