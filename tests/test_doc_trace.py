@@ -76,6 +76,8 @@ class Trace:
     """(caller, callee), both named by the function a comprehension or lambda belongs to."""
     daemon: dict[str, bool] = field(default_factory=dict)
     """Every thread that ran a shardsafe function: whether it is a daemon thread."""
+    left: list[str] = field(default_factory=list)
+    """The threads of shardsafe (``shardsafe-*``) still alive when the call returned."""
 
     def first(self) -> dict[Key, int]:
         return {key: i for i, key in enumerate(self.calls)}
@@ -122,6 +124,7 @@ def trace(fn: Callable[[], object]) -> Trace:
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
+    out.left = sorted(t.name for t in threading.enumerate() if t.name.startswith("shardsafe-"))
     return out
 
 
@@ -364,7 +367,8 @@ def test_the_threads_the_docs_name(traced: dict[str, Trace]) -> None:
     """A synchronous save runs its steps on the caller's thread, its writes and fsyncs and a load's reads
     on daemon threads (``workers.py``); an async save steps 1-6 on the caller's and 7-11 on the save's
     thread; with background staging, steps 4-6 run on the save's thread too; no thread shardsafe
-    starts keeps a process from exiting (docs/architecture.md, docs/async.md)."""
+    starts keeps a process from exiting, and in one process none is left once the call returned
+    (``wait()`` for an async save; docs/architecture.md, docs/async.md)."""
 
     def thread(name: str, file: str, qualname: str) -> str:
         return traced[name].calls[(file, qualname)]
@@ -394,6 +398,7 @@ def test_the_threads_the_docs_name(traced: dict[str, Trace]) -> None:
     started = {name: daemon for t in traced.values() for name, daemon in t.daemon.items() if name != main}
     assert len(started) > 10
     assert [name for name, daemon in started.items() if not daemon] == []
+    assert {name: t.left for name, t in traced.items() if not name.startswith("rank ") and t.left} == {}
 
 
 def test_a_drifted_walk_fails(traced: dict[str, Trace]) -> None:
@@ -450,7 +455,7 @@ def _main() -> Iterator[str]:
         yield from (f"  upward: {line}" for line in upward_calls(got[name]))
         yield from (f"  {p}" for p in walk_problems(title, got))
     for name, t in got.items():
-        yield f"## {name}: {len(t.calls)} first calls"
+        yield f"## {name}: {len(t.calls)} first calls; threads left: {t.left}"
         yield from (f"{thread:24} {file}:{q}" for (file, q), thread in t.calls.items())
 
 
