@@ -12,7 +12,8 @@ save and a load on 2 ranks holding a sharded tensor (DTensor).
 A hop is a ``<file>.py:<name>`` reference in a numbered step of a walk (a module constant such as a
 round's declaration is not a hop; a bare ``<file>.py`` is a module the call enters). Untagged, it is a
 function (a class: one of its methods) that the plain call runs, and the untagged hops are first called
-in the order the walk names them. A hop followed by a tag in brackets (``[async]``) is one the plain
+in the order the walk names them; on rank 0 of the 2-rank save, so are these and the ``[2 ranks]`` and
+``[sharded]`` hops it runs. A hop followed by a tag in brackets (``[async]``) is one the plain
 call does not run: it runs in the traced call the tag names (:data:`TAGS`), or the tag says it is not
 traced (``[FSDP1]``). The table "Measured from a trace" of docs/architecture.md is measured here.
 
@@ -245,12 +246,13 @@ def _first_call(hop: Hop, t: Trace, first: dict[Key, int]) -> int:
     )
 
 
-def path_hops(title: str, text: str | None = None) -> list[Hop]:
-    """The walk's hops of the plain call: untagged named functions and classes, each at its first mention."""
+def path_hops(title: str, text: str | None = None, tags: frozenset[str] = frozenset()) -> list[Hop]:
+    """The walk's hops of the plain call (and of the paths ``tags`` name): named functions and classes,
+    each at its first mention."""
     seen: set[tuple[str, str]] = set()
     out = []
     for hop in walk(title, text):
-        if hop.tag is not None or hop.name is None or (hop.file, hop.name) in seen:
+        if (hop.tag is not None and hop.tag not in tags) or hop.name is None or (hop.file, hop.name) in seen:
             continue
         if not _is_constant(hop.file, hop.name):
             seen.add((hop.file, hop.name))
@@ -277,12 +279,23 @@ def walk_problems(title: str, traced: dict[str, Trace], text: str | None = None)
             bad.append(f"{hop}: the plain call runs it too, the tag is wrong")
         elif not any(_called(hop, traced[name]) for name in TAGS[title][hop.tag]):
             bad.append(f"{hop}: not called by the traced {' or '.join(TAGS[title][hop.tag])}")
-    hops = [h for h in path_hops(title, text) if _called(h, plain)]
-    order = [_first_call(h, plain, first) for h in hops]
-    for (a, i), (b, j) in itertools.pairwise(zip(hops, order, strict=True)):
-        if j <= i:
-            bad.append(f"{b} is first called before {a}, which the walk names earlier")
+    bad += order_problems(path_hops(title, text), plain, first)
+    if title == SAVE and "rank 0 save" in traced:  # rank 0 of 2 takes the plain hops and its own in that order
+        rank0 = traced["rank 0 save"]
+        hops = [h for h in path_hops(title, text, frozenset({"2 ranks", "sharded"})) if _called(h, rank0)]
+        bad += [f"rank 0 of 2: {problem}" for problem in order_problems(hops, rank0, rank0.first())]
     return bad
+
+
+def order_problems(hops: list[Hop], t: Trace, first: dict[Key, int]) -> list[str]:
+    """The hops of ``hops`` that ``t`` calls first before one named earlier."""
+    hops = [h for h in hops if _called(h, t)]
+    order = [_first_call(h, t, first) for h in hops]
+    return [
+        f"{b} is first called before {a}, which the walk names earlier"
+        for (a, i), (b, j) in itertools.pairwise(zip(hops, order, strict=True))
+        if j <= i
+    ]
 
 
 # --- the figures ------------------------------------------------------------------------------------
@@ -431,10 +444,9 @@ def test_a_drifted_walk_fails(traced: dict[str, Trace]) -> None:
     ]
     a, b = "`state/per_rank.py:apply`", "`engine/plan.py:plan_save`"
     swapped = text.replace(a, "\0").replace(b, a).replace("\0", b)
-    assert walk_problems(SAVE, traced, swapped) == [
-        "step 5: state/per_rank.py:apply is first called before step 5: engine/plan.py:plan_save, "
-        "which the walk names earlier"
-    ]
+    problem = "step 5: state/per_rank.py:apply is first called before step 5: engine/plan.py:plan_save, "
+    problem += "which the walk names earlier"
+    assert walk_problems(SAVE, traced, swapped) == [problem, f"rank 0 of 2: {problem}"]
     row = quoted(text)["save"]
     line = "| save | " + " | ".join(map(str, row)) + " |"
     changed = text.replace(line, "| save | " + " | ".join(map(str, (row[0] + 1, *row[1:]))) + " |")
