@@ -1,11 +1,11 @@
 """Every ``<file>.py:<name>`` reference in the docs, the README, the tests and the sources names a file of the
 repository and something defined there (a function, a class, a method as ``Class.method``, a module
-constant): the walks of docs/architecture.md and the docstrings that point at code stay true."""
+constant): the walks of docs/architecture.md and the docstrings that point at code stay true. That the
+walks' hops are called, in their order, and the figures measured from a trace: tests/test_doc_trace.py."""
 
 from __future__ import annotations
 
 import ast
-import itertools
 import re
 from pathlib import Path
 
@@ -47,24 +47,3 @@ def test_every_code_reference_names_something_that_exists() -> None:
         elif not _defined(path, name):
             bad.append(f"{page}: {file}:{name}: not defined there")
     assert not bad, "stale references:\n" + "\n".join(bad)
-
-
-def _walk_counts(text: str, title: str) -> tuple[int, int]:
-    """(hops, package changes) of the numbered steps of one walk of docs/architecture.md: every
-    ``<file>.py`` named there, in order, and how often the package changes from one to the next."""
-    start = text.index(title)
-    end = text.find("\n## ", start + len(title))
-    steps = re.findall(r"(?ms)^\d+\. .*?(?=^\d+\. |^\S|\Z)", text[start : end if end > 0 else None])
-    files = re.findall(r"`([a-z_]+(?:/[a-z_]+)*\.py)(?::[^`]*)?`", "".join(steps))
-    packages = [f.split("/")[0] if "/" in f else f.removesuffix(".py") for f in files]
-    return len(files), sum(1 for a, b in itertools.pairwise(packages) if a != b)
-
-
-def test_the_package_changes_quoted_for_the_walks_are_the_walks_own() -> None:
-    text = (ROOT / "docs" / "architecture.md").read_text()
-    save, load = _walk_counts(text, "## One save, hop by hop"), _walk_counts(text, "## One load, hop by hop")
-    quoted = re.search(
-        r"changes package (\d+) times \((\d+) hops\) and a load (\d+) times \((\d+) hops\)", " ".join(text.split())
-    )
-    assert quoted is not None, "docs/architecture.md no longer quotes the walks' package changes"
-    assert (save[1], save[0], load[1], load[0]) == tuple(int(g) for g in quoted.groups())

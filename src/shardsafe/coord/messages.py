@@ -135,7 +135,7 @@ class Empty(Message):
 
 @dataclass(frozen=True)
 class Decision(Message):
-    """A value rank 0 chooses alone for every rank (:class:`~shardsafe.coord.broadcast.Broadcast`)."""
+    """A value rank 0 chooses alone for every rank (:class:`~shardsafe.coord.rounds.Broadcast`)."""
 
     value: str
     TYPES: ClassVar[dict[str, Any]] = {"value": str}

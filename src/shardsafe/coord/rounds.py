@@ -14,7 +14,7 @@ Three forms:
   caller gives (the storage) whether the act happened
   (:meth:`Operation.commit <shardsafe.coord.operation.Operation.commit>`).
 - :class:`Broadcast`: rank 0 alone decides a value per step; the others read it, sending nothing
-  (:mod:`shardsafe.coord.broadcast`).
+  (run by :class:`~shardsafe.coord.steps.StepBroadcast`).
 
 Layer: coord; imports only :mod:`shardsafe.coord.messages`."""
 

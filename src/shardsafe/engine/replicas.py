@@ -6,8 +6,8 @@ rank (engine/plan.py). When the ranks' copies differ (no DDP wrapper, replicas t
 checkpoint would hold each tensor from whichever rank wrote it: tied weights split, an optimizer state
 from another rank than its parameter. torch.distributed.checkpoint mixes them silently.
 
-So every rank digests its replicated tensors (:func:`digests`, in the save's own thread before the
-call returns, so an asynchronous save digests what it copies) and sends the digests in its
+So every rank digests its replicated tensors (:func:`digests`, at the start of the save, on the
+caller's thread before the call returns, so an asynchronous save digests what it copies) and sends the digests in its
 ``WriteReport``; rank 0 compares them before the commit (:func:`check`, called by
 ``engine/commit.py:build_manifest``), and every rank raises the same refusal, or rank 0 logs it.
 

@@ -1,21 +1,21 @@
 """The save protocol. One :class:`SaveJob` per save; a synchronous save runs both halves inline, an
 asynchronous one runs :meth:`SaveJob.finish` on a background thread.
 
-(all ranks) ``begin``: flatten the state locally (and digest its values for the per-rank check);
-    rank 0 checks the target (absent, empty, or shardsafe's own files only), picks the save id and the
-    checksum block size and creates staging; then the first agreement, ``arrive``: every rank sends
-    its digests (:class:`~shardsafe.engine.messages.SaveArrival`), rank 0 decides the
-    :class:`~shardsafe.engine.messages.SaveStart` (save id, staging, per-rank subtrees, base). Then plan
-    locally and stage (async: copy this rank's share into one reusable slab; with
-    ``staging="background"``, only record what to copy, :mod:`shardsafe.engine.snapshot`).
-(all ranks) ``finish``: with ``staging="background"``, copy this rank's share first (a tensor changed
-    since the call fails the save on every rank); then write this rank's data file (checksums while
-    writing, fsync, under the deadline), then the commit protocol of :mod:`shardsafe.engine.commit`:
-    the second agreement,
-    ``written``, with one decision per save, settled by the first ``compare_set`` on the decision key;
-    rank 0 publishes only after winning "commit", staging is discarded only where an abort won; every
-    rank acknowledges the outcome and rank 0 returns last. On any failure before the decision every rank
-    raises the same error and the target is untouched.
+(all ranks) ``begin``: flatten the state locally (and, with other ranks, digest its values for the
+    per-rank check); rank 0 checks the target (absent, empty, or shardsafe's own files only), picks the
+    save id and the checksum block size and creates the pending directory; then the first agreement,
+    ``arrive``: every rank sends its digests (:class:`~shardsafe.engine.messages.SaveArrival`), rank 0
+    decides the :class:`~shardsafe.engine.messages.SaveStart` (save id, staging, per-rank subtrees,
+    base). Then plan locally and stage (async: copy this rank's share into one reusable slab). With
+    ``staging="background"``, ``begin`` only captures the state (:mod:`shardsafe.engine.snapshot`) and
+    all of this runs at the start of ``finish``, on the save's thread.
+(all ranks) ``finish``: with ``staging="background"``, the above, then copy this rank's share (a tensor
+    changed since the call fails the save on every rank); then write this rank's data file (checksums
+    while writing, fsync, under the deadline), then the commit protocol of :mod:`shardsafe.engine.commit`:
+    the second agreement, ``written``, with one decision per save, settled by the first ``compare_set``
+    on the decision key; rank 0 publishes only after winning "go", the pending directory is discarded
+    only where an abort won; every rank acknowledges the outcome and rank 0 returns last. On any failure
+    before the decision every rank raises the same error and the target is untouched.
 
 Two agreements in the common case; a third (``per_rank``) only when some values differ between ranks
 and their node tables were too large to send with the first, or when an FSDP1 optimizer over original
@@ -574,8 +574,9 @@ class SaveHandle:
         return self._error if self.done() else None
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the save is staged and committed (or failed); ``timeout`` seconds at most (default: the
-        bound of the save's own waits, :func:`~shardsafe.engine.commit.finish_bound`, plus a margin)."""
+        """Block until the save is staged and committed (or failed); ``timeout`` seconds at most (default: what
+        is left of the save's end deadline, plus ``SHARDSAFE_ERROR_REPORT_SECONDS`` and
+        ``SHARDSAFE_WAIT_MARGIN_SECONDS``)."""
         if self._thread is not None:
             limit = (
                 timeout

@@ -40,7 +40,7 @@ from shardsafe.format.datafile import tensor_bytes
 
 copy_cpu_sources = False  # tests: send the CPU sources of synchronous saves through the pool too
 before_background_copy: Callable[[str], None] | None = None
-"""Tests: called on the staging thread of a background staging before each chunk is copied, with the
+"""Tests: called on the save's thread (``staging="background"``) before each chunk is copied, with the
 chunk's tensor name (to slow staging down, or make it fail, deterministically)."""
 
 _lock = threading.Lock()

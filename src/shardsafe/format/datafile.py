@@ -54,7 +54,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 class ChunkToWrite(Protocol):
-    """What the writer needs of a planned chunk (:class:`shardsafe.engine.plan.ChunkToWrite`): its
+    """What the writer needs of a planned chunk (:class:`shardsafe.engine.plan.PendingChunk` is one): its
     manifest tensor name, box, data-file key, size and the contiguous CPU tensor holding the bytes."""
 
     name: str
