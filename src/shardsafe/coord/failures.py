@@ -23,12 +23,14 @@ from typing import Any
 from shardsafe import errors
 from shardsafe.errors import (
     CheckpointError,
+    CheckpointTimeoutError,
     CoordinationError,
     InternalError,
     MissingKeysError,
     RankDeadError,
     RankTimeoutError,
     RemoteRankError,
+    UnforeseenError,
 )
 
 _PUBLIC: dict[str, type[CheckpointError]] = {
@@ -195,7 +197,7 @@ def wrap(err: BaseException, *, op: str, target: str, rank: int, phase: str) -> 
         if op in ("save", "async_save")
         else "Fix the cause and retry."
     )
-    wrapped = CheckpointError(
+    wrapped = (CheckpointTimeoutError if isinstance(err, TimeoutError) else UnforeseenError)(
         f"{op} of {target!r} failed on rank {rank} in phase {phase!r}: {type(err).__name__}: {err}. {tail}"
     )
     wrapped.__cause__ = err

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from shardsafe.catalog.delete import delete_checkpoint, delete_files, finish_deletion, refuse_link, remove_pending
 from shardsafe.catalog.names import is_own
 from shardsafe.engine import api
-from shardsafe.errors import CheckpointError, InternalError, InvalidArgumentError
+from shardsafe.errors import CheckpointError, InternalError, InvalidArgumentError, UnsafePathError
 from shardsafe.format.names import SAVE_ID_CHARS
 from shardsafe.storage.local import LocalStorage
 
@@ -185,7 +185,7 @@ def run_folder(folder: str, run: str, *, create: bool = False) -> str:
     if create and not os.path.lexists(path):
         os.makedirs(path, exist_ok=True)
     if os.path.lexists(path) and not real_dir(path):
-        raise CheckpointError(
+        raise UnsafePathError(
             f"{path} is a symbolic link or not a folder; the local tier reads and writes nothing through a link. "
             "Move it away and save again"
         )
@@ -198,7 +198,7 @@ def step_folder(folder: str, run: str, step: int, save: str, *, create: bool = F
     if create and not os.path.lexists(path):
         os.makedirs(path, exist_ok=True)
     if os.path.lexists(path) and not real_dir(path):
-        raise CheckpointError(
+        raise UnsafePathError(
             f"{path} is a symbolic link or not a folder; the local tier reads and writes nothing through a link. "
             "Move it away and save again"
         )
@@ -279,10 +279,10 @@ def remove_entry(path: str, run: str) -> bool:
     step_dir = os.path.dirname(path)
     for where in (os.path.dirname(step_dir), step_dir):
         if not real_dir(where):
-            raise CheckpointError(f"refusing to delete {path}: {where} is a symbolic link or not a folder")
+            raise UnsafePathError(f"refusing to delete {path}: {where} is a symbolic link or not a folder")
     refuse_link(path, "delete the local-tier entry")
     if not real_dir(path):
-        raise CheckpointError(f"refusing to delete {path}: not a folder (the local tier writes folders there)")
+        raise UnsafePathError(f"refusing to delete {path}: not a folder (the local tier writes folders there)")
     storage = LocalStorage()
     if PENDING_RE.match(name):
         gone = remove_pending(storage, path)
