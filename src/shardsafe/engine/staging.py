@@ -166,13 +166,13 @@ def fill(
 
 
 def check_memory(c: PendingChunk) -> None:
-    """Raise :class:`CheckpointError` unless the tensor of chunk ``c`` still has the memory of its box:
+    """Raise :class:`InvalidArgumentError` unless the tensor of chunk ``c`` still has the memory of its box:
     the planned sizes, and a storage that holds every byte the tensor reaches. A raw copy of a tensor
     whose storage was freed (``untyped_storage().resize_(0)``, as FSDP-style code does) or shrunk would
     read memory that is not there and crash the process (or save whatever lies at that address)."""
     d = c.data
     if tuple(d.shape) != tuple(c.sizes):
-        raise TornSnapshotError(
+        raise InvalidArgumentError(
             f"tensor {c.name!r}: its shape changed to {tuple(d.shape)} after the save planned {tuple(c.sizes)} "
             "(resize_ or set_ on it); save a tensor while it holds its data"
         )
@@ -181,7 +181,7 @@ def check_memory(c: PendingChunk) -> None:
     st = d.untyped_storage()
     end = d.storage_offset() + 1 + sum((s - 1) * t for s, t in zip(d.shape, d.stride(), strict=True))
     if not st.data_ptr() or end * d.element_size() > st.nbytes():
-        raise TornSnapshotError(
+        raise InvalidArgumentError(
             f"tensor {c.name!r} has no memory: it reaches {end * d.element_size()} bytes of a storage of "
             f"{st.nbytes()} bytes (freed: untyped_storage().resize_(0)?); save a tensor while it holds its data "
             "(before freeing it, or after gathering it again)"
