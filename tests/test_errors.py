@@ -207,6 +207,9 @@ def test_every_error_is_in_exactly_one_remedy_group() -> None:
             remote = _remote_class(cls.__name__)
             assert issubclass(remote, errors.RemoteRankError) and issubclass(remote, cls)
             assert sum(issubclass(remote, g) for g in groups) == 1, cls
+    # a foreign error of another rank: of the class that rank wraps it into (wrap), hence of its group
+    assert issubclass(_remote_class("PermissionError"), errors.UnforeseenError)
+    assert issubclass(_remote_class("TimeoutError"), errors.CheckpointTimeoutError)
     # the builtin bases the existing except clauses rely on
     assert issubclass(errors.CheckpointTimeoutError, TimeoutError)
     assert issubclass(errors.RankTimeoutError, errors.CheckpointTimeoutError)
