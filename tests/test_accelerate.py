@@ -169,6 +169,44 @@ def test_resume_is_bitwise_and_rotation_hooks_and_the_main_process_alone(tmp_pat
     assert [n for n in os.listdir(tmp_path / "alone" / "checkpoints")] == []  # its pending directory is gone too
 
 
+def _hook_links_its_folder(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A save-state hook that replaces its folder with a symbolic link to a folder of the user's."""
+    acc = _setup(root, seed=0)[0]
+    victim = os.path.join(root, "mine")
+    os.makedirs(victim)
+    Path(victim, "data.json").write_text("the user's")
+
+    links: list[str] = []
+
+    def hook(models: list[Any], weights: list[Any], folder: str) -> None:
+        os.rmdir(folder)
+        os.symlink(victim, folder)
+        links.append(folder)
+
+    acc.register_save_state_pre_hook(hook)
+    try:
+        acc.save_state(os.path.join(root, "ckpt"))
+        error = None
+    except shardsafe.CheckpointError as err:
+        error = type(err).__name__
+    left = [os.path.islink(p) for p in links]
+    for p in links:
+        os.unlink(p)  # the test's own link, left (with a WARNING) by save_state
+    committed = os.path.exists(os.path.join(root, "ckpt", "MANIFEST.json"))
+    return {"error": error, "victim": sorted(os.listdir(victim)), "committed": committed, "left": left}
+
+
+def test_a_hook_folder_replaced_by_a_link_is_refused_and_nothing_is_moved_nor_deleted_through_it(
+    tmp_path: Path,
+) -> None:
+    """Before, the main process moved what the link's folder held into the checkpoint (os.replace through
+    the link: the user's file left its folder) and then unlinked the files through it."""
+    (r,) = check_ok(run_ranks(_hook_links_its_folder, 1, str(tmp_path), timeout=120))
+    assert r["victim"] == ["data.json"] and (tmp_path / "mine" / "data.json").read_text() == "the user's"
+    assert r["error"] == "InvalidArgumentError" and not r["committed"]
+    assert r["left"] == [True]  # the link itself stays (never removed as if it were the folder)
+
+
 def _fsdp2_save(rank: int, world: int, root: str) -> dict[str, Any]:
     parts = _setup(root, seed=0, fsdp2=True)
     _train(parts, 3, save_at=(3,))

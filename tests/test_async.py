@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from typing import Any
 
 import pytest
@@ -177,6 +178,52 @@ def test_rendezvous_of_other_operations_during_async_save(tmp_path: Any) -> None
         env={"SHARDSAFE_FAULT": "save.report:rank=1:sleep=2"},
     )
     assert check_ok(out) == [True, True]
+
+
+def _second_save_arrives_while_the_first_commits(rank: int, world: int, root: str) -> dict[str, Any]:
+    from shardsafe.coord.client import StoreClient
+    from shardsafe.coord.operation import Operation
+
+    deleted: dict[int, float] = {}  # sequence -> when rank 0 first deleted one of its keys
+    closed: dict[int, float] = {}  # sequence -> when this rank closed that operation
+    delete, close = StoreClient.delete, Operation.close
+
+    def deleting(self: StoreClient, key: str, *args: Any, **kwargs: Any) -> None:
+        parts = key.split("/")
+        if "ckpt" in parts and parts[parts.index("ckpt") + 1].isdigit():
+            deleted.setdefault(int(parts[parts.index("ckpt") + 1]), time.time())
+        delete(self, key, *args, **kwargs)
+
+    def closing(self: Operation) -> None:
+        closed.setdefault(self.session.seq, time.time())
+        close(self)
+
+    StoreClient.delete, Operation.close = deleting, closing  # type: ignore[method-assign]
+    model, opt = build("ddp")
+    state = {"model": model, "optimizer": opt}
+    first = shardsafe.async_save(f"{root}/a", state, timeout=60)
+    time.sleep(1.5)  # rank 0's first save waits in its commit round by now; rank 1's still writes its report
+    second = shardsafe.async_save(f"{root}/b", state, timeout=60)
+    first.wait()
+    second.wait()
+    shardsafe.load(f"{root}/b", state, timeout=60)  # a later operation: rank 0 deletes the keys of the closed ones
+    return {"deleted": deleted, "closed": closed}
+
+
+def test_a_save_arriving_while_another_commits_leaves_its_store_keys_alone(tmp_path: Any) -> None:
+    """Two saves in flight: the second one's arrival (every rank there) let rank 0 delete the first one's
+    store keys while that one was still in its commit round, so the first save could fail ("store lost":
+    a read of a key deleted under it) or give the ranks different outcomes. Keys go once every rank has
+    closed their operation: checked on the clocks of both ranks (on the old code rank 0 deleted the first
+    save's keys before rank 1 closed it)."""
+    env = {"SHARDSAFE_MAX_INFLIGHT_SAVES": "2", "SHARDSAFE_FAULT": "save.report:rank=1:sleep=3"}
+    r0, r1 = check_ok(run_ranks(_second_save_arrives_while_the_first_commits, 2, str(tmp_path), timeout=120, env=env))
+    for seq, when in r0["deleted"].items():
+        assert when >= max(r0["closed"][seq], r1["closed"][seq]), f"operation {seq}'s keys deleted before it closed"
+    saves = sorted(r1["closed"])[:2]
+    assert sorted(r0["deleted"]) == saves, (r0["deleted"], r1["closed"])  # both saves' keys are gone by the end
+    for name in ("a", "b"):
+        shardsafe.verify(str(tmp_path / name))
 
 
 def _two_in_flight(rank: int, world: int, root: str) -> dict[str, Any]:

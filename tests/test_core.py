@@ -108,7 +108,9 @@ def test_a_frozen_store_host_is_detected_within_the_timeout_on_the_other_ranks(t
     r1 = outs[1].result
     assert r1 is not None, outs[1]
     assert not r1["ok"] and "CheckpointError" in r1["mro"], r1
-    assert r1["elapsed"] < 8 + 8, r1  # timeout=8, plus SHARDSAFE_ERROR_REPORT_SECONDS and slack
+    # timeout=8, plus SHARDSAFE_ERROR_REPORT_SECONDS (5) and slack for a loaded 2-core machine; without the
+    # bounded store request it waits for the 1,800 s I/O deadline
+    assert r1["elapsed"] < 8 + 5 + 12, r1
     assert outs[0].exitcode == -signal.SIGKILL
 
 

@@ -25,20 +25,10 @@ GATE = {"catalog/unlink.py"}
 PUBLICATION = {"catalog/publish.py"}
 BACKENDS = "storage/"
 
-# (file, call) -> why it is not the gate's or the publication's. The local tier's are its own branch's
-# to move (they predate the gate's folder and scratch entries); none of them is recursive.
-ALLOWED_REMOVALS = {
-    ("manager/tiers.py", "os.rmdir"): "local tier: an emptied step folder (its branch moves it)",
-    ("manager/tiers.py", ".remove_dir_if_empty"): "local tier: an emptied share folder (its branch moves it)",
-    ("manager/replica.py", "os.unlink"): "local tier: the files a failed transfer wrote in its own folder",
-    ("manager/replica.py", "os.rmdir"): "local tier: a failed transfer's emptied folder (its branch moves it)",
-    ("accelerate.py", "os.unlink"): "an integration (public API only): the files its hooks left in its own temp folder",
-    ("accelerate.py", "os.rmdir"): "an integration (public API only): its own emptied temp folder",
-}
-ALLOWED_PUBLISHES = {
-    ("manager/replica.py", "os.rename"): "local tier: a verified replica renamed into place (its branch moves it)",
-    ("accelerate.py", "os.replace"): "an integration: its hooks' files moved into the save's side-file folder",
-}
+# (file, call) -> why it is not the gate's or the publication's (none left: every writer and deleter,
+# the local tier and the integrations included, goes through them).
+ALLOWED_REMOVALS: dict[tuple[str, str], str] = {}
+ALLOWED_PUBLISHES: dict[tuple[str, str], str] = {}
 
 
 def _calls(source: str) -> list[tuple[int, str]]:

@@ -16,6 +16,7 @@ API = {
     "verify",
     "inspect",
     "read_file",
+    "side_files_folder",
     "delete",
     "export_hf",
     "export_torch",

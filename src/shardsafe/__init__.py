@@ -71,6 +71,7 @@ if TYPE_CHECKING:
         verify,
     )
     from shardsafe.engine.remove import delete
+    from shardsafe.engine.sidefiles import side_files_folder
     from shardsafe.interop import ExportResult, ImportResult, export_hf, export_torch, import_checkpoint
     from shardsafe.manager import CheckpointManager, CheckpointRecord, LocalTier, ManagerConfig
     from shardsafe.progress.bar import ProgressBar
@@ -91,6 +92,7 @@ _LAZY: dict[str, str] = {
     "save": "shardsafe.engine.api",
     "verify": "shardsafe.engine.api",
     "delete": "shardsafe.engine.remove",
+    "side_files_folder": "shardsafe.engine.sidefiles",
     "Progress": "shardsafe.progress.record",
     "ProgressBar": "shardsafe.progress.bar",
     "ExportResult": "shardsafe.interop",
@@ -167,6 +169,7 @@ __all__ = [
     "per_rank",
     "read_file",
     "save",
+    "side_files_folder",
     "verify",
 ]
 

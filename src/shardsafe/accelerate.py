@@ -27,7 +27,8 @@ from __future__ import annotations
 import logging
 import os
 import re
-import tempfile
+import shutil
+import stat
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -109,38 +110,35 @@ class Accelerator(accelerate.Accelerator):  # type: ignore[misc]  # (Accelerate 
             )
         path = os.fspath(output_dir)
         logger.info("Saving current state to %s", path)
-        kept = self._run_save_hooks()
-        files, write_files = kept.side_files(self.is_main_process)
-        shardsafe.save(
-            path,
-            self._state(kept.models),
-            overwrite=True,
-            timeout=self.checkpoint_timeout,
-            metadata={"step": self.save_iteration, "accelerator_step": self.step},
-            files=files,
-            write_files=write_files,
-        )
+        with shardsafe.side_files_folder() as folder:  # this rank's, for the hooks; removed through the gate
+            kept = self._run_save_hooks(folder)
+            files, write_files = kept.side_files(self.is_main_process, path)
+            shardsafe.save(
+                path,
+                self._state(kept.models),
+                overwrite=True,
+                timeout=self.checkpoint_timeout,
+                metadata={"step": self.save_iteration, "accelerator_step": self.step},
+                files=files,
+                write_files=write_files,
+            )
         config.iteration += 1
         if root is not None and config.total_limit is not None and self.is_main_process:
             _rotate(root, config.total_limit)
         return path
 
-    def _run_save_hooks(self) -> _HookOutput:
+    def _run_save_hooks(self, folder: str) -> _HookOutput:
         """(every rank) Call the save-state pre-hooks as Accelerate does, ``hook(models, weights, folder)``,
-        with a fresh local folder of this rank's own; which models they left in ``weights`` are saved."""
+        with ``folder``, a fresh local folder of this rank's own; which models they left in ``weights`` are
+        saved."""
         fsdp = self.distributed_type == DistributedType.FSDP or self.is_fsdp2
         # As Accelerate: FSDP models are not in ``weights``; the others' state dicts are, taken as they are
         # (references, never a gathered copy: Accelerate's get_state_dict would gather an FSDP2 model).
         weights = [] if fsdp else [m.state_dict() for m in self._models]
         before = list(weights)
-        folder = tempfile.mkdtemp(prefix="shardsafe-accelerate-hook-")
         out = _HookOutput(folder, list(enumerate(self._models)))
-        try:
-            for hook in self._save_model_state_pre_hook.values():
-                hook(self._models, weights, folder)
-        except BaseException:
-            out.discard()
-            raise
+        for hook in self._save_model_state_pre_hook.values():
+            hook(self._models, weights, folder)
         if not fsdp:  # a hook that took a model's weights out of the list saves that model itself
             out.models = [(i, m) for (i, m), w in zip(out.models, before, strict=True) if any(w is x for x in weights)]
         return out
@@ -258,25 +256,33 @@ class _HookOutput:
         self.folder = folder
         self.models = models
 
-    def side_files(self, main: bool) -> tuple[dict[str, bytes] | None, Callable[[str], None] | None]:
-        """(files=, write_files=) of the save: on the main process the folder's files are moved into the
-        checkpoint (``write_files``, streamed); on the others their bytes are compared with the main
-        process's (``files=``: the same name must hold the same bytes). The folder is gone afterwards on the
-        other ranks, and once the save took them on the main one."""
+    def side_files(self, main: bool, path: str) -> tuple[dict[str, bytes] | None, Callable[[str], None] | None]:
+        """(files=, write_files=) of the save of ``path``: on the main process the folder's files are copied
+        into the checkpoint (``write_files``, streamed; plain files only, else :class:`InvalidArgumentError`);
+        on the others their bytes are compared with the main process's (``files=``: the same name must hold the
+        same bytes). The folder is :func:`shardsafe.side_files_folder`'s, removed when the save returns."""
         names = sorted(os.listdir(self.folder))
         if not names:
-            self.discard()
             return None, None
         if main:
 
-            def move(into: str) -> None:
-                try:
-                    for name in names:
-                        os.replace(os.path.join(self.folder, name), os.path.join(into, name))
-                finally:
-                    self.discard()
+            def copy(into: str) -> None:
+                if os.path.islink(self.folder):
+                    raise InvalidArgumentError(
+                        f"save_state({path!r}): a save-state hook replaced its folder {self.folder} with a "
+                        "symbolic link; nothing is read, moved or deleted through it. Write the files into the "
+                        "folder the hook is given"
+                    )
+                for name in names:
+                    where = os.path.join(self.folder, name)
+                    if not stat.S_ISREG(os.lstat(where).st_mode):
+                        raise InvalidArgumentError(
+                            f"save_state({path!r}): a save-state hook left {where}, not a plain file (a folder or "
+                            "a link); the hooks' files are committed as side files, which are plain files only"
+                        )
+                    shutil.copyfile(where, os.path.join(into, name), follow_symlinks=False)
 
-            return None, move
+            return None, copy
         files: dict[str, bytes] = {}
         for name in names:
             where = os.path.join(self.folder, name)
@@ -285,22 +291,7 @@ class _HookOutput:
                     files[name] = f.read()
             else:
                 logger.warning("shardsafe: a save-state hook left %s, not a plain file: not compared", where)
-        self.discard()
         return files, None
-
-    def discard(self) -> None:
-        """Remove the plain files this rank's hooks left in its folder, then the folder (a sub-folder keeps it,
-        logged: nothing is removed recursively)."""
-        try:
-            for name in os.listdir(self.folder):
-                where = os.path.join(self.folder, name)
-                if os.path.islink(where) or os.path.isfile(where):
-                    os.unlink(where)
-            os.rmdir(self.folder)
-        except FileNotFoundError:
-            pass
-        except OSError as err:
-            logger.warning("shardsafe: could not remove the save-state hooks' folder %s: %s", self.folder, err)
 
 
 class _LoaderPosition:

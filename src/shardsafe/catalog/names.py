@@ -13,7 +13,10 @@ what a publication of another kind writes (:mod:`shardsafe.catalog.publish`): an
 folder ``.<name>.export-<id>`` and the folder a replaced export is set aside as ``.<name>.replaced-<id>``,
 its marker ``.shardsafe-export.json`` (which lists the export's files), a file export's hidden
 ``.<name>.export-<id>.tmp``, and the temporary folders shardsafe makes for side files
-(``shardsafe-side-files-<id>``, ``shardsafe-accelerate-hook-<id>``). The save id grammar and the data
+(``shardsafe-side-files-<id>``: ``shardsafe.side_files_folder``). In a node folder of the local tier
+(docs/tiers.md): its step folders ``step-<N>-<save id>`` and, in one, the entries ``rank-<R>`` (a share),
+``replica-of-rank-<R>`` (a copy of another rank's), a transfer's hidden folder
+``.incoming-<entry>-<pid>-<8 hex>`` and a share's pending directory. The save id grammar and the data
 file name are the format's (:mod:`shardsafe.format.names`), used here as they are; every pattern
 matches ASCII only.
 
@@ -47,6 +50,11 @@ __all__ = [
     "SCRATCH_DIR",
     "STAGED_MANIFEST",
     "TEMP_MANIFEST",
+    "TIER_INCOMING",
+    "TIER_PENDING",
+    "TIER_REPLICA",
+    "TIER_SHARE",
+    "TIER_STEP",
     "TOMBSTONE",
     "basename",
     "clock_probe",
@@ -58,6 +66,7 @@ __all__ = [
     "in_flight_marker",
     "is_export_folder",
     "is_own",
+    "is_tier_entry",
     "link_target",
     "listed_side_files",
     "pending_name",
@@ -65,6 +74,8 @@ __all__ = [
     "refusal",
     "save_id_of",
     "temp_manifest",
+    "tier_incoming",
+    "transfer_file",
 ]
 
 PENDING_DIR = re.compile(rf"^\.(?P<target>.+)\.staging-(?P<sid>{SAVE_ID_CHARS})\Z", re.ASCII)
@@ -84,8 +95,18 @@ EXPORT_TEMP = re.compile(rf"^\.(?P<target>.+)\.export-(?P<id>{_ID})\.tmp\Z", re.
 """A file export while it is written (beside its target), linked to the target's name when published."""
 EXPORT_MARKER = ".shardsafe-export.json"
 """Lists the files of an export folder, so a later export can recognise (and replace) it and nothing else."""
-SCRATCH_DIR = re.compile(r"^shardsafe-(?:side-files|accelerate-hook)-[A-Za-z0-9_]{1,64}\Z", re.ASCII)
+SCRATCH_DIR = re.compile(r"^shardsafe-side-files-[A-Za-z0-9_]{1,64}\Z", re.ASCII)
 """A temporary folder shardsafe makes (``tempfile.mkdtemp``) for the side files a callback writes."""
+TIER_STEP = re.compile(r"^step-(\d{8,})-([0-9]{10}[0-9a-f]{10})\Z", re.ASCII)
+"""A step folder of the local tier: one save (its id: 10 digits of time, 10 hex digits) of step N."""
+TIER_SHARE = re.compile(r"^rank-(\d{5,})\Z", re.ASCII)
+"""A rank's share of a local save (a one-process checkpoint folder) in a step folder."""
+TIER_REPLICA = re.compile(r"^replica-of-rank-(\d{5,})\Z", re.ASCII)
+"""A copy of another rank's share, received from it, in a step folder."""
+TIER_INCOMING = re.compile(r"^\.incoming-(?:rank|replica-of-rank)-(\d{5,})-\d+-[0-9a-f]{8}\Z", re.ASCII)
+"""A transfer's hidden folder in a step folder (a copy being received; renamed to its entry when verified)."""
+TIER_PENDING = re.compile(rf"^\.(?:rank|replica-of-rank)-(\d{{5,}})\.staging-{SAVE_ID_CHARS}\Z", re.ASCII)
+"""The pending directory of a share being saved, in a step folder."""
 STAGED_MANIFEST = (MANIFEST_NAME, f"{MANIFEST_NAME}.tmp")
 """The manifest and its temporary file inside a pending directory (uncommitted there)."""
 
@@ -123,6 +144,23 @@ def in_flight_marker(save_id: str) -> str:
     object stores removed after the commit). The sweep of leftovers leaves every file of a save whose
     marker changed within the leftover age (on the storage's own clock)."""
     return temp_manifest(save_id)
+
+
+def tier_incoming(entry: str, pid: int, unique: str) -> str:
+    """The hidden folder of a transfer into the entry ``entry`` (a share or replica name) of a step folder
+    (``unique``: 8 hex digits): :data:`TIER_INCOMING`."""
+    return f".incoming-{entry}-{pid}-{unique}"
+
+
+def is_tier_entry(name: str) -> bool:
+    """Whether ``name`` is an entry the local tier writes in a step folder (a share, a replica, a transfer,
+    a pending directory)."""
+    return any(p.match(name) for p in (TIER_SHARE, TIER_REPLICA, TIER_INCOMING, TIER_PENDING))
+
+
+def transfer_file(name: object) -> bool:
+    """Whether a copy of a local-tier share may hold a file called ``name``: its manifest, a data file."""
+    return isinstance(name, str) and (name == MANIFEST_NAME or DATA_FILE.match(name) is not None)
 
 
 def clock_probe(probe_id: str) -> str:

@@ -18,6 +18,12 @@ nothing recursively.
   durable. Publish: one rename (a previous export, recognised by its marker, is set aside as
   ``.<name>.replaced-<id>`` first and put back if the rename fails). Retire: the set-aside export's
   listed files, its marker, its folder.
+- :class:`CopyPublication`: a copy of a local-tier share received from another rank (a replica, or a
+  share fetched at resume), into its step folder. Hidden: ``.incoming-<entry>-<pid>-<id>`` there, each file
+  created new (never through a link), the manifest under a temporary name until it is whole. Verify: the
+  caller's (every byte against the manifest's checksums, its metadata). Publish: one rename to the entry's
+  name, the step folder durable. Abandon: the files it wrote, then its folder (the gate's
+  :func:`~shardsafe.catalog.unlink.remove_transfer`).
 - :class:`FilePublication`: a new local file (an export). Hidden: ``.<name>.export-<id>.tmp``. Verify:
   durable (fsync). Publish: a hard link to the target's name, which fails if the name appeared (a
   rename, after a check, where there are no hard links). Retire: the hidden name.
@@ -33,6 +39,7 @@ import os
 import stat
 import uuid
 from collections.abc import Callable, Collection, Iterable
+from typing import BinaryIO
 
 from shardsafe.catalog import unlink
 from shardsafe.catalog.delete import (
@@ -44,15 +51,27 @@ from shardsafe.catalog.delete import (
 )
 from shardsafe.catalog.names import (
     EXPORT_MARKER,
+    TIER_REPLICA,
+    TIER_SHARE,
     commit_of,
     export_hidden,
     export_replaced,
     export_temp,
     in_flight_marker,
+    link_target,
     plain_name,
+    temp_manifest,
+    tier_incoming,
+    transfer_file,
 )
 from shardsafe.deadline import Deadline
-from shardsafe.errors import CheckpointExistsError, CorruptCheckpointError
+from shardsafe.errors import (
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    InternalError,
+    LocalTierError,
+    UnsafePathError,
+)
 from shardsafe.format.manifest import parse_manifest
 from shardsafe.storage import MANIFEST_NAME, Commit, LocalStorage, Storage
 from shardsafe.storage.local import fsync_dir
@@ -60,7 +79,7 @@ from shardsafe.workers import run_bounded
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointPublication", "FilePublication", "FolderPublication"]
+__all__ = ["CheckpointPublication", "CopyPublication", "FilePublication", "FolderPublication"]
 
 
 # ---------------------------------------------------------------------------------- checkpoints
@@ -311,6 +330,74 @@ class FilePublication:
             except OSError as err:
                 logger.warning("shardsafe export: could not remove the folder %s it created: %s", folder, err)
                 return
+
+
+# ---------------------------------------------------------------------------- local-tier copies
+
+
+class CopyPublication:
+    """(one process, the local tier) A copy received into the entry ``entry`` (``rank-R`` or
+    ``replica-of-rank-R``) of the step folder ``where``; see the module docstring. :class:`InternalError` for
+    another entry name; :class:`UnsafePathError` for a step folder that is a symbolic link (or not a folder),
+    :class:`LocalTierError` for a file name a copy does not hold."""
+
+    def __init__(self, where: str, entry: str) -> None:
+        if TIER_SHARE.match(entry) is None and TIER_REPLICA.match(entry) is None:
+            raise InternalError(f"{entry!r} is not an entry of a local-tier step folder (a bug: please report it)")
+        if link_target(where) is not None or not os.path.isdir(where):
+            raise UnsafePathError(f"{where} is a symbolic link or not a folder; nothing is written through a link")
+        self.where = where
+        self.final = os.path.join(where, entry)
+        self.hidden = os.path.join(where, tier_incoming(entry, os.getpid(), uuid.uuid4().hex[:8]))
+        self.written: list[str] = []
+
+    def hide(self) -> None:
+        """Create the hidden folder."""
+        os.mkdir(self.hidden)
+
+    def create(self, name: str) -> BinaryIO:
+        """A new file ``name`` of the copy (its manifest, a data file) in the hidden folder, open for writing
+        (the manifest under a temporary name until :meth:`seal`); never through a link, never an existing one."""
+        if not transfer_file(name) or name in self.written:
+            raise LocalTierError(
+                f"a local-tier copy holds no file called {name!r} (its manifest and data files, each once)"
+            )
+        own = temp_manifest(uuid.uuid4().hex[:8]) if name == MANIFEST_NAME else name
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = os.open(os.path.join(self.hidden, own), flags, 0o644)
+        self.written.append(own)
+        return os.fdopen(fd, "wb")
+
+    def seal(self, f: BinaryIO) -> None:
+        """Make the file ``f`` of :meth:`create` durable and close it; the manifest then takes its name (whole,
+        or not there)."""
+        try:
+            f.flush()
+            os.fsync(f.fileno())
+        finally:
+            f.close()
+        own = self.written[-1]
+        if own != MANIFEST_NAME and not transfer_file(own):  # the manifest's temporary name
+            os.rename(os.path.join(self.hidden, own), os.path.join(self.hidden, MANIFEST_NAME))
+            self.written[-1] = MANIFEST_NAME
+
+    def publish(self) -> str:
+        """(the copy verified; the entry's name free: the caller removed a copy of its run there) Rename the
+        hidden folder to the entry's name, then make the step folder durable; the entry's path."""
+        if link_target(self.hidden) is not None or link_target(self.where) is not None:
+            raise UnsafePathError(
+                f"{self.hidden} or its folder became a symbolic link; nothing is published through it"
+            )
+        if os.path.lexists(self.final):
+            raise CheckpointExistsError(f"{self.final} appeared during the transfer; the copy does not replace it")
+        os.rename(self.hidden, self.final)
+        fsync_dir(self.where)
+        return self.final
+
+    def abandon(self) -> bool:
+        """Remove what the transfer wrote: its files, then its hidden folder (through the gate); whether the
+        folder is gone."""
+        return unlink.remove_transfer(self.hidden, self.written)
 
 
 def _write_all(fd: int, data: memoryview) -> None:

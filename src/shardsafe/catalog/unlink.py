@@ -1,6 +1,7 @@
 """The gate every delete of shardsafe passes, on every backend: files (:func:`remove`), folders
-(:func:`remove_folder`), shardsafe's own temporary folders (:func:`remove_scratch`) and a symbolic
-link itself (:func:`remove_link`). Only names
+(:func:`remove_folder`), shardsafe's own temporary folders (:func:`remove_scratch`), the local tier's
+emptied step and entry folders (:func:`remove_tier_folder`) and a failed transfer's folder
+(:func:`remove_transfer`), and a symbolic link itself (:func:`remove_link`). Only names
 shardsafe writes (:mod:`shardsafe.catalog.names`), each a plain name inside the directory given and a
 regular file there (never a folder, a symbolic link, a FIFO or a socket, whatever its name), never
 inside a directory that is a symbolic link, then an fsync of that directory; a folder only when it is
@@ -20,11 +21,15 @@ from collections.abc import Collection, Iterable
 from shardsafe.catalog.names import (
     PENDING_DIR,
     SCRATCH_DIR,
+    TIER_INCOMING,
+    TIER_STEP,
     basename,
     is_export_folder,
     is_own,
+    is_tier_entry,
     link_target,
     plain_name,
+    transfer_file,
 )
 from shardsafe.format.names import side_file_problem
 from shardsafe.storage.base import Storage
@@ -60,7 +65,9 @@ def remove(
     todo = sorted(set(names))
     if todo:
         _refuse_link(directory, todo[:5])
-    in_pending = PENDING_DIR.match(basename(directory)) is not None
+    in_pending = (
+        PENDING_DIR.match(basename(directory)) is not None or TIER_INCOMING.match(basename(directory)) is not None
+    )
     in_export = is_export_folder(directory)
 
     def ours(n: str) -> bool:
@@ -94,6 +101,39 @@ def remove_folder(storage: Storage, path: str) -> bool:
     folder that is a symbolic link (``ValueError``), never what is inside one."""
     _refuse_link(path, "the folder")
     return storage.remove_dir_if_empty(path)
+
+
+def remove_tier_folder(path: str) -> bool:
+    """(one process, the local tier) Remove the folder ``path`` if it is empty (then fsync its parent);
+    whether it is gone. Only a name the local tier writes in a node folder: a step folder
+    (:data:`~shardsafe.catalog.names.TIER_STEP`) or an entry of one (a share, a replica, a transfer, a pending
+    directory); never a folder that is a symbolic link or inside one. ``ValueError``, removing nothing,
+    otherwise."""
+    name = basename(path)
+    if TIER_STEP.match(name) is None and not is_tier_entry(name):
+        raise ValueError(f"refusing to remove the folder {path}: not a name the local tier writes")
+    _refuse_link(os.path.dirname(os.path.abspath(path)), "the folder")
+    _refuse_link(path, "the folder")
+    return LocalStorage().remove_dir_if_empty(path)
+
+
+def remove_transfer(folder: str, names: Iterable[str]) -> bool:
+    """(one process, the local tier) Remove a failed transfer's hidden folder ``folder``
+    (:data:`~shardsafe.catalog.names.TIER_INCOMING`): the files ``names`` it wrote there (a copy's manifest,
+    data files, the manifest's temporary name), then the folder if that empties it; whether it is gone.
+    ``ValueError``, removing nothing, for a folder of another name, a folder that is a symbolic link or is
+    inside one, or a name a transfer does not write."""
+    if TIER_INCOMING.match(basename(folder)) is None:
+        raise ValueError(f"refusing to clear {folder}: not a transfer's folder of the local tier")
+    todo = sorted(set(names))
+    foreign = [n for n in todo if not (transfer_file(n) or is_own(n))]
+    if foreign:
+        raise ValueError(f"refusing to delete {foreign} in {folder}: not the files of a local-tier copy")
+    _refuse_link(os.path.dirname(os.path.abspath(folder)), "the transfer's folder")
+    _refuse_link(folder, "the transfer's folder")
+    local = LocalStorage()
+    remove(local, folder, todo)
+    return local.remove_dir_if_empty(folder)
 
 
 def remove_scratch(folder: str, names: Iterable[str] | None = None) -> bool:

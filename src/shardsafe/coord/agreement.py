@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TypeVar
 
 from shardsafe.coord.ending import settle
@@ -76,7 +77,7 @@ def _one(
     if first:
         s.first_phase = phase
     s.status(phase)
-    arrival = s.arrival if first else None
+    arrival = replace(s.arrival, oldest_open=s.oldest_open()) if first else None
     failure = s.failure_of(own, failed_in) if own is not None else None
     envelope = Envelope(s.rank, None if mine is None else mine.to_json(), failure, arrival)
     if s.single:
@@ -144,6 +145,7 @@ def _out_of_step(s: Session, envelopes: dict[int, Envelope]) -> RankDesyncError 
     first = info[0]
     if all(all(getattr(a, f) == getattr(first, f) for f in fields) for a in info.values()):
         s.arrivals = [info[r] for r in range(s.world_size)]
+        s.closed_below = min(a.oldest_open for a in s.arrivals)
         return None
     lines = "\n".join(f"  rank {r}: {a.op}({a.target!r}) called at {a.site}" for r, a in sorted(info.items()))
     return RankDesyncError(

@@ -154,7 +154,16 @@ class Arrival(Message):
     site: str
     host: str
     pid: int
-    TYPES: ClassVar[dict[str, Any]] = {"op": str, "target": str, "site": str, "host": str, "pid": int}
+    oldest_open: int = 0
+    """The oldest operation of the channel the rank still has open (its keys must stay)."""
+    TYPES: ClassVar[dict[str, Any]] = {
+        "op": str,
+        "target": str,
+        "site": str,
+        "host": str,
+        "pid": int,
+        "oldest_open": int,
+    }
 
 
 @dataclass(frozen=True)

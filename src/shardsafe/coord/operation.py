@@ -215,6 +215,7 @@ class Operation:
             return
         self._closed = True
         s = self.session
+        s.finished()
         if s.dog is not None:
             assert s.client is not None
             try:

@@ -52,6 +52,7 @@ is taken as lost)."""
 _seq_lock = threading.Lock()
 _seq: dict[tuple[int, str], int] = {}
 _used: dict[tuple[int, str, int], dict[str, tuple[str, ...]]] = {}  # (identity, prefix, seq) -> keys rank 0 used
+_open: dict[tuple[int, str], set[int]] = {}  # (identity, prefix) -> sequences this process began and not closed
 LAST_TALLY: dict[str, Tally] = {}
 """The request tally of the last operation of each kind in this process (``"save"``, ``"load"``...);
 read by the round-trip test and the protocol-cost bench."""
@@ -99,6 +100,8 @@ class Session:
         self.own_decided: CheckpointError | None = None
         """This rank's own error that it decided for everyone (rank 0): raised as it is."""
         self.outcome_known = False
+        self.closed_below = 0
+        """(rank 0, from the arrivals) Every rank has closed this channel's operations older than this."""
         """True once this rank read an outcome that says the operation failed (it raises that)."""
         self._present = False
 
@@ -106,12 +109,26 @@ class Session:
         """Take this channel's next sequence number (also to skip an operation the others abandoned)."""
         key = (self.identity, self.prefix)
         with _seq_lock:
+            opened = _open.setdefault(key, set())
+            opened.discard(self.seq)  # an operation the others abandoned: this rank is done with it
             self.seq = _seq.get(key, 0) + 1
             _seq[key] = self.seq
+            opened.add(self.seq)
         self.used = {}
         if self.rank == 0:
             _used[(self.identity, self.prefix, self.seq)] = self.used
         self._present = False
+
+    def finished(self) -> None:
+        """(the operation closing on this rank) This rank reads none of its keys any more."""
+        with _seq_lock:
+            _open.get((self.identity, self.prefix), set()).discard(self.seq)
+
+    def oldest_open(self) -> int:
+        """The oldest sequence of this channel that this process still has open (this operation's, or an
+        earlier one still running: an asynchronous save in flight); sent with the arrival."""
+        with _seq_lock:
+            return min(_open.get((self.identity, self.prefix), set()) | {self.seq})
 
     def key(self, *parts: str) -> str:
         return "/".join((self.prefix, str(self.seq), *parts))
@@ -193,12 +210,15 @@ class Session:
     # ------------------------------------------------------------------------------ housekeeping
 
     def clean_previous(self) -> None:
-        """(rank 0, once every rank has arrived at this operation, so none reads the channel's earlier
-        ones any more) Post the deletion of the keys of the channel's previous operations."""
+        """(rank 0, once every rank has arrived at this operation) Post the deletion of the keys of the
+        channel's earlier operations that every rank has closed: those older than the oldest that any
+        rank still had open when it arrived (:attr:`closed_below`; an asynchronous save in flight may still
+        read its keys while the next operation begins)."""
         if self.rank != 0 or self.single or self.client is None:
             return
         deadline = Deadline.after(knobs.error_report_seconds(), "housekeeping")
-        for seq in sorted(k[2] for k in list(_used) if k[:2] == (self.identity, self.prefix) and k[2] < self.seq):
+        below = min(self.seq, self.closed_below)
+        for seq in sorted(k[2] for k in list(_used) if k[:2] == (self.identity, self.prefix) and k[2] < below):
             used = _used.pop((self.identity, self.prefix, seq), {})
             base = f"{self.prefix}/{seq}"
             names = [

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardsafe.catalog.refs import check_ref_files, missing_base, sibling
+from shardsafe.deadline import Deadline, Deadlines
 from shardsafe.engine.guard import entry_point, mapped_errors
 from shardsafe.engine.memory import available_memory
 from shardsafe.engine.read import chunk_source, open_manifest
@@ -24,6 +25,7 @@ from shardsafe.format.values import decode, dtype_name
 from shardsafe.progress.record import ProgressCallback, check_callback
 from shardsafe.progress.tracker import Tracker, tracked
 from shardsafe.storage import Storage, get_storage
+from shardsafe.workers import run_bounded
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ def verify(
     storage_options: dict[str, Any] | None = None,
     part: tuple[int, int] | None = None,
     progress: ProgressCallback | None = None,
+    timeout: float | Deadlines | None = None,
 ) -> VerifySummary:
     """Check every byte of the checkpoint at ``path`` against its checksums (one process, no rendezvous).
     Raises :class:`CheckpointNotFoundError` or :class:`CorruptCheckpointError` naming file and tensor.
@@ -96,6 +99,11 @@ def verify(
     :class:`CheckpointNotFoundError` naming it). Side files are checked whole against their size and checksum
     (by part 0 of a ``part=`` split).
 
+    ``timeout`` (seconds, or a :class:`~shardsafe.coord.Deadlines`: its ``io``) bounds the whole call, every
+    read and listing included: one deadline from the call, default ``SHARDSAFE_IO_TIMEOUT`` or 1800 s (as a
+    load's). Past it, :class:`CheckpointTimeoutError` naming the path (a hung disk or object store never hangs
+    the caller; the stuck read is left on a daemon thread of its own).
+
     ``progress``: a callable given :class:`Progress` records (``op="verify"``) from a thread of its own:
     the bytes verified so far of those this call verifies (its part's files: headers, and the chunks
     the manifest lists in them; a referenced chunk once, in the base file that holds it), at least every
@@ -103,15 +111,22 @@ def verify(
     that raises is logged and not called again; the verification goes on. Not callable: ``TypeError``
     before anything is read. See docs/progress.md."""
     progress = check_callback(progress)
+    deadline = Deadline.after(Deadlines.resolve(timeout).io, "io")  # one process, no arrival: the whole call's
     path = os.fspath(path)
     with tracked("verify", path, progress, "manifest") as tracker:
-        storage = get_storage(path, storage_options)
-        with mapped_errors("verify", path):
-            manifest = open_manifest(storage, path)
-            side = manifest.side_files if part is None or part[0] == 0 else {}
-            files, total = _verify_files(storage, path, manifest, part, tracker, sum(f.size for f in side.values()))
-            total += verify_side_files(storage, path, side, tracker.add)
-    return VerifySummary(path=path, files=files, tensors=len(manifest.tensors), bytes=total, side_files=len(side))
+        storage = get_storage(path, storage_options, deadline=deadline).within(deadline)
+
+        def check() -> VerifySummary:
+            with mapped_errors("verify", path):
+                manifest = open_manifest(storage, path)
+                side = manifest.side_files if part is None or part[0] == 0 else {}
+                extra = sum(f.size for f in side.values())
+                files, total = _verify_files(storage, path, manifest, part, tracker, extra)
+                total += verify_side_files(storage, path, side, tracker.add)
+            tensors = len(manifest.tensors)
+            return VerifySummary(path=path, files=files, tensors=tensors, bytes=total, side_files=len(side))
+
+        return run_bounded("verifying the checkpoint", path, deadline, check)
 
 
 def _verify_files(

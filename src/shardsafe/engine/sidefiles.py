@@ -15,15 +15,18 @@ Who writes what:
   report; rank 0 refuses the save (:func:`merge`) when one differs from its own or names a file rank 0 did not
   give: one checkpoint cannot hold two versions of a name.
 - (any reader) :func:`read_side_file` and :func:`verify_side_files`: the bytes against the manifest.
+- (code that writes files by path before a save, e.g. Accelerate's save-state hooks) :func:`side_files_folder`
+  (public: ``shardsafe.side_files_folder``): a fresh local folder, removed on exit through the delete gate.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import xxhash
@@ -118,8 +121,7 @@ class SideWriter:
     def _from_callback(self, write_files: WriteFiles, given: set[str]) -> None:
         """Call ``write_files`` with a fresh local folder, then copy each plain file it left there into the
         checkpoint (hashing as it writes), removing it from the folder; the folder goes at the end."""
-        scratch = tempfile.mkdtemp(prefix="shardsafe-side-files-")
-        try:
+        with side_files_folder() as scratch:
             write_files(scratch)
             with os.scandir(scratch) as it:
                 names = sorted(e.name for e in it)
@@ -135,8 +137,6 @@ class SideWriter:
                     raise InvalidArgumentError(f"save of {self.path!r}: write_files wrote {problem}")
                 self._write_one(name, lambda emit, source=source: _copy(source, emit))  # type: ignore[misc]
                 unlink.remove_scratch(scratch, [name])  # its copy is in the checkpoint: free the space now
-        finally:
-            _remove_scratch(scratch)
 
 
 def _copy(source: str, emit: Callable[[memoryview], None]) -> None:
@@ -145,14 +145,31 @@ def _copy(source: str, emit: Callable[[memoryview], None]) -> None:
             emit(memoryview(piece))
 
 
+@contextlib.contextmanager
+def side_files_folder() -> Iterator[str]:
+    """``with shardsafe.side_files_folder() as folder:`` a fresh local folder of this process's own
+    (``shardsafe-side-files-<random>`` in the temporary directory), for files that code writes by path before
+    a save takes them as side files (``files=`` with their bytes, or ``write_files=`` copying them in). On exit
+    it is removed through the delete gate: the plain files and symbolic links left in it (a link itself, never
+    what it points to), then the folder; a sub-folder keeps it, and a folder that was replaced by a symbolic
+    link is left, each with a WARNING naming it (nothing is removed recursively, nor through a link)."""
+    folder = tempfile.mkdtemp(prefix="shardsafe-side-files-")
+    try:
+        yield folder
+    finally:
+        _remove_scratch(folder)
+
+
 def _remove_scratch(scratch: str) -> None:
-    """Remove the callback's folder through the catalog's gate (:func:`~shardsafe.catalog.unlink.remove_scratch`:
+    """Remove a :func:`side_files_folder` through the catalog's gate (:func:`~shardsafe.catalog.unlink.remove_scratch`:
     the plain files and links left in it, then the folder; a sub-folder keeps it, logged, since nothing is
-    removed recursively)."""
+    removed recursively; a folder that is now a symbolic link is left, logged: nothing is removed through one)."""
     try:
         unlink.remove_scratch(scratch)
-    except OSError as err:
-        logger.warning("shardsafe: could not remove the side files' temporary folder %s: %s", scratch, err)
+    except (OSError, ValueError) as err:
+        logger.warning(
+            "shardsafe: could not remove the side files' temporary folder %s: %s; remove it by hand", scratch, err
+        )
 
 
 def merge(reports: Mapping[int, Mapping[str, list[Any]]], path: str) -> dict[str, SideFile]:

@@ -34,15 +34,15 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from shardsafe.coord import Deadline, Deadlines, Operation
+from shardsafe.coord import Clock, Deadline, Deadlines, Operation
 from shardsafe.coord.messages import Empty
 from shardsafe.coord.resolve import SOLO, resolve_group
 from shardsafe.engine import api
-from shardsafe.errors import CheckpointError, CorruptCheckpointError, RemoteRankError
+from shardsafe.errors import CheckpointError, CheckpointTimeoutError, CorruptCheckpointError, RemoteRankError
 from shardsafe.manager import replica
 from shardsafe.manager.lineage import RunRecord, read_record, record_path, write_record
 from shardsafe.manager.messages import (
@@ -86,6 +86,7 @@ from shardsafe.manager.tiers import (
     warn_once,
 )
 from shardsafe.storage import Storage
+from shardsafe.workers import run_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -155,40 +156,45 @@ class LocalTierRuntime:
 
     # ------------------------------------------------------------------------------------ save
 
-    def _run_id(self) -> str:
-        """(rank 0, in a save's ``arrive``) The run's id: the recorded one, else a new one (recorded by
-        :meth:`_record_incarnation` once a save of it completed)."""
+    def _run_id(self, deadline: Deadline) -> str:
+        """(rank 0, in a save's ``arrive``) The run's id: the recorded one (read by ``deadline``), else a new
+        one (recorded by :meth:`_record_incarnation` once a save of it completed)."""
         if self._record is None:
-            self._record = read_record(self.fs, self.root)
+            self._record = _read_record(self.fs, self.root, deadline)
         if self._record is None:
             self._record = RunRecord(new_run_id(), ())
         return self._record.run
 
-    def _record_incarnation(self) -> None:
+    def _record_incarnation(self, deadline: Deadline) -> None:
         """(rank 0, in the ``done`` of a save that completed on every rank) Record this job's incarnation,
         with the step it resumed from, unless it is already. Only after a save of it completed: until
         then its shares do not count, and the run's earlier ones are not abandoned for a job that dies
         before it saved anything."""
         if self._recorded or self._record is None:
             return
-        current = read_record(self.fs, self.root)
+        current = _read_record(self.fs, self.root, deadline)
         base = current if current is not None and current.run == self._record.run else self._record
         record = base.adding(self._incarnation, self._start)
-        write_record(self.fs, self.root, record, self.timeout)
+        write_record(self.fs, self.root, record, _seconds(deadline))
         self._record, self._recorded = record, True
 
-    def save(self, step: int, state: Mapping[str, Any], durable: int | None) -> LocalFailure | None:
+    def save(
+        self, step: int, state: Mapping[str, Any], durable: int | None, clock: Clock | None = None
+    ) -> LocalFailure | None:
         """(every rank) Save ``state`` as this rank's share of ``step`` and replicate it. Returns ``None``
         once every rank's share and replicas are in place, then applies retention (``durable``: the
         newest durable step, whose older local copies are dropped); returns the failure, the same on
         every rank, when the ranks agreed that some rank's part failed. A failure to agree (a rank dead,
-        a deadline) raises."""
-        op = Operation.begin("tier.save", self.tier.path_template, self.deadlines.start())
+        a deadline) raises. ``clock``: the public call's one deadline (default: one starting now), which
+        bounds every wait: the agreements, the run record, this rank's share, its pushes, retention."""
+        clock = self.deadlines.start() if clock is None else clock
+        work = clock.work  # this rank's own I/O, a tenth before the end: the others hear of a failure
+        op = Operation.begin("tier.save", self.tier.path_template, clock)
 
         def arrive(peers: dict[int, Peer]) -> TierStart:
             table = peer_table(peers)
             try:
-                return TierStart(table, self._run_id(), self._incarnation, new_save_id(), None)
+                return TierStart(table, self._run_id(work), self._incarnation, new_save_id(), None)
             except (CheckpointError, OSError) as err:  # every rank's failure: reported, the job goes on
                 return TierStart(table, None, None, None, f"{type(err).__name__}: {err}")
 
@@ -196,7 +202,7 @@ class LocalTierRuntime:
             attempts = collect(outcomes)
             if all(a.ok for a in attempts.attempts):
                 try:
-                    self._record_incarnation()
+                    self._record_incarnation(work)
                 except (CheckpointError, OSError) as err:  # the save does not count: every rank's failure
                     where = record_path(self.fs, self.root)
                     account = f"rank 0 (recording the run in {where}): {type(err).__name__}: {err}"
@@ -213,7 +219,12 @@ class LocalTierRuntime:
             sid = decided.save
             error: Exception | None = None
             try:
-                where = step_folder(self.folder, run, step, sid, create=True)
+                where = run_bounded(
+                    "creating the local step folder",
+                    self.folder,
+                    work,
+                    lambda: step_folder(self.folder, run, step, sid, create=True),
+                )
                 path = os.path.join(where, share_name(self.rank))
                 meta = {
                     "step": step,
@@ -223,10 +234,9 @@ class LocalTierRuntime:
                     "save": sid,
                     "incarnation": decided.incarnation,
                 }
-                api.save(path, state, group=SOLO, timeout=self.timeout, metadata=meta)
-                deadline = Deadline.after(self.deadlines.io, "io")
+                api.save(path, state, group=SOLO, timeout=_seconds(work), metadata=meta)
                 for p in table.peers(self.rank, self.tier.replicas):
-                    replica.push(table.addresses[p], table.tokens[p], path, meta, deadline)
+                    replica.push(table.addresses[p], table.tokens[p], path, meta, work)
             except Exception as err:  # shared with every rank below
                 error = err
             mine = _outcome(error)
@@ -245,28 +255,41 @@ class LocalTierRuntime:
         if isinstance(outcome, LocalFailure):
             return outcome
         table, run, save = outcome
-        retain(self.folder, run, self.rank, self._members(table), self.tier.keep, durable, step, save)
+        members = self._members(table)
+        _housekeep(
+            "applying the local tier's retention",
+            self.folder,
+            clock.end,
+            lambda: retain(self.folder, run, self.rank, members, self.tier.keep, durable, step, save),
+        )
         return None
 
     # ---------------------------------------------------------------------------------- resume
 
-    def resume(self, state: MutableMapping[str, Any], durable: int | None) -> int | None:
+    def resume(self, state: MutableMapping[str, Any], durable: int | None, clock: Clock | None = None) -> int | None:
         """(every rank) Load the newest local save newer than ``durable`` that is complete across the
         nodes into ``state`` and return its step; ``None`` (state untouched unless a candidate failed to
         load, then the caller's durable resume overwrites it) when there is none. Call :meth:`begin`
-        after it, whatever the outcome, once the resume decided."""
-        op = Operation.begin("tier.resume", self.tier.path_template, self.deadlines.start())
+        after it, whatever the outcome, once the resume decided. ``clock``: the public call's one deadline
+        (default: one starting now), which bounds every wait: the agreements, the run record, the checks of
+        this node's copies, every fetch from a peer and every load (no step gets a budget of its own)."""
+        clock = self.deadlines.start() if clock is None else clock
+        op = Operation.begin("tier.resume", self.tier.path_template, clock)
         return op.conclude(lambda: self._resume(op, state, durable))
 
     def _resume(self, op: Operation, state: MutableMapping[str, Any], durable: int | None) -> int | None:
+        work = op.clock.work
+
         def arrive(peers: dict[int, Peer]) -> TierTable:
             try:
-                self._record = read_record(self.fs, self.root)
+                self._record = _read_record(self.fs, self.root, work)
             except CheckpointError as err:
                 logger.warning(
                     "shardsafe: local tier: the run record is not usable (%s); no local copy is used. %s",
                     err,
-                    "Move it away: the next local save records a new run",
+                    "Check the durable store"
+                    if isinstance(err, CheckpointTimeoutError)
+                    else "Move it away: the next local save records a new run",
                 )
                 self._record = None
             run = None if self._record is None else self._record.run
@@ -277,7 +300,7 @@ class LocalTierRuntime:
         run = self.run = decided.run
         self.resumed = None
         members = self._members(table)
-        mine = Copies([] if run is None else report(self.folder, run, self.rank, members, self.world_size))
+        mine = Copies([] if run is None else self._report(run, members, work))
 
         def decide(copies: dict[int, Copies]) -> TierPlan:
             reports = [copies[r].copies for r in range(len(copies))]
@@ -305,9 +328,13 @@ class LocalTierRuntime:
                 if local:
                     return
                 try:
-                    where = step_folder(self.folder, meta["run"], meta["step"], meta["save"], create=True)
-                    deadline = Deadline.after(deadlines.io, "io")
-                    replica.pull(table.addresses[holder], table.tokens[holder], name, where, meta, deadline)
+                    where = run_bounded(
+                        "creating the local step folder",
+                        self.folder,
+                        work,
+                        lambda: step_folder(self.folder, meta["run"], meta["step"], meta["save"], create=True),
+                    )
+                    replica.pull(table.addresses[holder], table.tokens[holder], name, where, meta, work)
                 except (CheckpointError, OSError) as err:  # this step cannot be had: an older one is tried
                     raise CorruptCheckpointError(
                         f"rank {self.rank}: its node holds no copy of its share of local step {meta['step']} and "
@@ -315,7 +342,7 @@ class LocalTierRuntime:
                     ) from err
 
             def load(path: str = path) -> None:
-                api.load(path, state, group=SOLO, timeout=self.timeout, rest="none")
+                api.load(path, state, group=SOLO, timeout=_seconds(work), rest="none")
 
             why = _attempt(op, TIER_FETCH.nth(n), "fetch", fetch, path, deadlines)
             if why is None:
@@ -335,19 +362,22 @@ class LocalTierRuntime:
                 logger.warning("shardsafe: local step %d could not be resumed: %s; trying an older one", step, why)
         return None
 
-    def begin(self, step: int | None) -> None:
+    def begin(self, step: int | None, clock: Clock | None = None) -> None:
         """(every rank, once the resume decided ``step``: local, durable, or ``None`` for none) Rank 0
         records this job as a new incarnation of the run that resumed from ``step`` (a failure is logged
         and the first local save records it); then each rank deletes what it handles of the local steps
-        newer than ``step`` (failures logged, never raised: the state is loaded already)."""
-        op = Operation.begin("tier.begin", self.tier.path_template, self.deadlines.start())
+        newer than ``step`` (failures logged, never raised: the state is loaded already). ``clock``: the
+        resume call's one deadline (default: one starting now); the ranks arrive within its arrival budget
+        from now, and everything ends by its end."""
+        clock = self.deadlines.start() if clock is None else later(clock)
+        op = Operation.begin("tier.begin", self.tier.path_template, clock)
 
         def record(_nothing: dict[int, Empty]) -> Recorded:
             self._incarnation, self._start, self._recorded = new_run_id(), -1 if step is None else step, False
             if self._record is not None:
                 try:
                     self._record = self._record.adding(self._incarnation, self._start)
-                    write_record(self.fs, self.root, self._record, self.timeout)
+                    write_record(self.fs, self.root, self._record, _seconds(clock.end))
                     self._recorded = True
                 except (CheckpointError, OSError) as err:
                     logger.warning("shardsafe: local tier: %s; the first local save records it", err)
@@ -357,13 +387,70 @@ class LocalTierRuntime:
         resumed = self.resumed if self.resumed is not None and self.resumed[0] == step else None
         if self.run is not None and self.table is not None:
             members = self.table.members(self.node)
-            forget(self.folder, self.run, self.rank, members, step, None if resumed is None else resumed[1])
+            run, saved = self.run, None if resumed is None else resumed[1]
+            _housekeep(
+                "deleting the local steps newer than the one resumed",
+                self.folder,
+                clock.end,
+                lambda: forget(self.folder, run, self.rank, members, step, saved),
+            )
+
+    def _report(self, run: str, members: list[int], deadline: Deadline) -> list[list[Any]]:
+        """(each rank, at resume) :func:`report` of this node's copies, by ``deadline``: a copy whose check
+        did not end by then is not usable (logged); a listing that hangs reports none (logged)."""
+        try:
+            return run_bounded(
+                "checking the local tier's copies",
+                self.folder,
+                deadline,
+                lambda: report(self.folder, run, self.rank, members, self.world_size, deadline),
+            )
+        except CheckpointTimeoutError as err:
+            logger.warning("shardsafe: local tier: no local copy of this node is used: %s", err)
+            return []
 
 
-def report(folder: str, run: str, rank: int, members: list[int], world_size: int) -> list[list[Any]]:
+def _seconds(deadline: Deadline) -> float:
+    """What is left of ``deadline``, as the ``timeout=`` of a call made within it (a call takes a positive
+    number: past the deadline, its first wait raises at once)."""
+    return max(deadline.remaining(), 0.001)
+
+
+def later(clock: Clock) -> Clock:
+    """The clock of a later operation of the call whose clock is ``clock``: its ranks arrive within the
+    call's arrival budget from now, never past the call's end, which stays its end."""
+    return replace(clock, arrive=clock.end.within(clock.budget.arrive, "arrive"))
+
+
+def within_work(clock: Clock) -> Deadlines:
+    """The budget of a step of the call whose clock is ``clock`` that runs a protocol of its own (the durable
+    resume after the local tier's): what is left until the call's work deadline, so that the call's later
+    agreements (``tier.begin``) still have the time to its end."""
+    left = max(clock.work.remaining(), 0.001)
+    return Deadlines(arrive=min(clock.budget.arrive, left), io=left)
+
+
+def _read_record(fs: Storage, root: str, deadline: Deadline) -> RunRecord | None:
+    """:func:`~shardsafe.manager.lineage.read_record`, by ``deadline`` (a hung store raises
+    :class:`CheckpointTimeoutError`)."""
+    return run_bounded("reading the local tier's run record", root, deadline, lambda: read_record(fs, root))
+
+
+def _housekeep(what: str, folder: str, deadline: Deadline, fn: Callable[[], None]) -> None:
+    """Run ``fn`` (deletes whose failures it logs itself) by ``deadline``; past it, an ERROR naming the
+    folder (the state is saved or loaded already; a disk that hangs leaves the rest for the next call)."""
+    try:
+        run_bounded(what, folder, deadline, fn)
+    except CheckpointTimeoutError as err:
+        logger.error("shardsafe: local tier: the disk of %s is hung or far too slow: %s", folder, err)
+
+
+def report(
+    folder: str, run: str, rank: int, members: list[int], world_size: int, deadline: Deadline | None = None
+) -> list[list[Any]]:
     """(each rank, at resume) The copies of run ``run`` in the node folder ``folder`` that ``rank`` handles
     (``members``: the node's ranks now) and that verify, as ``[step, save, incarnation, rank, name]``: each
-    read whole, its metadata checked against its place."""
+    read whole (by ``deadline``: else it is not usable), its metadata checked against its place."""
     out: list[list[Any]] = []
     for step, save in saves_in(folder, run):
         where = os.path.join(folder, run_name(run), step_name(step, save))
@@ -376,13 +463,13 @@ def report(folder: str, run: str, rank: int, members: list[int], world_size: int
             if m is None or handler(members, int(m.group(1))) != rank:
                 continue
             want = {"step": step, "rank": int(m.group(1)), "world_size": world_size, "run": run, "save": save}
-            incarnation = _usable(os.path.join(where, n), want)
+            incarnation = _usable(os.path.join(where, n), want, deadline)
             if incarnation is not None:
                 out.append([step, save, incarnation, want["rank"], n])
     return out
 
 
-def _usable(path: str, want: dict[str, Any]) -> str | None:
+def _usable(path: str, want: dict[str, Any], deadline: Deadline | None = None) -> str | None:
     """The incarnation of the local copy at ``path`` when it is committed, every byte matches its
     checksums, and its metadata is ``want`` (its place: step, rank, number of ranks, run and save) plus an
     incarnation; else ``None``, with a warning (a copy of another run is never used nor deleted)."""
@@ -390,7 +477,7 @@ def _usable(path: str, want: dict[str, Any]) -> str | None:
         warn_once(path, "is a symbolic link or not a folder: never read nor deleted through; left as it is")
         return None
     try:
-        api.verify(path)
+        api.verify(path, timeout=None if deadline is None else _seconds(deadline))
         meta = api.inspect(path).metadata
     except (CheckpointError, OSError, EOFError) as err:
         logger.warning("shardsafe: local-tier copy %s is not usable: %s", path, err)

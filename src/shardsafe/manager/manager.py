@@ -25,7 +25,7 @@ from shardsafe.manager.chain import COUNT, Known, choose_base
 from shardsafe.manager.cleanup import apply_retention, remove_leftovers
 from shardsafe.manager.config import ManagerConfig
 from shardsafe.manager.listing import CheckpointRecord, scan
-from shardsafe.manager.local import LocalTierRuntime
+from shardsafe.manager.local import LocalTierRuntime, within_work
 from shardsafe.manager.preemption import SignalFlag
 from shardsafe.manager.resume import newest_verified, resume_newest
 from shardsafe.manager.retention import RetentionPolicy
@@ -186,7 +186,7 @@ class CheckpointManager:
         if local and self._local is not None:
             if not self._local.recorded:
                 self._finish_pending()  # rank 0 records the run with a save of its own: none may be in flight
-            failure = self._local.save(step, state, self._durable_step)
+            failure = self._local.save(step, state, self._durable_step, self._deadlines.start())
             if failure is not None:
                 local = False
                 if self.rank == 0 or failure.own is not None:
@@ -214,7 +214,7 @@ class CheckpointManager:
         step = _check_step(step)
         if not self._local.recorded:
             self._finish_pending()  # rank 0 records the run with a save of its own: none may be in flight
-        failure = self._local.save(step, state, self._durable_step)
+        failure = self._local.save(step, state, self._durable_step, self._deadlines.start())  # the call's one
         if failure is not None:
             raise failure.error(step)
 
@@ -302,12 +302,13 @@ class CheckpointManager:
         callback = self._callback(progress)
         self._finish_pending()  # a save in flight ends (or raises) before loading into the state
         check = self.config.verify_on_resume if verify is None else verify
+        clock = self._deadlines.start()  # with a local tier: the one deadline of its every step
         with mapped_errors("resume", self.config.root):
             durable = self._newest_durable()
             if self._local is not None:
-                step = self._local.resume(state, durable)
+                step = self._local.resume(state, durable, clock)
                 if step is not None:
-                    self._local.begin(step)
+                    self._local.begin(step, clock)
                     self._resumed_step = step
                     self._schedule.saved(step)
                     return step
@@ -316,12 +317,12 @@ class CheckpointManager:
                 self.config,
                 state,
                 rank=self.rank,
-                deadlines=self._deadlines,
+                deadlines=self._deadlines if self._local is None else within_work(clock),
                 verify=check,
                 progress=callback,
             )
         if self._local is not None:
-            self._local.begin(None if result is None else result.step)
+            self._local.begin(None if result is None else result.step, clock)
         if result is None:
             return None
         self._resumed_step = result.step

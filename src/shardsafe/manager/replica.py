@@ -42,15 +42,11 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from shardsafe import knobs
-from shardsafe.catalog.names import temp_manifest
+from shardsafe.catalog.names import transfer_file
+from shardsafe.catalog.publish import CopyPublication
 from shardsafe.deadline import Deadline
 from shardsafe.engine import api
-from shardsafe.errors import (
-    CheckpointTimeoutError,
-    InvalidArgumentError,
-    LocalTierError,
-    UnsafePathError,
-)
+from shardsafe.errors import CheckpointTimeoutError, InvalidArgumentError, LocalTierError, UnsafePathError
 from shardsafe.manager.tiers import (
     REPLICA_RE,
     RUN_ID,
@@ -179,7 +175,8 @@ def _send_files(stream: _Stream, path: str, files: list[list[Any]]) -> None:
 
 
 def _check_files(files: Any) -> list[tuple[str, int]]:
-    """A request's ``files``: plain names (no folder, no ``..``) with sizes; else :class:`CheckpointError`."""
+    """A request's ``files``: the names of a share's files (its manifest, data files: the catalog's grammar)
+    with sizes; else :class:`CheckpointError`, before anything is written."""
     if not isinstance(files, list):
         raise LocalTierError(f"replica file list {files!r:.200} is not a list")
     out: list[tuple[str, int]] = []
@@ -187,8 +184,11 @@ def _check_files(files: Any) -> list[tuple[str, int]]:
         if not (isinstance(item, list) and len(item) == 2):
             raise LocalTierError(f"replica file entry {item!r:.200} is not [name, size]")
         name, size = item
-        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
-            raise LocalTierError(f"replica file name {name!r:.200} is not a plain name")
+        if not transfer_file(name):
+            raise LocalTierError(
+                f"replica file name {name!r:.200} is not a file of a local-tier share (MANIFEST.json and data "
+                "files only); nothing is written"
+            )
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise LocalTierError(f"replica file {name!r} has size {size!r}")
         out.append((name, size))
@@ -197,61 +197,52 @@ def _check_files(files: Any) -> list[tuple[str, int]]:
     return out
 
 
-def receive_checkpoint(stream: _Stream, where: str, final_name: str, files: Any, expect: dict[str, Any]) -> str:
+def receive_checkpoint(
+    stream: _Stream, where: str, final_name: str, files: Any, expect: dict[str, Any], deadline: Deadline
+) -> str:
     """Write ``files`` read from ``stream`` into a fresh ``.incoming-`` folder of the step folder ``where``
-    (its manifest under a temporary name until every file is in), verify every byte and that its metadata
-    is ``expect``, then rename it to ``final_name`` (replacing a copy of this run there). Returns the final
-    path; on any failure nothing of the transfer remains."""
+    through the publication transaction (:class:`~shardsafe.catalog.publish.CopyPublication`: its manifest
+    under a temporary name until every file is in), verify every byte and that its metadata is ``expect``,
+    then rename it to ``final_name`` (replacing a copy of this run there), the check by ``deadline`` (the
+    puller's; on the server, ``SHARDSAFE_IO_TIMEOUT``, while the sender waits by its own). Returns the final
+    path; on any failure nothing of the transfer remains (removed through the delete gate)."""
     listed = _check_files(files)
     if not real_dir(where):
         raise UnsafePathError(f"{where} is a symbolic link or not a folder; nothing is written through a link")
-    kind, number = final_name.rsplit("-", 1)
-    tmp = os.path.join(where, f".incoming-{kind}-{number}-{os.getpid()}-{secrets.token_hex(4)}")
-    os.mkdir(tmp)
-    written: list[str] = []
+    copy = CopyPublication(where, final_name)
+    copy.hide()
     try:
         for name, size in listed:
-            own = temp_manifest(secrets.token_hex(4)) if name == "MANIFEST.json" else name
-            with open(os.path.join(tmp, own), "xb") as f:
-                written.append(own)
+            f = copy.create(name)
+            try:
                 stream.into(f, size, name)
-                f.flush()
-                os.fsync(f.fileno())
-            if own != name:
-                os.rename(os.path.join(tmp, own), os.path.join(tmp, name))  # whole, or not there
-                written[-1] = name
-        api.verify(tmp)  # every byte, against the manifest's checksums
-        meta = api.inspect(tmp).metadata
+            except BaseException:
+                f.close()
+                raise
+            copy.seal(f)
+        api.verify(copy.hidden, timeout=max(deadline.remaining(), 0.001))  # every byte, against the checksums
+        meta = api.inspect(copy.hidden).metadata
         if meta != expect:
-            raise LocalTierError(f"the copy received in {tmp} records {meta!r:.300}, not {expect!r:.300}")
-        final = os.path.join(where, final_name)
+            raise LocalTierError(f"the copy received in {copy.hidden} records {meta!r:.300}, not {expect!r:.300}")
+        final = copy.final
         if os.path.lexists(final) and not remove_entry(final, str(expect.get("run"))):
             raise LocalTierError(f"{final} belongs to another run and stays; the copy cannot take its place")
-        os.rename(tmp, final)
-        fd = os.open(where, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return final
+        return copy.publish()
     except BaseException:
-        _discard(tmp, written)
+        _discard(copy)
         raise
 
 
-def _discard(tmp: str, written: list[str]) -> None:
-    """Remove a transfer's own folder: the files it wrote there, then the folder (nothing recursive)."""
-    for name in written:
-        try:
-            os.unlink(os.path.join(tmp, name))
-        except FileNotFoundError:
-            pass
-        except OSError as err:
-            logger.error("shardsafe: could not remove %s of a failed transfer: %s", os.path.join(tmp, name), err)
+def _discard(copy: CopyPublication) -> None:
+    """Remove a transfer's own folder through the gate: the files it wrote there, then the folder (nothing
+    recursive, nothing through a link). A failure is logged with the path: the transfer's error is raised."""
     try:
-        os.rmdir(tmp)
-    except OSError as err:
-        logger.error("shardsafe: could not remove the failed transfer's folder %s: %s", tmp, err)
+        if not copy.abandon():
+            logger.error("shardsafe: the failed transfer's folder %s holds files it did not write; left", copy.hidden)
+    except (OSError, ValueError) as err:
+        logger.error(
+            "shardsafe: could not remove the failed transfer's folder %s: %s; remove it by hand", copy.hidden, err
+        )
 
 
 class ReplicaServer:
@@ -374,7 +365,8 @@ class ReplicaServer:
             _check_files(head.get("files"))
             where = step_folder(self.folder, run, step, save, create=True)
             stream.send_line({"ok": True})  # accepted: the sender sends the bytes now
-            receive_checkpoint(stream, where, replica_name(rank), head["files"], meta)
+            deadline = Deadline.after(knobs.io_timeout(), "io")  # the check of the copy: as a verify's default
+            receive_checkpoint(stream, where, replica_name(rank), head["files"], meta, deadline)
             stream.send_line({"ok": True})
         elif op == "pull":
             name = head.get("name")
@@ -438,7 +430,7 @@ def pull(address: str, token: str, name: str, where: str, meta: dict[str, Any], 
         answer = stream.line()
         if answer.get("ok") is not True:
             raise LocalTierError(f"rank {rank}: fetching its share of step {step} failed: {answer.get('error')}")
-        return receive_checkpoint(stream, where, share_name(rank), answer.get("files"), meta)
+        return receive_checkpoint(stream, where, share_name(rank), answer.get("files"), meta, deadline)
 
     result: str = _bounded(address, token, f"rank {rank}: pulling its share of step {step}", deadline, run)
     return result

@@ -33,11 +33,11 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from shardsafe.catalog import unlink
 from shardsafe.catalog.delete import delete_checkpoint, delete_files, finish_deletion, refuse_link, remove_pending
-from shardsafe.catalog.names import is_own
+from shardsafe.catalog.names import TIER_INCOMING, TIER_PENDING, TIER_REPLICA, TIER_SHARE, TIER_STEP, is_own
 from shardsafe.engine import api
 from shardsafe.errors import CheckpointError, InternalError, InvalidArgumentError, UnsafePathError
-from shardsafe.format.names import SAVE_ID_CHARS
 from shardsafe.storage.local import LocalStorage
 
 logger = logging.getLogger(__name__)
@@ -45,11 +45,15 @@ logger = logging.getLogger(__name__)
 RUN_ID = re.compile(r"^[0-9a-f]{16}\Z")
 SAVE_ID = re.compile(r"^[0-9]{10}[0-9a-f]{10}\Z")
 RUN_RE = re.compile(r"^run-([0-9a-f]{16})\Z")
-STEP_RE = re.compile(r"^step-(\d{8,})-([0-9]{10}[0-9a-f]{10})\Z")
-SHARE_RE = re.compile(r"^rank-(\d{5,})\Z")
-REPLICA_RE = re.compile(r"^replica-of-rank-(\d{5,})\Z")
-INCOMING_RE = re.compile(r"^\.incoming-(?:rank|replica-of-rank)-(\d{5,})-\d+-[0-9a-f]{8}\Z")
-PENDING_RE = re.compile(rf"^\.(?:rank|replica-of-rank)-(\d{{5,}})\.staging-{SAVE_ID_CHARS}\Z")
+# The names of a node folder's step folders and their entries: the catalog's grammar (catalog/names.py),
+# which the delete gate checks before any removal.
+STEP_RE, SHARE_RE, REPLICA_RE, INCOMING_RE, PENDING_RE = (
+    TIER_STEP,
+    TIER_SHARE,
+    TIER_REPLICA,
+    TIER_INCOMING,
+    TIER_PENDING,
+)
 
 
 @dataclass(frozen=True)
@@ -272,11 +276,15 @@ def remove_entry(path: str, run: str) -> bool:
     crashed, a transfer) loses only the names shardsafe writes (after finishing an interrupted delete),
     and goes if that empties it; a pending directory, only its save's files. A link (the entry, its step
     or run folder) raises ``ValueError`` or :class:`CheckpointError`, deleting nothing; a name the local
-    tier does not write, :class:`InternalError`. Then the step folder goes, if empty."""
+    tier does not write (the entry's or its step folder's), :class:`InternalError`, before anything is
+    deleted. Then the step folder goes, if empty. Every removal passes the delete gate
+    (:mod:`shardsafe.catalog.unlink`)."""
     name = os.path.basename(path)
-    if entry_rank(name) is None:
-        raise InternalError(f"refusing to delete {path!r}: not a name the local tier writes (a bug: please report it)")
     step_dir = os.path.dirname(path)
+    if entry_rank(name) is None or STEP_RE.match(os.path.basename(step_dir)) is None:
+        raise InternalError(
+            f"refusing to delete {path!r}: not a name the local tier writes in a step folder (a bug: please report it)"
+        )
     for where in (os.path.dirname(step_dir), step_dir):
         if not real_dir(where):
             raise UnsafePathError(f"refusing to delete {path}: {where} is a symbolic link or not a folder")
@@ -300,13 +308,13 @@ def remove_entry(path: str, run: str) -> bool:
         if not gone:
             finish_deletion(storage, path)  # an interrupted delete: what its tombstone lists
             delete_files(storage, path, [n for n in os.listdir(path) if is_own(n)])
-            gone = storage.remove_dir_if_empty(path)
+            gone = unlink.remove_tier_folder(path)
             if not gone:
                 warn_once(path, "holds files shardsafe did not write; left as it is")
     try:
-        os.rmdir(step_dir)
-    except OSError:
-        pass  # other entries are still there
+        unlink.remove_tier_folder(step_dir)  # False: other entries are still there
+    except OSError as err:  # the entry is gone; the empty step folder is never read as a save
+        warn_once(step_dir, f"is empty and could not be removed ({type(err).__name__}: {err}); remove it by hand")
     return gone
 
 

@@ -1,0 +1,54 @@
+"""shardsafe.verify has one deadline from the call to every wait (``timeout=``, default
+``SHARDSAFE_IO_TIMEOUT`` as a load's): a read that never returns, of a data file or of the manifest,
+raises CheckpointTimeoutError at that deadline, and the process then exits (the stuck read is left on a
+daemon thread). Before, verify took no timeout and waited for a hung read for ever."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+HUNG = textwrap.dedent(
+    """
+    import sys, threading, time
+    import torch, shardsafe
+    from shardsafe.storage.local import LocalStorage
+    path = sys.argv[1]
+    shardsafe.save(path, {"w": torch.arange(1000.0)})
+    never = threading.Event()
+    def hung(self, *args, **kwargs):
+        never.wait()  # a read that never returns (a dead NFS server)
+    LocalStorage.read_into = hung  # the data file's blocks
+    t = time.monotonic()
+    try:
+        shardsafe.verify(path, timeout=1)
+    except shardsafe.CheckpointError as err:
+        print("DATA", type(err).__name__, round(time.monotonic() - t, 1), path in str(err), flush=True)
+    LocalStorage.read_bytes = hung  # the manifest; the deadline from SHARDSAFE_IO_TIMEOUT (1 s here)
+    t = time.monotonic()
+    try:
+        shardsafe.verify(path)
+    except shardsafe.CheckpointError as err:
+        print("MANIFEST", type(err).__name__, round(time.monotonic() - t, 1), flush=True)
+    """
+)
+
+
+def test_a_hung_read_ends_verify_at_its_deadline_and_the_process_exits(tmp_path: Path) -> None:
+    started = time.monotonic()
+    env = {**os.environ, "SHARDSAFE_IO_TIMEOUT": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", HUNG, str(tmp_path / "c")], capture_output=True, text=True, timeout=120, env=env
+    )
+    took = time.monotonic() - started
+    lines = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines() if line}
+    assert lines.get("DATA", [""])[0] == "CheckpointTimeoutError", (done.stdout, done.stderr[-2000:])
+    assert lines["DATA"][2] == "True"  # the message names the checkpoint
+    assert lines.get("MANIFEST", [""])[0] == "CheckpointTimeoutError", (done.stdout, done.stderr[-2000:])
+    assert float(lines["DATA"][1]) < 20 and float(lines["MANIFEST"][1]) < 20, lines
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert took < 60, f"the process took {took:.0f}s to end after verify raised: a reader thread held it"
