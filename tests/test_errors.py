@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import builtins
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -256,3 +257,36 @@ def test_an_import_that_outlives_its_timeout_raises_a_checkpoint_timeout_error()
         assert isinstance(caught.value, TimeoutError)
     finally:
         release.set()
+
+
+_TIMEOUT_WORDS = re.compile(
+    r"did not (finish|start|complete|answer) (within|in time)|deadline passed|timed out|still running\s+\{"
+)
+
+
+def _text(node: ast.AST) -> str:
+    return " ".join(
+        str(n.value) if isinstance(n, ast.Constant) else "{"
+        for n in ast.walk(node)
+        if isinstance(n, (ast.Constant, ast.FormattedValue))
+    )
+
+
+def test_every_error_that_says_a_deadline_passed_is_a_checkpoint_timeout_error() -> None:
+    """One class to catch for every timeout: an error whose message says a wait ran out is a
+    CheckpointTimeoutError (a bare CheckpointError or LaunchError saying so is not caught by it)."""
+    from shardsafe.runtime import errors as runtime_errors
+
+    wrong = []
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)):
+                continue
+            func = node.exc.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            cls = getattr(errors, name, None) or getattr(runtime_errors, name, None)
+            timeout = isinstance(cls, type) and _TIMEOUT_WORDS.search(_text(node.exc))
+            if timeout and not issubclass(cls, errors.CheckpointTimeoutError):  # type: ignore[arg-type]
+                wrong.append(f"{rel}:{node.lineno} {name}")
+    assert not wrong, f"raise CheckpointTimeoutError (or a subclass) for a timeout: {wrong}"
