@@ -85,7 +85,7 @@ def test_background_failure_surfaces_on_every_rank(tmp_path: Any) -> None:
     )
     r0, r1 = check_ok(out)
     assert r0[0] == "RemoteRankError" and "rank 1" in r0[1] and "'write'" in r0[1]
-    assert r1[0] == "CheckpointError" and r1[2] == "InjectedFault" and "phase 'write'" in r1[1]
+    assert r1[0] == "UnforeseenError" and r1[2] == "InjectedFault" and "phase 'write'" in r1[1]
     with pytest.raises(shardsafe.CheckpointNotFoundError):
         shardsafe.load(path)
     shardsafe.verify(path + "-next")
@@ -109,7 +109,7 @@ def test_unwaited_background_failure_raises_from_next_save(tmp_path: Any) -> Non
         timeout=60,
         env={"SHARDSAFE_FAULT": "save.write:rank=0:raise"},
     )
-    assert check_ok(out) == ["CheckpointError"]
+    assert check_ok(out) == ["UnforeseenError"]
 
 
 def test_overlapping_saves_each_hold_their_own_values(tmp_path: Any) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import builtins
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -29,8 +30,14 @@ ALLOWED_BUILTIN_RAISES = {
     # names the path, the rank and the phase (a CheckpointError would pass through without that context).
     ("format/datafile.py", "RuntimeError"): "byte count off the plan; wrapped by the save with its phase",
     ("format/datafile.py", "ValueError"): "internal precondition; wrapped by the save with its phase",
-    ("engine/commit.py", "TimeoutError"): "publish called off at the deadline; wrapped by the save",
-    ("storage/uploads.py", "TimeoutError"): "an upload part past its deadline; wrapped by the save",
+    # A builtin TimeoutError never reaches a caller: the save turns it into a CheckpointTimeoutError
+    # (commit._publish for the publish, failures.wrap for a rank's own failure, guard.mapped for any
+    # other; test_a_builtin_timeout_reaches_the_caller_as_a_checkpoint_timeout_error checks the last two).
+    (
+        "engine/commit.py",
+        "TimeoutError",
+    ): "publish called off at the deadline; raised by _publish as CheckpointTimeoutError",
+    ("storage/uploads.py", "TimeoutError"): "an upload part past its deadline; failures.wrap: CheckpointTimeoutError",
     ("storage/uploads.py", "OSError"): "more parts than S3 allows; wrapped by the save",
     ("storage/uploads.py", "ValueError"): "writer used after close; wrapped by the save",
     ("storage/remote.py", "OSError"): "a batch delete that failed for some objects, like os; callers catch OSError",
@@ -122,3 +129,164 @@ def test_bad_knob_value_is_an_invalid_argument(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(errors.InvalidArgumentError, match="SHARDSAFE_IO_THREADS") as caught:
         knobs.io_threads()
     assert isinstance(caught.value, ValueError)
+
+
+# ------------------------------------------------------------------------------- the closed set
+
+# Public exception classes defined outside errors.py, each with its reason. A new one fails
+# test_no_public_exception_class_outside_errors_py: define it in errors.py, in one remedy group.
+ALLOWED_CLASSES_OUTSIDE = {
+    ("runtime/errors.py", "LaunchError"): "the runtime's, off the top level (test_public_api); a UsageError",
+    ("runtime/errors.py", "WorkerError"): "the runtime's, off the top level (test_public_api); a RetryableError",
+    ("runtime/errors.py", "WorkerTraceback"): "never raised: the text of a worker's traceback, chained as __cause__",
+    ("coord/faults.py", "InjectedFault"): "stands for a failing disk: it must take the path of a real OSError",
+    ("storage/base.py", "PublishRefusedError"): "the storage interface speaks like os; the commit wraps it",
+}
+EXCEPTION_BASES = {
+    n
+    for n in dir(builtins)
+    if isinstance(getattr(builtins, n), type) and issubclass(getattr(builtins, n), BaseException)
+}
+
+
+def _is_exception_base(base: ast.expr) -> bool:
+    name = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else ""
+    return name in EXCEPTION_BASES or name.endswith(("Error", "Exception", "Fault", "Refused", "Malformed"))
+
+
+def _exception_classes_outside_errors() -> set[tuple[str, str]]:
+    found: set[tuple[str, str]] = set()
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).as_posix()
+        if rel == "errors.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(_is_exception_base(b) for b in node.bases):
+                found.add((rel, node.name))
+    return found
+
+
+def test_no_public_exception_class_outside_errors_py() -> None:
+    public = {(rel, name) for rel, name in _exception_classes_outside_errors() if not name.startswith("_")}
+    assert public - set(ALLOWED_CLASSES_OUTSIDE) == set(), "define it in shardsafe/errors.py, in one remedy group"
+    assert set(ALLOWED_CLASSES_OUTSIDE) <= public, "an allowed class is gone: drop it from the list"
+
+
+def test_no_bare_checkpoint_error_is_raised_or_built() -> None:
+    """Every error names its remedy: a bare ``CheckpointError(...)`` (raised, or built to raise later)
+    says only that something failed."""
+    bare = []
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                if (isinstance(f, ast.Name) and f.id == "CheckpointError") or (
+                    isinstance(f, ast.Attribute) and f.attr == "CheckpointError"
+                ):
+                    bare.append(f"{rel}:{node.lineno}")
+    assert not bare, f"raise the class of shardsafe.errors its remedy calls for instead: {bare}"
+
+
+def _public_error_classes() -> list[type[BaseException]]:
+    return [getattr(errors, n) for n in errors.__all__ if isinstance(getattr(errors, n), type)]
+
+
+def test_every_error_is_in_exactly_one_remedy_group() -> None:
+    from shardsafe.coord.failures import _remote_class
+    from shardsafe.runtime import LaunchError, WorkerError
+
+    groups = errors.REMEDY_GROUPS
+    assert {g.__name__ for g in groups} == {"UsageError", "UnusableCheckpointError", "RetryableError", "InternalError"}
+    across = {errors.CheckpointError, errors.CoordinationError, errors.RemoteRankError}
+    checked = [c for c in _public_error_classes() if c not in across] + [LaunchError, WorkerError]
+    for cls in checked:
+        assert [g.__name__ for g in groups if issubclass(cls, g)] and sum(issubclass(cls, g) for g in groups) == 1, cls
+    # another rank's error is also an instance of the class that rank raised: of that class's group only
+    for cls in checked:
+        if not issubclass(cls, errors.CoordinationError):
+            remote = _remote_class(cls.__name__)
+            assert issubclass(remote, errors.RemoteRankError) and issubclass(remote, cls)
+            assert sum(issubclass(remote, g) for g in groups) == 1, cls
+    # a foreign error of another rank: of the class that rank wraps it into (wrap), hence of its group
+    assert issubclass(_remote_class("PermissionError"), errors.UnforeseenError)
+    assert issubclass(_remote_class("TimeoutError"), errors.CheckpointTimeoutError)
+    # the builtin bases the existing except clauses rely on
+    assert issubclass(errors.CheckpointTimeoutError, TimeoutError)
+    assert issubclass(errors.RankTimeoutError, errors.CheckpointTimeoutError)
+    assert issubclass(errors.OperationTimeoutError, errors.CheckpointTimeoutError)
+    assert issubclass(errors.BaseRefusedError, ValueError) and issubclass(LaunchError, RuntimeError)
+    assert issubclass(errors.CheckpointNotFoundError, FileNotFoundError)
+    assert issubclass(errors.CheckpointExistsError, FileExistsError)
+
+
+def test_the_old_names_are_the_same_classes() -> None:
+    from shardsafe.engine import incremental
+
+    assert incremental.BaseRefusedError is errors.BaseRefusedError is shardsafe.BaseRefusedError
+
+
+def test_every_error_is_in_the_docs_table() -> None:
+    doc = (SRC.parent.parent / "docs" / "faults.md").read_text()
+    table = doc.split("## The errors, by remedy", 1)[1].split("\n## ", 1)[0]
+    for cls in [*_public_error_classes(), *errors.REMEDY_GROUPS]:
+        assert f"`{cls.__name__}`" in table, cls.__name__
+
+
+def test_a_builtin_timeout_reaches_the_caller_as_a_checkpoint_timeout_error() -> None:
+    from shardsafe.coord import failures
+    from shardsafe.engine import guard
+
+    mapped = guard.mapped("load", "/x", TimeoutError("the storage did not answer"), reads=True)
+    assert isinstance(mapped, errors.CheckpointTimeoutError) and "the storage did not answer" in str(mapped)
+    wrapped = failures.wrap(TimeoutError("an upload part"), op="save", target="/x", rank=1, phase="write")
+    assert isinstance(wrapped, errors.CheckpointTimeoutError) and "rank 1" in str(wrapped)
+    other = failures.wrap(ValueError("boom"), op="save", target="/x", rank=1, phase="write")
+    assert isinstance(other, errors.UnforeseenError) and not isinstance(other, TimeoutError)
+
+
+def test_an_import_that_outlives_its_timeout_raises_a_checkpoint_timeout_error() -> None:
+    import threading
+
+    from shardsafe.interop import importer
+
+    release = threading.Event()
+    try:
+        with pytest.raises(errors.CheckpointTimeoutError, match="did not finish within") as caught:
+            importer._deadline("src.pt", 0.05, lambda: release.wait(10))
+        assert isinstance(caught.value, TimeoutError)
+    finally:
+        release.set()
+
+
+_TIMEOUT_WORDS = re.compile(
+    r"did not (finish|start|complete|answer) (within|in time)|deadline passed|timed out|still running\s+\{"
+)
+
+
+def _text(node: ast.AST) -> str:
+    return " ".join(
+        str(n.value) if isinstance(n, ast.Constant) else "{"
+        for n in ast.walk(node)
+        if isinstance(n, (ast.Constant, ast.FormattedValue))
+    )
+
+
+def test_every_error_that_says_a_deadline_passed_is_a_checkpoint_timeout_error() -> None:
+    """One class to catch for every timeout: an error whose message says a wait ran out is a
+    CheckpointTimeoutError (a bare CheckpointError or LaunchError saying so is not caught by it)."""
+    from shardsafe.runtime import errors as runtime_errors
+
+    wrong = []
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)):
+                continue
+            func = node.exc.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            cls = getattr(errors, name, None) or getattr(runtime_errors, name, None)
+            timeout = isinstance(cls, type) and _TIMEOUT_WORDS.search(_text(node.exc))
+            if timeout and not issubclass(cls, errors.CheckpointTimeoutError):  # type: ignore[arg-type]
+                wrong.append(f"{rel}:{node.lineno} {name}")
+    assert not wrong, f"raise CheckpointTimeoutError (or a subclass) for a timeout: {wrong}"

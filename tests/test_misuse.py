@@ -134,7 +134,9 @@ def test_out_of_step_ranks_raise_on_every_rank_with_what_each_did(tmp_path: Any)
         assert r["loaded"] == ([[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], 3)
     r0, r1 = results
     assert r0["after_structure"] == [], "a save refused for mismatched state left something behind"
-    assert r0["structure"]["type"] == "CheckpointError" and "ranks [1]" in r0["structure"]["msg"], r0["structure"]
+    assert r0["structure"]["type"] == "InconsistentRanksError" and "ranks [1]" in r0["structure"]["msg"], r0[
+        "structure"
+    ]
     assert r1["structure"]["type"] == "RemoteRankError" and "rank 0" in r1["structure"]["msg"], r1["structure"]
 
 

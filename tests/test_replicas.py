@@ -76,7 +76,7 @@ def test_replicas_that_differ_are_refused_on_every_rank_naming_them(tmp_path: Pa
     r0, r1 = (o.result for o in outcomes)
     for r in (r0, r1):  # one outcome, on every rank, before the commit
         refused = r["unsynced"]
-        assert refused.startswith("CheckpointError") or refused.startswith("RemoteRankError"), refused
+        assert refused.startswith("InconsistentRanksError") or refused.startswith("RemoteRankError"), refused
         assert "'model/embed.weight'" in refused and "'model/head.weight'" in refused, refused
         assert "2 different values, held by ranks [0] | [1]" in refused, refused
         assert "norm.running_mean" not in refused.split("Wrap")[0], refused  # buffers: not refused

@@ -38,7 +38,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from shardsafe.engine import api
-from shardsafe.errors import CheckpointError, InvalidTypeError
+from shardsafe.errors import InvalidCallError, InvalidTypeError, StateMismatchError
 from shardsafe.integration import StrategyCheckpoints, check_state_dict_type, expose_signature, refuse_pickle_file
 from shardsafe.state.flatten import Filtered
 
@@ -114,7 +114,7 @@ class _ShardsafeCheckpoints(StrategyCheckpoints):
             api.load(path, {modules[0]: module}, strict=strict, timeout=self._checkpoint_timeout)
             return
         if modules or any(e.kind != "value" for e in objects):
-            raise CheckpointError(
+            raise InvalidCallError(
                 f"fabric.load_raw({os.fspath(path)!r}, module): the checkpoint holds {len(modules)} modules "
                 f"({modules}); load_raw needs exactly one. Use fabric.load(path, {{name: module}}) instead."
             )
@@ -124,7 +124,7 @@ class _ShardsafeCheckpoints(StrategyCheckpoints):
         targets = dict(module_state(module))  # filled in place: the module's storage (FSDP1: its flat shards)
         unexpected = sorted(saved - set(targets))
         if strict and unexpected:
-            raise CheckpointError(
+            raise StateMismatchError(
                 f"fabric.load_raw({os.fspath(path)!r}, module): the checkpoint holds {unexpected}, which the module "
                 "does not have; nothing was loaded. Pass strict=False to load the rest."
             )

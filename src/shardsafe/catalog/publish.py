@@ -65,7 +65,13 @@ from shardsafe.catalog.names import (
     transfer_file,
 )
 from shardsafe.deadline import Deadline
-from shardsafe.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, InternalError
+from shardsafe.errors import (
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    InternalError,
+    LocalTierError,
+    UnsafePathError,
+)
 from shardsafe.format.manifest import parse_manifest
 from shardsafe.storage import MANIFEST_NAME, Commit, LocalStorage, Storage
 from shardsafe.storage.local import fsync_dir
@@ -332,14 +338,14 @@ class FilePublication:
 class CopyPublication:
     """(one process, the local tier) A copy received into the entry ``entry`` (``rank-R`` or
     ``replica-of-rank-R``) of the step folder ``where``; see the module docstring. :class:`InternalError` for
-    another entry name; :class:`CheckpointError` for a step folder that is a symbolic link (or not a folder), a
-    file name a copy does not hold."""
+    another entry name; :class:`UnsafePathError` for a step folder that is a symbolic link (or not a folder),
+    :class:`LocalTierError` for a file name a copy does not hold."""
 
     def __init__(self, where: str, entry: str) -> None:
         if TIER_SHARE.match(entry) is None and TIER_REPLICA.match(entry) is None:
             raise InternalError(f"{entry!r} is not an entry of a local-tier step folder (a bug: please report it)")
         if link_target(where) is not None or not os.path.isdir(where):
-            raise CheckpointError(f"{where} is a symbolic link or not a folder; nothing is written through a link")
+            raise UnsafePathError(f"{where} is a symbolic link or not a folder; nothing is written through a link")
         self.where = where
         self.final = os.path.join(where, entry)
         self.hidden = os.path.join(where, tier_incoming(entry, os.getpid(), uuid.uuid4().hex[:8]))
@@ -353,7 +359,7 @@ class CopyPublication:
         """A new file ``name`` of the copy (its manifest, a data file) in the hidden folder, open for writing
         (the manifest under a temporary name until :meth:`seal`); never through a link, never an existing one."""
         if not transfer_file(name) or name in self.written:
-            raise CheckpointError(
+            raise LocalTierError(
                 f"a local-tier copy holds no file called {name!r} (its manifest and data files, each once)"
             )
         own = temp_manifest(uuid.uuid4().hex[:8]) if name == MANIFEST_NAME else name
@@ -379,7 +385,7 @@ class CopyPublication:
         """(the copy verified; the entry's name free: the caller removed a copy of its run there) Rename the
         hidden folder to the entry's name, then make the step folder durable; the entry's path."""
         if link_target(self.hidden) is not None or link_target(self.where) is not None:
-            raise CheckpointError(
+            raise UnsafePathError(
                 f"{self.hidden} or its folder became a symbolic link; nothing is published through it"
             )
         if os.path.lexists(self.final):

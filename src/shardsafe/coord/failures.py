@@ -4,18 +4,21 @@ A rank that fails sends a :class:`Failure` (its rank, the phase, the class it ra
 the fields that class carries) in place of its message in the next agreement; a leader whose decision
 is a refusal sends one as the result. Every rank then raises :func:`error_for` of the same record:
 
-- the rank that failed raises its own error (a foreign one wrapped into a :class:`CheckpointError`
-  naming the operation, the rank and the phase, chained to the original);
+- the rank that failed raises its own error (a foreign one wrapped into an :class:`UnforeseenError`, or
+  a :class:`CheckpointTimeoutError` for a builtin ``TimeoutError``, naming the operation, the rank and
+  the phase, chained to the original);
 - a failure *decided for everyone* (a refused target, a missing base, a damaged checkpoint, a listing
   that failed on the leader, ranks out of step) raises that class on every rank, with the same
   message: as it is where it is about the ranks themselves (out of step, dead, timed out), else as a
   :class:`RemoteRankError` naming the deciding rank that is also an instance of that class;
 - the other ranks raise :class:`RemoteRankError` naming the rank, the phase and the original class,
   which is also an instance of that class where it is a shardsafe error (``except
-  CheckpointNotFoundError`` works on every rank)."""
+  CheckpointNotFoundError`` works on every rank), and of the class the failing rank wrapped a foreign
+  one into where it is not (so every rank's error is in the same remedy group)."""
 
 from __future__ import annotations
 
+import builtins
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,12 +26,14 @@ from typing import Any
 from shardsafe import errors
 from shardsafe.errors import (
     CheckpointError,
+    CheckpointTimeoutError,
     CoordinationError,
     InternalError,
     MissingKeysError,
     RankDeadError,
     RankTimeoutError,
     RemoteRankError,
+    UnforeseenError,
 )
 
 _PUBLIC: dict[str, type[CheckpointError]] = {
@@ -119,9 +124,14 @@ def _kind_name(err: BaseException) -> str:
 
 @functools.cache
 def _remote_class(kind: str) -> type[RemoteRankError]:
-    """:class:`RemoteRankError` that is also an instance of the shardsafe class ``kind``."""
+    """:class:`RemoteRankError` that is also an instance of the shardsafe class ``kind``, or, for a
+    foreign class, of the class :func:`wrap` turns it into on the rank that raised it."""
     base = _kind(kind)
-    if base is None or issubclass(RemoteRankError, base) or issubclass(base, CoordinationError):
+    if base is None:
+        foreign = getattr(builtins, kind, None)
+        timeout = isinstance(foreign, type) and issubclass(foreign, TimeoutError)
+        base = CheckpointTimeoutError if timeout else UnforeseenError
+    if issubclass(RemoteRankError, base) or issubclass(base, CoordinationError):
         return RemoteRankError
     # Named like its first base (tracebacks and logs say RemoteRankError); ``kind`` says which class it stands for.
     return type(
@@ -195,7 +205,7 @@ def wrap(err: BaseException, *, op: str, target: str, rank: int, phase: str) -> 
         if op in ("save", "async_save")
         else "Fix the cause and retry."
     )
-    wrapped = CheckpointError(
+    wrapped = (CheckpointTimeoutError if isinstance(err, TimeoutError) else UnforeseenError)(
         f"{op} of {target!r} failed on rank {rank} in phase {phase!r}: {type(err).__name__}: {err}. {tail}"
     )
     wrapped.__cause__ = err

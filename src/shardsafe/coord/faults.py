@@ -38,7 +38,10 @@ POINTS: dict[str, str] = {
 
 
 class InjectedFault(OSError):
-    """The error an injected ``raise`` produces (an ``OSError``, like a failing disk)."""
+    """The error an injected ``raise`` produces (an ``OSError``, like a failing disk). It stays here and
+    is no :class:`~shardsafe.errors.CheckpointError` on purpose: it stands for a failure of the disk or
+    the network, so it must take the path a real ``OSError`` takes (mapped to ``StorageError``, retried,
+    wrapped with its phase); a shardsafe error would pass through unmapped."""
 
 
 def fault_point(point: str, rank: int | None = None) -> None:

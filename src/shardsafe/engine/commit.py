@@ -45,7 +45,15 @@ from shardsafe.coord.failures import wrap
 from shardsafe.engine import incremental, replicas, sidefiles, unremoved
 from shardsafe.engine.messages import SAVE_WRITTEN, Committed, WriteReport
 from shardsafe.engine.plan import Rules
-from shardsafe.errors import CheckpointError, CorruptCheckpointError, RankDeadError, UnsafeValueError
+from shardsafe.errors import (
+    CheckpointError,
+    CheckpointTimeoutError,
+    CommitFailedError,
+    CorruptCheckpointError,
+    InconsistentRanksError,
+    RankDeadError,
+    UnsafeValueError,
+)
 from shardsafe.format.manifest import (
     Chunk,
     FileEntry,
@@ -296,7 +304,7 @@ class Committer:
                     f"still complete if the storage recovers: the checkpoint is committed iff {MANIFEST_NAME} there "
                     f"carries save id {i.save_id}. Check the storage, then save again."
                 )
-            raise CheckpointError(message) from err
+            raise (CheckpointTimeoutError if isinstance(err, TimeoutError) else CommitFailedError)(message) from err
         finally:
             lane.close()
 
@@ -314,7 +322,7 @@ class Committer:
             remember=True,
             side=i.side_written,
         ):
-            worse = CheckpointError(
+            worse = (CheckpointTimeoutError if isinstance(err, TimeoutError) else CommitFailedError)(
                 f"{err} What this save wrote could not be removed either ({i.pending}); it is never read, and the "
                 "next save that commits beside it removes it."
             )
@@ -452,14 +460,14 @@ def build_manifest(i: CommitInputs, world_size: int, reports: dict[int, WriteRep
     fingerprints = {rep.fingerprint for rep in reports.values()}
     if len(fingerprints) > 1:
         mismatch = sorted(r for r, rep in reports.items() if rep.fingerprint != reports[0].fingerprint)
-        raise CheckpointError(
+        raise InconsistentRanksError(
             f"save of {i.path!r}: ranks {mismatch} passed a state with other keys, shapes or dtypes than rank 0. "
             "Every rank must save the same structure (the same model and optimizer)."
         )
     replicas.check(i.path, i.flat, {r: rep.replicas for r, rep in reports.items()})  # refused before the commit
     blocks = sorted({rep.block_bytes for rep in reports.values()})
     if blocks != [i.block_bytes]:
-        raise CheckpointError(f"save of {i.path!r}: ranks wrote with checksum block sizes {blocks}")
+        raise InconsistentRanksError(f"save of {i.path!r}: ranks wrote with checksum block sizes {blocks}")
     chunks: dict[str, list[Chunk]] = {}
     files: dict[str, FileEntry] = {}
     for rank in sorted(reports):
@@ -491,7 +499,7 @@ def build_manifest(i: CommitInputs, world_size: int, reports: dict[int, WriteRep
             continue
         mine = sorted(chunks.get(item.name, []), key=lambda c: c.offsets)
         if sum(math.prod(c.sizes) for c in mine) != math.prod(item.shape):
-            raise CheckpointError(
+            raise InconsistentRanksError(
                 f"save of {i.path!r}: tensor {item.name!r} was not fully written by the ranks (planning differed "
                 "between ranks); every rank must pass the same state structure"
             )

@@ -16,10 +16,13 @@ from typing import Any, TypeVar
 
 from shardsafe.errors import (
     CheckpointError,
+    CheckpointTimeoutError,
     CorruptCheckpointError,
     InvalidArgumentError,
     InvalidTypeError,
+    MissingPackageError,
     StorageError,
+    UnforeseenError,
 )
 
 _DAMAGE = (EOFError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
@@ -42,8 +45,8 @@ def mapped(operation: str, path: str, err: Exception, *, reads: bool) -> Checkpo
     """The :class:`CheckpointError` an unforeseen ``err`` becomes: with ``reads`` (a read of a committed
     checkpoint), a missing or truncated file is damage (:class:`CorruptCheckpointError`); a builtin
     ``ValueError`` or ``TypeError`` stays one (as the misuse errors are), so ``except ValueError`` keeps
-    working for a caller that passed a bad argument no check foresaw; anything else a
-    :class:`CheckpointError`."""
+    working for a caller that passed a bad argument no check foresaw; a builtin ``TimeoutError`` a
+    :class:`CheckpointTimeoutError`; anything else an :class:`UnforeseenError`."""
     if reads and isinstance(err, _DAMAGE):
         return CorruptCheckpointError(
             f"{operation} of {path!r}: a file of the checkpoint is missing or truncated ({type(err).__name__}: "
@@ -51,8 +54,13 @@ def mapped(operation: str, path: str, err: Exception, *, reads: bool) -> Checkpo
         )
     if isinstance(err, OSError) and not isinstance(err, TimeoutError) and err.errno is not None:
         return _storage_error(operation, path, err)
+    if isinstance(err, TimeoutError):  # every timeout that reaches a caller is a CheckpointTimeoutError
+        return CheckpointTimeoutError(
+            f"{operation} of {path!r}: a deadline passed ({type(err).__name__}: {err}). The storage or another "
+            "rank did not answer in time. Retry, or raise timeout= if it is merely slow."
+        )
     if isinstance(err, ImportError):  # a package missing here is never damage, whatever else is said
-        return CheckpointError(
+        return MissingPackageError(
             f"{operation} of {path!r} needs the module {err.name or str(err)[:100]!r}, which this Python cannot "
             f"import ({type(err).__name__}: {err}). Install the package that provides it and try again."
         )
@@ -61,7 +69,7 @@ def mapped(operation: str, path: str, err: Exception, *, reads: bool) -> Checkpo
         if isinstance(err, ValueError)
         else InvalidTypeError
         if isinstance(err, TypeError)
-        else CheckpointError
+        else UnforeseenError
     )
     return kind(
         f"{operation} of {path!r} failed unexpectedly: {type(err).__name__}: {err}. The checkpoint may be damaged "

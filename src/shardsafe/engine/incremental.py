@@ -45,6 +45,10 @@ from shardsafe.catalog.refs import sibling, split
 from shardsafe.deadline import Deadline
 from shardsafe.engine.plan import PendingChunk
 from shardsafe.engine.read import chunk_source, open_manifest
+
+# BaseRefusedError is defined in shardsafe.errors with every public error; importing it from here keeps
+# working for one release (the same class object, re-exported).
+from shardsafe.errors import BaseRefusedError as BaseRefusedError
 from shardsafe.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from shardsafe.format.datafile import read_blocks, tensor_bytes, verify_header
 from shardsafe.format.manifest import Chunk, FileEntry, Manifest, RefEntry, check_file_name
@@ -52,10 +56,6 @@ from shardsafe.storage import Storage
 from shardsafe.workers import run_bounded
 
 logger = logging.getLogger(__name__)
-
-
-class BaseRefusedError(CheckpointError, ValueError):
-    """``base=`` names no usable base for this save (raised on every rank from rank 0's check)."""
 
 
 def check_base(storage: Storage, target: str, base: str) -> str:
@@ -124,7 +124,7 @@ def read_base(storage: Storage, base: str, save_id: str) -> Manifest:
     """(every rank) BASE's manifest, which must be the one rank 0 checked (same save id)."""
     manifest = open_manifest(storage, base)
     if manifest.save_id != save_id:
-        raise CheckpointError(
+        raise BaseRefusedError(
             f"base {base!r} changed during the save (save id {manifest.save_id}, rank 0 saw {save_id}); do not "
             "replace the base while a save uses it, then save again"
         )

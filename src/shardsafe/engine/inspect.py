@@ -17,7 +17,7 @@ from shardsafe.engine.guard import entry_point, mapped_errors
 from shardsafe.engine.memory import available_memory
 from shardsafe.engine.read import chunk_source, open_manifest
 from shardsafe.engine.sidefiles import read_side_file, verify_side_files
-from shardsafe.errors import CheckpointError, CorruptCheckpointError
+from shardsafe.errors import CorruptCheckpointError, InsufficientMemoryError
 from shardsafe.format import sharding
 from shardsafe.format.datafile import read_blocks, verify_header
 from shardsafe.format.manifest import Chunk, Manifest, TensorEntry
@@ -143,7 +143,7 @@ def _verify_files(
     largest = max([f.size for f in manifest.files.values()] + [c.end - c.begin for _, c in _all(by_file)], default=0)
     biggest = min(largest, manifest.block_bytes)
     if biggest > available_memory():  # one checksum block is read at a time
-        raise CheckpointError(
+        raise InsufficientMemoryError(
             f"verify of {path!r}: a checksum block of {biggest} bytes does not fit in the memory available "
             f"({available_memory()} bytes); checksum.block_bytes is {manifest.block_bytes}"
         )

@@ -37,7 +37,7 @@ from shardsafe.engine.read import (
     plan_reads,
     run_tasks,
 )
-from shardsafe.errors import CheckpointError, CorruptCheckpointError, MissingKeysError
+from shardsafe.errors import CorruptCheckpointError, MissingKeysError, UnforeseenError
 from shardsafe.format.manifest import Manifest
 from shardsafe.format.resolve import ChunkSource
 from shardsafe.progress.record import ProgressCallback
@@ -250,7 +250,7 @@ def _read_and_restore(
     try:
         plan.restorer.apply()
     except Exception as err:
-        raise CheckpointError(
+        raise UnforeseenError(
             f"load of {path!r}: restoring the state failed after the data was read ({type(err).__name__}: "
             f"{err}); the state may be partly loaded. Load again, or resume from another checkpoint."
         ) from err

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardsafe import knobs
-from shardsafe.errors import CheckpointError
+from shardsafe.errors import InternalError
 from shardsafe.format.index import index_bytes
 from shardsafe.format.resolve import chunk_key
 from shardsafe.format.sharding import Mesh, Sharding, boxes
@@ -193,7 +193,7 @@ def plan_save(flat: FlatState, rank: int, world_size: int, *, ruled: bool = True
                 b for i in mesh.positions(rank) for b in boxes(item.shape, rule, mesh, mesh.coordinate(i))
             ]
         if held != sorted(want):
-            raise CheckpointError(
+            raise InternalError(
                 f"shardsafe: rank {rank}: the sharding rule of tensor {item.name!r} places boxes {want[:4]} on this "
                 f"rank, which holds {held[:4]} to write; this is a bug in shardsafe's reading of DTensor placements "
                 "(please report it with the tensor's placements and mesh)"

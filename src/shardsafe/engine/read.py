@@ -26,7 +26,12 @@ from shardsafe.catalog.refs import check_refs, chunk_path, missing_base
 from shardsafe.deadline import Deadline
 from shardsafe.engine import hostmem
 from shardsafe.engine.memory import available_memory
-from shardsafe.errors import CheckpointError, CheckpointNotFoundError, CheckpointTimeoutError, CorruptCheckpointError
+from shardsafe.errors import (
+    CheckpointNotFoundError,
+    CheckpointTimeoutError,
+    CorruptCheckpointError,
+    InsufficientMemoryError,
+)
 from shardsafe.format.datafile import digest, read_blocks, tensor_bytes
 from shardsafe.format.index import read_index
 from shardsafe.format.manifest import Chunk, Manifest, TensorEntry, parse_manifest
@@ -145,7 +150,7 @@ def check_allocation(
     have = available_memory()
     if sizes and need > have:
         largest = max(sizes, key=lambda t: sizes[t])
-        raise CheckpointError(
+        raise InsufficientMemoryError(
             f"load of {path!r}: its tensors need {need} bytes of memory (the largest, {largest!r}, "
             f"{sizes[largest]}), but only {have} are available to this process. Load into a "
             "state whose tensors already exist (filled in place), or on a machine with more memory."

@@ -37,7 +37,7 @@ import torch
 import xxhash
 
 from shardsafe import knobs
-from shardsafe.errors import CheckpointError
+from shardsafe.errors import InconsistentRanksError
 from shardsafe.format.datafile import tensor_bytes
 from shardsafe.state.flatten import FlatState, TensorItem
 
@@ -177,4 +177,4 @@ def check(path: str, flat: FlatState, reported: dict[int, list[str]]) -> None:
     if knobs.replica_check() == "warn":
         logger.warning("shardsafe: %s", message.replace("differ between ranks", "differ between ranks (saved anyway)"))
         return
-    raise CheckpointError(message)
+    raise InconsistentRanksError(message)

@@ -35,7 +35,7 @@ import torch
 from shardsafe import knobs
 from shardsafe.engine import hostmem
 from shardsafe.engine.plan import PendingChunk
-from shardsafe.errors import CheckpointError
+from shardsafe.errors import CheckpointTimeoutError, InvalidArgumentError, TornSnapshotError
 from shardsafe.format.datafile import tensor_bytes
 
 copy_cpu_sources = False  # tests: send the CPU sources of synchronous saves through the pool too
@@ -118,7 +118,7 @@ def stage(
     for c, copy in zip(staged.chunks, staged.copy, strict=True):
         dev = c.data.device
         if dev.type == "meta":
-            raise CheckpointError(
+            raise InvalidArgumentError(
                 f"tensor {c.name!r} is on the meta device (it has no data); materialise the model (to_empty and "
                 "initialise, or load a checkpoint) before saving it"
             )
@@ -166,13 +166,13 @@ def fill(
 
 
 def check_memory(c: PendingChunk) -> None:
-    """Raise :class:`CheckpointError` unless the tensor of chunk ``c`` still has the memory of its box:
+    """Raise :class:`InvalidArgumentError` unless the tensor of chunk ``c`` still has the memory of its box:
     the planned sizes, and a storage that holds every byte the tensor reaches. A raw copy of a tensor
     whose storage was freed (``untyped_storage().resize_(0)``, as FSDP-style code does) or shrunk would
     read memory that is not there and crash the process (or save whatever lies at that address)."""
     d = c.data
     if tuple(d.shape) != tuple(c.sizes):
-        raise CheckpointError(
+        raise InvalidArgumentError(
             f"tensor {c.name!r}: its shape changed to {tuple(d.shape)} after the save planned {tuple(c.sizes)} "
             "(resize_ or set_ on it); save a tensor while it holds its data"
         )
@@ -181,7 +181,7 @@ def check_memory(c: PendingChunk) -> None:
     st = d.untyped_storage()
     end = d.storage_offset() + 1 + sum((s - 1) * t for s, t in zip(d.shape, d.stride(), strict=True))
     if not st.data_ptr() or end * d.element_size() > st.nbytes():
-        raise CheckpointError(
+        raise InvalidArgumentError(
             f"tensor {c.name!r} has no memory: it reaches {end * d.element_size()} bytes of a storage of "
             f"{st.nbytes()} bytes (freed: untyped_storage().resize_(0)?); save a tensor while it holds its data "
             "(before freeing it, or after gathering it again)"
@@ -279,7 +279,7 @@ def _fill_slab(
                             if check is not None:
                                 check(i)
                             check_memory(c)
-                            raise CheckpointError(f"tensor {c.name!r}: its memory could not be read (EFAULT)")
+                            raise TornSnapshotError(f"tensor {c.name!r}: its memory could not be read (EFAULT)")
                 else:
                     copy_piece(slab.view(pos, pos + n), src, stream)
                 if stream is None:
@@ -318,7 +318,7 @@ def _windows(staged: Staged) -> Generator[memoryview, None, None]:
 def _acquire_pool(staged: Staged) -> hostmem.HostBuffer:
     global _pool
     if not _pool_lock.acquire(timeout=staged.wait):
-        raise CheckpointError(
+        raise CheckpointTimeoutError(
             f"save: the staging pool stayed busy for {staged.wait:.0f}s (another synchronous save of this process "
             "holds it); save from one thread at a time, or raise the timeout"
         )

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from shardsafe.errors import CheckpointError, CorruptCheckpointError, UnsafeValueError
+from shardsafe.errors import CorruptCheckpointError, MissingPackageError, UnsafeValueError
 from shardsafe.format.walk import has_per_rank
 
 Json = Any
@@ -322,7 +322,7 @@ def decode(node: Json, where: str, resolve: TensorSource, *, allow_pickle: bool 
     try:
         return _build(node, resolve)
     except _NoNumpy as err:
-        raise CheckpointError(
+        raise MissingPackageError(
             f"{where}: holds a numpy {err}; building it needs numpy, which this Python cannot import. Install numpy "
             "(pip install numpy) to load it: the checkpoint itself is fine"
         ) from err.__cause__

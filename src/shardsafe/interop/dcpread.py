@@ -25,10 +25,16 @@ from typing import Any
 
 import torch
 
-from shardsafe.errors import CheckpointError, CorruptCheckpointError
+from shardsafe.errors import (
+    CheckpointError,
+    CheckpointTimeoutError,
+    CorruptCheckpointError,
+    UnsafePathError,
+    UnsupportedCheckpointError,
+)
 from shardsafe.interop.torchread import Source, bound, open_regular
 from shardsafe.interop.torchread import read as read_torch
-from shardsafe.interop.unpickle import Malformed, check_stream
+from shardsafe.interop.unpickle import _Malformed, check_stream
 
 METADATA = ".metadata"
 MAX_METADATA = 1 << 30
@@ -54,7 +60,7 @@ def read(path: str, timeout: float) -> dict[str, Any]:
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        raise CheckpointError(
+        raise CheckpointTimeoutError(
             f"{path}: reading the DCP checkpoint did not finish within {timeout:g}s (a file that never answers, or "
             "storage far too slow); nothing was imported. Raise timeout= or SHARDSAFE_IO_TIMEOUT if it is merely slow"
         )
@@ -170,7 +176,7 @@ def _metadata(path: str) -> Any:
     try:
         check_stream(io.BytesIO(raw), f"{file}")
         metadata = pickle.loads(raw)
-    except Malformed as err:
+    except _Malformed as err:
         raise CorruptCheckpointError(f"{err}: damaged; nothing was imported") from err
     except Exception as err:
         raise CorruptCheckpointError(
@@ -196,7 +202,7 @@ def _check(path: str, md: Any) -> None:
         if not (isinstance(name, str) and name and "/" not in name and name not in (".", "..", METADATA)):
             raise CorruptCheckpointError(f"{where}: item {index!r} names file {name!r}, not a file of the folder")
         if getattr(info, "transform_descriptors", None):
-            raise CheckpointError(
+            raise UnsupportedCheckpointError(
                 f"{where}: item {index!r} is stored transformed ({info.transform_descriptors}), which the importer "
                 "does not read; load the checkpoint with DCP and save it again without transforms"
             )
@@ -206,7 +212,7 @@ def _check(path: str, md: Any) -> None:
             except OSError as err:
                 raise CorruptCheckpointError(f"{os.path.join(path, name)}: a DCP data file is missing ({err})") from err
             if not stat.S_ISREG(st.st_mode):
-                raise CheckpointError(
+                raise UnsafePathError(
                     f"{os.path.join(path, name)}: the DCP data file is not a regular file: refused, nothing was read. "
                     "An import reads regular files only"
                 )

@@ -26,7 +26,7 @@ import torch
 from shardsafe import knobs
 from shardsafe.engine.guard import entry_point, mapped_errors
 from shardsafe.engine.read import check_sizes, read_manifest
-from shardsafe.errors import CheckpointError, InvalidArgumentError
+from shardsafe.errors import InternalError, InvalidArgumentError
 from shardsafe.format.datafile import tensor_bytes
 from shardsafe.format.manifest import SAFETENSORS_DTYPES, Manifest
 from shardsafe.interop.names import wrapper_prefix
@@ -329,7 +329,7 @@ def _write_shard(
             written += len(view)
             on_bytes(len(view))
         if written != pos:  # an internal invariant: the pieces of a tensor cover it exactly
-            raise CheckpointError(f"export {file}: wrote {written} tensor bytes where the header says {pos}")
+            raise InternalError(f"export {file}: wrote {written} tensor bytes where the header says {pos}")
         os.fsync(fd)
     finally:
         os.close(fd)

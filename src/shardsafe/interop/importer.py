@@ -24,7 +24,16 @@ from typing import TYPE_CHECKING, Any
 from shardsafe import knobs
 from shardsafe.engine import api
 from shardsafe.engine.guard import entry_point
-from shardsafe.errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, UnsafeValueError
+from shardsafe.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointTimeoutError,
+    InvalidArgumentError,
+    InvalidCallError,
+    MissingPackageError,
+    UnforeseenError,
+    UnsafeValueError,
+)
 from shardsafe.interop import dcpread, hfread, torchread
 from shardsafe.interop.outdir import inside
 from shardsafe.interop.resume import shape
@@ -129,7 +138,7 @@ def import_checkpoint(
     except CheckpointError:
         raise
     except Exception as err:  # a value the save could not take: said as the import's failure, nothing committed
-        raise CheckpointError(
+        raise UnforeseenError(
             f"import of {src}: saving it as {target} failed ({type(err).__name__}: {str(err)[:300]})"
         ) from err
     logger.info(
@@ -174,13 +183,13 @@ def _guarded(src: str, read: Any) -> Any:
     except CheckpointError:
         raise
     except ImportError as err:  # a package this Python lacks: said as such, never as damage
-        raise CheckpointError(
+        raise MissingPackageError(
             f"{src}: reading it needs the module {err.name or str(err)[:100]!r}, which this Python cannot import "
             f"({type(err).__name__}: {str(err)[:200]}). Install the package that provides it and import again; "
             "nothing was imported"
         ) from err
     except Exception as err:
-        raise CheckpointError(f"{src}: cannot import it ({type(err).__name__}: {str(err)[:300]})") from err
+        raise UnforeseenError(f"{src}: cannot import it ({type(err).__name__}: {str(err)[:300]})") from err
 
 
 def _deadline(src: str, timeout: float, read: Any) -> Any:
@@ -197,7 +206,7 @@ def _deadline(src: str, timeout: float, read: Any) -> Any:
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        raise CheckpointError(
+        raise CheckpointTimeoutError(
             f"{src}: reading the source did not finish within {timeout:g}s (a file that never answers, or storage "
             "far too slow); nothing was imported. Raise timeout= or SHARDSAFE_IO_TIMEOUT if it is merely slow"
         )
@@ -210,7 +219,7 @@ def _check_single_process() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise CheckpointError(
+        raise InvalidCallError(
             "import_checkpoint runs in one process, but a process group of "
             f"{dist.get_world_size()} ranks is initialised; run it outside the distributed job "
             "(e.g. `shardsafe import SRC DEST`)"

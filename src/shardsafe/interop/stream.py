@@ -25,7 +25,7 @@ from shardsafe.catalog.refs import chunk_path
 from shardsafe.deadline import Deadline
 from shardsafe.engine.guard import mapped_errors
 from shardsafe.engine.read import plan_reads, run_tasks
-from shardsafe.errors import CheckpointError, CorruptCheckpointError
+from shardsafe.errors import CheckpointTimeoutError, CorruptCheckpointError
 from shardsafe.format.datafile import read_verified, tensor_bytes
 from shardsafe.format.manifest import Chunk, Manifest, TensorEntry
 from shardsafe.storage import Storage
@@ -107,7 +107,7 @@ class PieceReader:
         try:
             return future.result(timeout=self.timeout)
         except FuturesTimeout:
-            raise CheckpointError(
+            raise CheckpointTimeoutError(
                 f"export of {self.path!r}: reading tensor {piece.name!r} did not finish within {self.timeout:.0f}s "
                 "(storage hung or far too slow); raise timeout= or SHARDSAFE_IO_TIMEOUT if it is merely slow"
             ) from None
@@ -155,7 +155,7 @@ class PieceReader:
         futures = [self.io.submit(one, offset) for offset in range(0, len(out), block)]
         _, late = wait(futures, timeout=self.timeout)
         if late:
-            raise CheckpointError(
+            raise CheckpointTimeoutError(
                 f"export of {self.path!r}: reading {file} did not finish within {self.timeout:.0f}s (storage hung "
                 "or far too slow); raise timeout= or SHARDSAFE_IO_TIMEOUT if it is merely slow"
             )

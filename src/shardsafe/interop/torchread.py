@@ -32,11 +32,19 @@ from typing import Any
 
 import torch
 
-from shardsafe.errors import CheckpointError, CorruptCheckpointError, UnsafeValueError
+from shardsafe.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    MissingPackageError,
+    UnsafePathError,
+    UnsafeValueError,
+    UnsupportedCheckpointError,
+)
 from shardsafe.format.datafile import tensor_bytes
 from shardsafe.format.values import MAX_DEPTH
 from shardsafe.interop import unpickle
-from shardsafe.interop.unpickle import Malformed, Refused
+from shardsafe.interop.unpickle import _Malformed, _Refused
 
 FACTOR, SLACK = 2, 64 << 20
 BOUND_TEXT = "2 x the source's size + 64 MiB"
@@ -62,24 +70,24 @@ class Source:
 
     def pread(self, n: int, offset: int) -> bytes:
         if offset < 0 or offset + n > self.length:
-            raise Malformed(f"a read of {n} bytes at {offset} passes the end ({self.length} bytes)")
+            raise _Malformed(f"a read of {n} bytes at {offset} passes the end ({self.length} bytes)")
         out = bytearray()
         while len(out) < n:
             got = os.pread(self.fd, n - len(out), self.start + offset + len(out))
             if not got:
-                raise Malformed(f"the file ends at byte {offset + len(out)}, before the {n} bytes it declares")
+                raise _Malformed(f"the file ends at byte {offset + len(out)}, before the {n} bytes it declares")
             out += got
         return bytes(out)
 
     def pread_into(self, view: memoryview, offset: int) -> None:
         """Fill ``view`` with the bytes at ``offset`` (straight from the file, no copy in between)."""
         if offset < 0 or offset + len(view) > self.length:
-            raise Malformed(f"a read of {len(view)} bytes at {offset} passes the end ({self.length} bytes)")
+            raise _Malformed(f"a read of {len(view)} bytes at {offset} passes the end ({self.length} bytes)")
         done = 0
         while done < len(view):
             got = os.preadv(self.fd, [view[done:]], self.start + offset + done)
             if not got:
-                raise Malformed(f"the file ends at byte {offset + done}, before the {len(view)} bytes it declares")
+                raise _Malformed(f"the file ends at byte {offset + done}, before the {len(view)} bytes it declares")
             done += got
 
 
@@ -98,7 +106,7 @@ class _Window(io.RawIOBase):
     def seek(self, offset: int, whence: int = 0) -> int:
         base = {0: 0, 1: self.pos, 2: self.src.length}[whence]
         if base + offset < 0:
-            raise Malformed("a seek before the start of the file")
+            raise _Malformed("a seek before the start of the file")
         self.pos = base + offset
         return self.pos
 
@@ -119,11 +127,12 @@ def open_regular(path: str, what: str) -> int:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as err:
-        raise CheckpointError(f"{path}: cannot open the {what} ({err.strerror or err})") from err
+        kind = CheckpointNotFoundError if isinstance(err, FileNotFoundError) else UnsafePathError
+        raise kind(f"{path}: cannot open the {what} ({err.strerror or err})") from err
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise CheckpointError(
+            raise UnsafePathError(
                 f"{path}: the {what} is not a regular file ({_kind(mode)}): refused, nothing was read. An import "
                 "reads regular files only"
             )
@@ -160,7 +169,7 @@ def read(src: Source, allow_pickle: bool) -> Any:
     checked as the module docstring says."""
     kind = sniff(src)
     if kind == "tar":
-        raise CheckpointError(
+        raise UnsupportedCheckpointError(
             f"{src.where}: a torch.save file in the tar format of torch < 0.4, which shardsafe does not import; "
             "load it with that torch and save it again"
         )
@@ -173,12 +182,12 @@ def read(src: Source, allow_pickle: bool) -> Any:
     try:
         obj, pickled = _zip(src, allow_pickle) if kind == "zip" else _legacy(src, allow_pickle)
     except ImportError as err:  # full unpickling named a module this Python lacks: not damage
-        raise CheckpointError(
+        raise MissingPackageError(
             f"{src.where}: reading it needs the module {err.name or str(err)[:100]!r}, which this Python cannot "
             f"import ({type(err).__name__}: {str(err)[:200]}). Install the package that provides it and import "
             "again; nothing was imported"
         ) from err
-    except Malformed as err:
+    except _Malformed as err:
         raise CorruptCheckpointError(
             f"{src.where}: {err}; the file is damaged (or crafted): nothing was imported"
         ) from err
@@ -201,31 +210,31 @@ def _zip(src: Source, allow_pickle: bool) -> tuple[Any, int]:
             infos = archive.infolist()
             directory = archive.start_dir
             records = _records(src, archive, infos, directory)
-    except (Malformed, CheckpointError, ImportError):  # a module this Python lacks is no damage
+    except (_Malformed, CheckpointError, ImportError):  # a module this Python lacks is no damage
         raise
     except Exception as err:  # what zipfile raises for a damaged directory or header
-        raise Malformed(f"not a readable zip archive ({type(err).__name__}: {str(err)[:200]})") from err
+        raise _Malformed(f"not a readable zip archive ({type(err).__name__}: {str(err)[:200]})") from err
     pkl = records.pop("data.pkl", None)
     if pkl is None:
-        raise Malformed("the archive has no data.pkl record")
+        raise _Malformed("the archive has no data.pkl record")
     order = records.pop("byteorder", None)
     big = order is not None and bytes(tensor_bytes(order)) == b"big"
     if order is not None and bytes(tensor_bytes(order)) not in (b"little", b"big"):
-        raise Malformed("record 'byteorder' is neither 'little' nor 'big'")
+        raise _Malformed("record 'byteorder' is neither 'little' nor 'big'")
     storages: dict[str, torch.UntypedStorage] = {}
 
     def persistent_load(pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and _text(pid[0]) == "storage"):
-            raise Malformed(f"data.pkl refers to {_short(pid)}, not to a storage")
+            raise _Malformed(f"data.pkl refers to {_short(pid)}, not to a storage")
         dtype, key, numel = unpickle.storage_dtype(pid[1]), _text(pid[2]), pid[4]
         name = f"data/{key}"
         if name not in records:
-            raise Malformed(f"data.pkl refers to record {name!r}, which the archive lacks")
+            raise _Malformed(f"data.pkl refers to record {name!r}, which the archive lacks")
         if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
-            raise Malformed(f"data.pkl gives record {name!r} {numel!r} elements")
+            raise _Malformed(f"data.pkl gives record {name!r} {numel!r} elements")
         record = records[name]
         if numel * dtype.itemsize != record.numel():
-            raise Malformed(
+            raise _Malformed(
                 f"record {name!r} holds {record.numel()} bytes, but data.pkl declares {numel} {dtype} elements "
                 f"({numel * dtype.itemsize} bytes) for it"
             )
@@ -243,30 +252,30 @@ def _records(
 ) -> dict[str, torch.Tensor]:
     """Every record's bytes by its name under the archive's top folder, each checked against its CRC-32."""
     if not infos:
-        raise Malformed("the archive holds no records")
+        raise _Malformed("the archive holds no records")
     prefix = infos[0].filename.split("/", 1)[0]
     names: set[str] = set()
     for info in infos:
         top, _, rest = info.filename.partition("/")
         if top != prefix or not rest:
-            raise Malformed(f"record {info.filename[:80]!r} is not under the archive's folder {prefix[:80]!r}")
+            raise _Malformed(f"record {info.filename[:80]!r} is not under the archive's folder {prefix[:80]!r}")
         if rest in names:
-            raise Malformed(f"record {info.filename[:80]!r} appears twice")
+            raise _Malformed(f"record {info.filename[:80]!r} appears twice")
         names.add(rest)
         if info.flag_bits & 0x1:
-            raise Malformed(f"record {info.filename[:80]!r} is encrypted")
+            raise _Malformed(f"record {info.filename[:80]!r} is encrypted")
         if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
-            raise Malformed(f"record {info.filename[:80]!r} is compressed with method {info.compress_type}")
+            raise _Malformed(f"record {info.filename[:80]!r} is compressed with method {info.compress_type}")
         if info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
-            raise Malformed(f"record {info.filename[:80]!r} is stored, yet its two sizes differ")
+            raise _Malformed(f"record {info.filename[:80]!r} is stored, yet its two sizes differ")
     ends = sorted((i.header_offset, i.header_offset + 30 + i.compress_size, i.filename) for i in infos)
     for (_, end, name), (start, _, _) in zip(ends, [*ends[1:], (directory, 0, "")], strict=True):
         if end > start:
-            raise Malformed(f"record {name[:80]!r} overlaps what follows it in the file")
+            raise _Malformed(f"record {name[:80]!r} overlaps what follows it in the file")
     expanded = sum(i.file_size for i in infos)
     if expanded > bound(src.length):
         big = max(infos, key=lambda i: i.file_size)
-        raise Malformed(
+        raise _Malformed(
             f"its records declare {expanded} bytes in all (record {big.filename[:80]!r}: {big.file_size} bytes, "
             f"{big.compress_size} in the file), more than the importer's bound of {BOUND_TEXT} "
             f"({bound(src.length)} bytes)"
@@ -281,12 +290,12 @@ def _record(src: Source, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> tor
     if info.compress_type == zipfile.ZIP_STORED:
         local = src.pread(30, info.header_offset)
         if local[:4] != b"PK\x03\x04":
-            raise Malformed(f"record {info.filename[:80]!r} has no local header where the directory says")
+            raise _Malformed(f"record {info.filename[:80]!r} has no local header where the directory says")
         name_len, extra_len = struct.unpack("<HH", local[26:30])
         begin = info.header_offset + 30 + name_len + extra_len
         encoding = "utf-8" if info.flag_bits & 0x800 else "cp437"
         if src.pread(name_len, info.header_offset + 30) != info.orig_filename.encode(encoding):
-            raise Malformed(f"record {info.filename[:80]!r} has another name in its local header")
+            raise _Malformed(f"record {info.filename[:80]!r} has another name in its local header")
         for lo in range(0, info.file_size, _CHUNK):
             hi = min(lo + _CHUNK, info.file_size)
             src.pread_into(view[lo:hi], begin + lo)
@@ -297,7 +306,7 @@ def _record(src: Source, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> tor
             while pos < info.file_size:
                 data = stream.read(min(_CHUNK, info.file_size - pos))
                 if not data:
-                    raise Malformed(f"record {info.filename[:80]!r} inflates to fewer bytes than it declares")
+                    raise _Malformed(f"record {info.filename[:80]!r} inflates to fewer bytes than it declares")
                 view[pos : pos + len(data)] = data
                 crc = zlib.crc32(data, crc)
                 pos += len(data)
@@ -315,12 +324,12 @@ def _record(src: Source, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> tor
 def _legacy(src: Source, allow_pickle: bool) -> tuple[Any, int]:
     f = io.BufferedReader(_Window(src), buffer_size=1 << 16)
     if _unpickle_at(f, _no_storages, False, "the magic number") != MAGIC_NUMBER:
-        raise Malformed("its first pickle is not torch.save's magic number")
+        raise _Malformed("its first pickle is not torch.save's magic number")
     if _unpickle_at(f, _no_storages, False, "the protocol version") != LEGACY_PROTOCOL:
-        raise Malformed("its protocol version is not 1001")
+        raise _Malformed("its protocol version is not 1001")
     info = _unpickle_at(f, _no_storages, False, "the system info")
     if not isinstance(info, dict) or info.get("little_endian", True) is not True:
-        raise Malformed("its system info is not a dict saying little-endian (big-endian legacy files are not read)")
+        raise _Malformed("its system info is not a dict saying little-endian (big-endian legacy files are not read)")
     start = f.tell()
     declared: dict[str, tuple[int, bytearray, torch.UntypedStorage]] = {}  # key -> (elements, memory, storage)
     views: dict[str, torch.UntypedStorage] = {}
@@ -330,15 +339,15 @@ def _legacy(src: Source, allow_pickle: bool) -> tuple[Any, int]:
         if allow_pickle and isinstance(pid, tuple) and len(pid) == 4 and _text(pid[0]) == "module":
             return pid[1]  # a whole module pickled by an old torch.save: its class
         if not (isinstance(pid, tuple) and len(pid) == 6 and _text(pid[0]) == "storage"):
-            raise Malformed(f"the pickle refers to {_short(pid)}, not to a storage")
+            raise _Malformed(f"the pickle refers to {_short(pid)}, not to a storage")
         dtype, key, numel, view_of = unpickle.storage_dtype(pid[1]), _text(pid[2]), pid[4], pid[5]
         if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
-            raise Malformed(f"storage {key!r} declares {numel!r} elements")
+            raise _Malformed(f"storage {key!r} declares {numel!r} elements")
         if key not in declared:
             room[0] += numel * dtype.itemsize + 8
             left = src.length - f.tell()
             if room[0] > left:
-                raise Malformed(
+                raise _Malformed(
                     f"storage {key!r} declares {numel} {dtype} elements ({numel * dtype.itemsize} bytes): with the "
                     f"others, more than the {left} bytes left in the file"
                 )
@@ -346,13 +355,13 @@ def _legacy(src: Source, allow_pickle: bool) -> tuple[Any, int]:
             declared[key] = (numel, memory, tensor.untyped_storage())
         storage = declared[key][2]
         if storage.nbytes() != numel * dtype.itemsize:
-            raise Malformed(f"storage {key!r} is declared with two sizes")
+            raise _Malformed(f"storage {key!r} is declared with two sizes")
         if view_of is not None:
             if not (isinstance(view_of, tuple) and len(view_of) == 3 and all(isinstance(x, int) for x in view_of[1:])):
-                raise Malformed(f"storage {key!r} has a malformed view")
+                raise _Malformed(f"storage {key!r} has a malformed view")
             name, offset, size = _text(view_of[0]), view_of[1], view_of[2]
             if offset < 0 or size < 0 or offset + size > numel:
-                raise Malformed(f"view {name!r} of storage {key!r} does not fit in it")
+                raise _Malformed(f"view {name!r} of storage {key!r} does not fit in it")
             views.setdefault(name, storage[offset * dtype.itemsize : (offset + size) * dtype.itemsize])
             storage = views[name]
         return _typed(storage, dtype)
@@ -361,16 +370,16 @@ def _legacy(src: Source, allow_pickle: bool) -> tuple[Any, int]:
     pickled = f.tell() - start
     keys = _unpickle_at(f, _no_storages, False, "the storage keys")
     if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)) or sorted(keys) != sorted(declared):
-        raise Malformed("its list of storage keys does not match the storages its pickle declares")
+        raise _Malformed("its list of storage keys does not match the storages its pickle declares")
     for key in keys:
         numel, memory, storage = declared[key]
         (count,) = struct.unpack("<q", _exactly(f, 8, key))
         if count != numel:
-            raise Malformed(f"storage {key!r} has {count} elements in the file, {numel} in its pickle")
+            raise _Malformed(f"storage {key!r} has {count} elements in the file, {numel} in its pickle")
         if storage.nbytes() and f.readinto(memoryview(memory)[: storage.nbytes()]) != storage.nbytes():
-            raise Malformed(f"the file ends inside storage {key!r}")
+            raise _Malformed(f"the file ends inside storage {key!r}")
     if f.read(1):
-        raise Malformed(f"{src.length - f.tell() + 1} bytes follow the last storage")
+        raise _Malformed(f"{src.length - f.tell() + 1} bytes follow the last storage")
     return obj, pickled
 
 
@@ -390,12 +399,12 @@ def _typed(storage: torch.UntypedStorage, dtype: torch.dtype) -> torch.storage.T
 def _exactly(f: Any, n: int, key: str) -> bytes:
     data: bytes = f.read(n)
     if len(data) != n:
-        raise Malformed(f"the file ends before storage {key!r}")
+        raise _Malformed(f"the file ends before storage {key!r}")
     return data
 
 
 def _no_storages(pid: Any) -> Any:
-    raise Malformed("a storage where none belongs")
+    raise _Malformed("a storage where none belongs")
 
 
 def _unpickle_at(f: Any, persistent_load: unpickle.PersistentLoad, allow_pickle: bool, what: str) -> Any:
@@ -403,38 +412,38 @@ def _unpickle_at(f: Any, persistent_load: unpickle.PersistentLoad, allow_pickle:
     try:
         load = unpickle.load_full if allow_pickle else unpickle.load_restricted
         return load(f, persistent_load)
-    except Refused as why:
+    except _Refused as why:
         # No checksum covers a legacy file: a flipped byte can turn a name into another. Only a pickle
         # whose structure holds and whose global really exists is taken as asking for full unpickling.
         f.seek(start)
         if why.name is None or not unpickle.well_formed(f):
-            raise Malformed(f"{what}: a damaged pickle ({why})") from None
+            raise _Malformed(f"{what}: a damaged pickle ({why})") from None
         if not unpickle.exists(why.name):
             if unpickle.installed(why.name):  # the package is here, the name is not: a damaged name
-                raise Malformed(f"{what} names the global {why.name}, which does not exist here") from None
+                raise _Malformed(f"{what} names the global {why.name}, which does not exist here") from None
             raise _Unsafe(what, why, missing=why.name.split(".", 1)[0]) from None
         raise _Unsafe(what, why) from None
-    except Malformed as err:
-        raise Malformed(f"{what}: {err}") from err
+    except _Malformed as err:
+        raise _Malformed(f"{what}: {err}") from err
 
 
 def _unpickle(data: bytes, persistent_load: unpickle.PersistentLoad, allow_pickle: bool, what: str) -> Any:
     try:
         load = unpickle.load_full if allow_pickle else unpickle.load_restricted
         return load(io.BytesIO(data), persistent_load)
-    except Refused as why:
+    except _Refused as why:
         if unpickle.well_formed(io.BytesIO(data), len(data)):
             raise _Unsafe(what, why) from None
-        raise Malformed(f"{what}: a damaged pickle") from None
-    except Malformed as err:
-        raise Malformed(f"{what}: {err}") from err
+        raise _Malformed(f"{what}: a damaged pickle") from None
+    except _Malformed as err:
+        raise _Malformed(f"{what}: {err}") from err
 
 
 class _Unsafe(Exception):
     """An intact pickle that asks for more than weights-only reading does (``missing``: the package of that
     global, when it is not installed here)."""
 
-    def __init__(self, what: str, why: Refused, missing: str | None = None) -> None:
+    def __init__(self, what: str, why: _Refused, missing: str | None = None) -> None:
         note = f", from the package {missing}, which is not installed here" if missing else ""
         super().__init__(f"{what} asks for {why}{note}")
 
@@ -450,7 +459,7 @@ def check_tree(obj: Any, where: str, limit: int, pickled: int) -> None:
     total = 0
     for path, t in _walk(obj, where, pickled // 2 + 100_000):
         if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu" or t.layout != torch.strided:
-            raise CheckpointError(
+            raise UnsupportedCheckpointError(
                 f"{where}: {path!r} is a {type(t).__name__} ({t.layout}, on {t.device}), which shardsafe does not "
                 "import; save plain dense tensors"
             )
@@ -479,7 +488,7 @@ def _walk(obj: Any, where: str, most: int) -> Iterator[tuple[str, torch.Tensor]]
             continue
         visits += 1
         if visits > most:
-            raise CheckpointError(
+            raise CorruptCheckpointError(
                 f"{where}: its values expand to more than {most} (shared references repeated through the tree), "
                 "more than such a file can hold: refused"
             )
@@ -490,9 +499,11 @@ def _walk(obj: Any, where: str, most: int) -> Iterator[tuple[str, torch.Tensor]]
         if children is None:
             continue
         if id(value) in on_path:
-            raise CheckpointError(f"{where}: {path or 'its top level'!r} holds itself (a cycle): it cannot be stored")
+            raise UnsupportedCheckpointError(
+                f"{where}: {path or 'its top level'!r} holds itself (a cycle): it cannot be stored"
+            )
         if depth >= MAX_DEPTH:
-            raise CheckpointError(
+            raise UnsupportedCheckpointError(
                 f"{where}: {path[:200]!r} nests more than {MAX_DEPTH} levels deep, which the format cannot store"
             )
         on_path.add(id(value))
@@ -513,7 +524,7 @@ def _text(value: Any) -> str:
     if isinstance(value, bytes):
         value = value.decode("ascii", "replace")
     if not isinstance(value, str):
-        raise Malformed(f"{_short(value)} where a name belongs")
+        raise _Malformed(f"{_short(value)} where a name belongs")
     return value
 
 

@@ -8,10 +8,10 @@ refused before anything is allocated. Nothing named by the file is imported or c
 ``allow_pickle`` the standard unpickler runs (code chosen by the file's author runs: trusted files only).
 Either way, storages come from ``persistent_load``: records the caller has already checked.
 
-Two failures are told apart: :class:`Refused` for a well-formed pickle that asks for what weights-only
+Two failures are told apart: :class:`_Refused` for a well-formed pickle that asks for what weights-only
 reading does not do (a global outside the list, an opcode of protocol 0 or 5), which full unpickling
-could read; :class:`Malformed` for anything else (damage, or a crafted file). Every other exception of
-the unpickling is reported as :class:`Malformed`.
+could read; :class:`_Malformed` for anything else (damage, or a crafted file). Every other exception of
+the unpickling is reported as :class:`_Malformed`.
 """
 
 from __future__ import annotations
@@ -38,13 +38,15 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 PersistentLoad = Callable[[Any], Any]
 
 
-class Malformed(Exception):
-    """The pickle is damaged or does not describe what it claims."""
+class _Malformed(Exception):
+    """The pickle is damaged or does not describe what it claims. Private: the importer's readers
+    (``torchread``, ``dcpread``) raise it to the caller as :class:`~shardsafe.errors.CorruptCheckpointError`."""
 
 
-class Refused(Exception):
+class _Refused(Exception):
     """A well-formed pickle asks for something weights-only reading does not do: ``name`` is the global
-    it names (``None`` for an opcode)."""
+    it names (``None`` for an opcode). Private: ``torchread`` turns it into
+    :class:`~shardsafe.errors.UnsafeValueError` or :class:`~shardsafe.errors.CorruptCheckpointError`."""
 
     def __init__(self, message: str, name: str | None = None) -> None:
         super().__init__(message)
@@ -56,9 +58,9 @@ class Refused(Exception):
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:
     if not isinstance(value, (tuple, list, torch.Size)) or len(value) > MAX_DIMS:
-        raise Malformed(f"{what} is not a sequence of at most {MAX_DIMS} integers")
+        raise _Malformed(f"{what} is not a sequence of at most {MAX_DIMS} integers")
     if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62 for v in value):
-        raise Malformed(f"{what} {list(value)[:8]} holds other than non-negative integers")
+        raise _Malformed(f"{what} {list(value)[:8]} holds other than non-negative integers")
     return tuple(value)
 
 
@@ -66,48 +68,48 @@ def view(storage: Any, offset: Any, size: Any, stride: Any, dtype: torch.dtype |
     """``size`` elements of ``storage`` from ``offset`` with ``stride``, after checking that every one
     lies inside the storage (a view allocates nothing; what it would take to write is the caller's)."""
     if not isinstance(storage, torch.storage.TypedStorage):
-        raise Malformed(f"a tensor is rebuilt from {type(storage).__name__}, not from a storage")
+        raise _Malformed(f"a tensor is rebuilt from {type(storage).__name__}, not from a storage")
     dtype = storage.dtype if dtype is None else dtype
     if not isinstance(dtype, torch.dtype):
-        raise Malformed(f"a tensor's dtype is {type(dtype).__name__}")
+        raise _Malformed(f"a tensor's dtype is {type(dtype).__name__}")
     if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-        raise Malformed(f"a tensor's storage offset is {offset!r}")
+        raise _Malformed(f"a tensor's storage offset is {offset!r}")
     sizes, strides = _ints(size, "a tensor's size"), _ints(stride, "a tensor's stride")
     if len(sizes) != len(strides):
-        raise Malformed(f"a tensor has {len(sizes)} sizes but {len(strides)} strides")
+        raise _Malformed(f"a tensor has {len(sizes)} sizes but {len(strides)} strides")
     elements = storage._untyped_storage.nbytes() // dtype.itemsize
     if math.prod(sizes) > 0:
         last = offset + sum((n - 1) * s for n, s in zip(sizes, strides, strict=True))
         if last >= elements:
-            raise Malformed(
+            raise _Malformed(
                 f"a tensor of size {list(sizes)} and strides {list(strides)} from offset {offset} reaches element "
                 f"{last} of a storage of {elements}"
             )
     elif offset > elements:
-        raise Malformed(f"an empty tensor starts at element {offset} of a storage of {elements}")
+        raise _Malformed(f"an empty tensor starts at element {offset} of a storage of {elements}")
     out = torch.empty((0,), dtype=dtype)
     return out.set_(storage._untyped_storage, offset, sizes, strides)
 
 
 def _grad(t: torch.Tensor, requires_grad: Any) -> torch.Tensor:
     if not isinstance(requires_grad, bool):
-        raise Malformed(f"requires_grad is {requires_grad!r}")
+        raise _Malformed(f"requires_grad is {requires_grad!r}")
     if requires_grad:
-        t.requires_grad_(True)  # a RuntimeError for integer tensors: reported as Malformed
+        t.requires_grad_(True)  # a RuntimeError for integer tensors: reported as _Malformed
     return t
 
 
 def _metadata(t: torch.Tensor, metadata: Any) -> torch.Tensor:
     if metadata:
         if not (isinstance(metadata, dict) and all(isinstance(v, bool) for v in metadata.values())):
-            raise Malformed(f"tensor metadata {metadata!r} is not a dict of flags")
+            raise _Malformed(f"tensor metadata {metadata!r} is not a dict of flags")
         torch._utils.set_tensor_metadata(t, metadata)  # type: ignore[no-untyped-call]
     return t
 
 
 def _hooks(hooks: Any) -> None:
     if hooks is not None and not (isinstance(hooks, dict) and not hooks):
-        raise Malformed("a tensor carries backward hooks (torch.save never writes them)")
+        raise _Malformed("a tensor carries backward hooks (torch.save never writes them)")
 
 
 def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any) -> torch.Tensor:
@@ -130,7 +132,7 @@ def _rebuild_tensor_v3(
 
 def _parameter(data: Any, requires_grad: Any = True, *rest: Any) -> torch.nn.Parameter:
     if not isinstance(data, torch.Tensor) or not isinstance(requires_grad, bool):
-        raise Malformed("a Parameter is rebuilt from other than a tensor")
+        raise _Malformed("a Parameter is rebuilt from other than a tensor")
     return torch.nn.Parameter(data, requires_grad=requires_grad and data.is_floating_point())
 
 
@@ -148,22 +150,22 @@ def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> to
     """A tensor with Python attributes (``state``, left out: not part of its value), or a Parameter."""
     parameter = isinstance(new_type, _Call) and new_type.fn is _parameter
     if not isinstance(func, _Call) or not isinstance(args, tuple) or not (parameter or new_type is torch.Tensor):
-        raise Malformed("a tensor subclass is rebuilt from other than a tensor rebuild")
+        raise _Malformed("a tensor subclass is rebuilt from other than a tensor rebuild")
     out = func(*args)
     if not isinstance(out, torch.Tensor):
-        raise Malformed("a tensor subclass is rebuilt from other than a tensor")
+        raise _Malformed("a tensor subclass is rebuilt from other than a tensor")
     return _parameter(out, out.requires_grad) if parameter else out
 
 
 def _ordered_dict(*args: Any) -> OrderedDict[Any, Any]:
     if args and not (len(args) == 1 and isinstance(args[0], list) and all(_pair(x) for x in args[0])):
-        raise Malformed("OrderedDict() is called with other than a list of pairs")
+        raise _Malformed("OrderedDict() is called with other than a list of pairs")
     return OrderedDict(*args)
 
 
 def _counter(*args: Any) -> Counter[Any]:
     if args and not (len(args) == 1 and isinstance(args[0], dict)):
-        raise Malformed("Counter() is called with other than a dict")
+        raise _Malformed("Counter() is called with other than a dict")
     return Counter(*args)
 
 
@@ -173,7 +175,7 @@ def _pair(x: Any) -> bool:
 
 def _set(*args: Any) -> set[Any]:
     if args and not (len(args) == 1 and isinstance(args[0], (list, tuple))):
-        raise Malformed("set() is called with other than a list")
+        raise _Malformed("set() is called with other than a list")
     return set(*args)
 
 
@@ -183,19 +185,19 @@ def _frozenset(*args: Any) -> frozenset[Any]:
 
 def _bytearray(*args: Any) -> bytearray:
     if args and not (len(args) == 1 and isinstance(args[0], (bytes, bytearray))):
-        raise Malformed("bytearray() is called with other than bytes (a count would allocate that many bytes)")
+        raise _Malformed("bytearray() is called with other than bytes (a count would allocate that many bytes)")
     return bytearray(*args)
 
 
 def _bytes(*args: Any) -> bytes:
     if args:
-        raise Malformed("bytes() is called with arguments (protocol 2 writes only the empty bytes so)")
+        raise _Malformed("bytes() is called with arguments (protocol 2 writes only the empty bytes so)")
     return b""
 
 
 def _complex(*args: Any) -> complex:
     if len(args) > 2 or not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args):
-        raise Malformed("complex() is called with other than two numbers")
+        raise _Malformed("complex() is called with other than two numbers")
     return complex(*args)
 
 
@@ -203,7 +205,7 @@ def _encode(text: Any, encoding: Any = "utf-8") -> bytes:
     """``bytes`` as protocol 2 pickles them: ``_codecs.encode(text, 'latin1')``, and nothing else (a
     codec chain would grow without bound)."""
     if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
-        raise Malformed("_codecs.encode is called with other than text and 'latin1'")
+        raise _Malformed("_codecs.encode is called with other than text and 'latin1'")
     return text.encode("latin1")
 
 
@@ -213,7 +215,7 @@ def _size(*args: Any) -> torch.Size:
 
 def _device(*args: Any) -> torch.device:
     if not (1 <= len(args) <= 2 and isinstance(args[0], str) and len(args[0]) < 64):
-        raise Malformed("torch.device is called with other than a device name")
+        raise _Malformed("torch.device is called with other than a device name")
     return torch.device(*args)
 
 
@@ -278,7 +280,7 @@ def storage_dtype(storage_type: Any) -> torch.dtype:
         return torch.uint8
     dtype = getattr(storage_type, "dtype", None) if isinstance(storage_type, torch.serialization.StorageType) else None
     if not isinstance(dtype, torch.dtype):
-        raise Malformed(f"a storage's type is {storage_type!r}, not a torch storage type")
+        raise _Malformed(f"a storage's type is {storage_type!r}, not a torch storage type")
     return dtype
 
 
@@ -312,7 +314,7 @@ class Bounded:
 
 
 class _Reader:
-    """``read``/``readline`` over a file or bytes that raise :class:`Malformed` when the data ends early."""
+    """``read``/``readline`` over a file or bytes that raise :class:`_Malformed` when the data ends early."""
 
     def __init__(self, f: Any) -> None:
         self.f = Bounded(f)
@@ -320,13 +322,13 @@ class _Reader:
     def read(self, n: int) -> bytes:
         data = self.f.read(n)
         if len(data) != n:
-            raise Malformed("the pickle ends early")
+            raise _Malformed("the pickle ends early")
         return data
 
     def line(self) -> str:
         data: bytes = self.f.readline(512)
         if not data.endswith(b"\n"):
-            raise Malformed("a global's name is not a line of text")
+            raise _Malformed("a global's name is not a line of text")
         return data[:-1].decode("utf-8")
 
 
@@ -339,8 +341,8 @@ def _global(module: str, name: str) -> Any:
     if full in allowed:
         return allowed[full]
     if _NAME.fullmatch(module) and _NAME.fullmatch(name):
-        raise Refused(f"global {full}", full)
-    raise Malformed(f"a global named {full[:80]!r}")
+        raise _Refused(f"global {full}", full)
+    raise _Malformed(f"a global named {full[:80]!r}")
 
 
 _OPS = {op.code.encode("latin1"): op for op in pickletools.opcodes}
@@ -351,12 +353,12 @@ def load_restricted(f: Any, persistent_load: PersistentLoad) -> Any:
     ``f`` is left just after the pickle's STOP."""
     try:
         return _Unpickler(_Reader(f), persistent_load).load()
-    except (Malformed, Refused):
+    except (_Malformed, _Refused):
         raise
     except RecursionError as err:
-        raise Malformed("the pickle nests too deeply") from err
+        raise _Malformed("the pickle nests too deeply") from err
     except Exception as err:  # a stack, memo or type error: what damage or crafting gives
-        raise Malformed(f"{type(err).__name__}: {str(err)[:200]}") from err
+        raise _Malformed(f"{type(err).__name__}: {str(err)[:200]}") from err
 
 
 class _Unpickler:
@@ -378,7 +380,7 @@ class _Unpickler:
                 return self.stack.pop()
             if code == b"\x80":  # PROTO
                 if r.read(1)[0] > 5:
-                    raise Malformed("an unknown pickle protocol")
+                    raise _Malformed("an unknown pickle protocol")
             elif code == b"\x95":  # FRAME: the length of what follows; read as it comes
                 r.read(8)
             elif code == b"}":
@@ -436,14 +438,14 @@ class _Unpickler:
             elif code == b"u":
                 items = self.pop_mark()
                 if len(items) % 2:
-                    raise Malformed("SETITEMS with an odd number of items")
+                    raise _Malformed("SETITEMS with an odd number of items")
                 target = self._dict()
                 for i in range(0, len(items), 2):
                     target[items[i]] = items[i + 1]
             elif code == b"\x90":  # ADDITEMS
                 items = self.pop_mark()
                 if not isinstance(self.stack[-1], set):
-                    raise Malformed("ADDITEMS to other than a set")
+                    raise _Malformed("ADDITEMS to other than a set")
                 self.stack[-1].update(items)
             elif code in (b"q", b"r", b"\x94"):  # BINPUT, LONG_BINPUT, MEMOIZE
                 index = r.read(1)[0] if code == b"q" else len(memo)
@@ -453,7 +455,7 @@ class _Unpickler:
             elif code in (b"h", b"j"):  # BINGET, LONG_BINGET
                 index = r.read(1)[0] if code == b"h" else struct.unpack("<I", r.read(4))[0]
                 if index not in memo:
-                    raise Malformed(f"memo entry {index} is read before it is written")
+                    raise _Malformed(f"memo entry {index} is read before it is written")
                 self.stack.append(memo[index])
             elif code == b"c":  # GLOBAL
                 module = r.line()
@@ -461,26 +463,26 @@ class _Unpickler:
             elif code == b"\x93":  # STACK_GLOBAL
                 name, module = self.stack.pop(), self.stack.pop()
                 if not (isinstance(module, str) and isinstance(name, str)):
-                    raise Malformed("STACK_GLOBAL of other than two names")
+                    raise _Malformed("STACK_GLOBAL of other than two names")
                 self.stack.append(_global(module, name))
             elif code in (b"R", b"\x81"):  # REDUCE, NEWOBJ
                 args, fn = self.stack.pop(), self.stack[-1]
                 if not isinstance(fn, _Call) or not isinstance(args, tuple):
-                    raise Malformed(f"a call of {type(fn).__name__} (only tensor and container rebuilds are called)")
+                    raise _Malformed(f"a call of {type(fn).__name__} (only tensor and container rebuilds are called)")
                 self.stack[-1] = fn(*args)
             elif code == b"b":  # BUILD: attributes of an OrderedDict (a state dict's _metadata)
                 state, inst = self.stack.pop(), self.stack[-1]
                 if not (isinstance(inst, OrderedDict) and isinstance(state, dict)):
-                    raise Malformed(f"BUILD of a {type(inst).__name__}")
+                    raise _Malformed(f"BUILD of a {type(inst).__name__}")
                 if not all(isinstance(k, str) and k.isidentifier() and not k.startswith("__") for k in state):
-                    raise Malformed("BUILD with attribute names that are not plain names")
+                    raise _Malformed("BUILD with attribute names that are not plain names")
                 inst.__dict__.update(state)
             elif code == b"Q":  # BINPERSID
                 self.stack.append(self.persistent_load(self.stack.pop()))
             elif code in _OPS:  # a real opcode this reader does not run (protocol 0 text, protocol 5 buffers)
-                raise Refused(f"pickle opcode {_OPS[code].name} (protocol {_OPS[code].proto})")
+                raise _Refused(f"pickle opcode {_OPS[code].name} (protocol {_OPS[code].proto})")
             else:
-                raise Malformed(f"byte {code!r} is no pickle opcode")
+                raise _Malformed(f"byte {code!r} is no pickle opcode")
 
     def pop_mark_into_tuple(self) -> None:
         items = self.pop_mark()
@@ -488,12 +490,12 @@ class _Unpickler:
 
     def _list(self) -> list[Any]:
         if type(self.stack[-1]) is not list:
-            raise Malformed(f"APPEND to a {type(self.stack[-1]).__name__}")
+            raise _Malformed(f"APPEND to a {type(self.stack[-1]).__name__}")
         return self.stack[-1]  # type: ignore[no-any-return]
 
     def _dict(self) -> dict[Any, Any]:
         if type(self.stack[-1]) not in (dict, OrderedDict, Counter):
-            raise Malformed(f"SETITEM on a {type(self.stack[-1]).__name__}")
+            raise _Malformed(f"SETITEM on a {type(self.stack[-1]).__name__}")
         return self.stack[-1]  # type: ignore[no-any-return]
 
 
@@ -506,14 +508,14 @@ def check_stream(f: Any, what: str = "the pickle") -> None:
         for op, arg, _ in pickletools.genops(Bounded(f)):  # type: ignore[arg-type]
             if op.name in ("PUT", "BINPUT", "LONG_BINPUT"):
                 if not isinstance(arg, int) or not 0 <= arg <= puts + 1024:
-                    raise Malformed(f"{what} stores memo entry {arg!r} after {puts} entries")
+                    raise _Malformed(f"{what} stores memo entry {arg!r} after {puts} entries")
                 puts += 1
             elif op.name == "MEMOIZE":
                 puts += 1
-    except Malformed:
+    except _Malformed:
         raise
     except Exception as err:  # what genops says of a cut or damaged pickle
-        raise Malformed(f"{what} is not a complete pickle ({type(err).__name__}: {str(err)[:200]})") from err
+        raise _Malformed(f"{what} is not a complete pickle ({type(err).__name__}: {str(err)[:200]})") from err
 
 
 _CHECKED_REBUILDS: dict[tuple[str, str], Callable[..., Any]] = {
@@ -552,12 +554,12 @@ def load_full(f: Any, persistent_load: PersistentLoad) -> Any:
 
     try:
         return Full(Bounded(f), encoding="utf-8").load()
-    except (Malformed, Refused, ImportError):
+    except (_Malformed, _Refused, ImportError):
         raise
     except RecursionError as err:
-        raise Malformed("the pickle nests too deeply") from err
+        raise _Malformed("the pickle nests too deeply") from err
     except Exception as err:
-        raise Malformed(f"{type(err).__name__}: {str(err)[:200]}") from err
+        raise _Malformed(f"{type(err).__name__}: {str(err)[:200]}") from err
 
 
 class _Null(io.StringIO):

@@ -39,10 +39,10 @@ from shardsafe.engine import api
 from shardsafe.engine.remove import delete
 from shardsafe.engine.save import SaveHandle
 from shardsafe.errors import (
-    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     InvalidArgumentError,
+    InvalidCallError,
     MissingKeysError,
 )
 from shardsafe.integration import StrategyCheckpoints, check_state_dict_type, expose_signature, refuse_pickle_file
@@ -157,7 +157,7 @@ class _TrainerCheckpoints(StrategyCheckpoints):
     def _checkpoint_module(self) -> nn.Module:
         module = self.model  # type: ignore[attr-defined]  # wrapped (DDP, FSDP1), or the LightningModule
         if not isinstance(module, nn.Module):
-            raise CheckpointError("shardsafe.lightning: no model is attached to the strategy; call fit or validate")
+            raise InvalidCallError("shardsafe.lightning: no model is attached to the strategy; call fit or validate")
         return module
 
     def save_checkpoint(

@@ -27,7 +27,7 @@ from typing import Any
 
 from shardsafe.coord.resolve import SOLO
 from shardsafe.engine import api
-from shardsafe.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from shardsafe.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, LocalTierError
 from shardsafe.manager.tiers import RUN_ID
 from shardsafe.storage import Storage
 
@@ -110,7 +110,7 @@ def write_record(fs: Storage, root: str, record: RunRecord, timeout: float | Non
     try:
         api.save(path, {"run": record.run}, group=SOLO, overwrite=True, timeout=timeout, metadata=record.to_metadata())
     except CheckpointError as err:
-        raise CheckpointError(
+        raise LocalTierError(
             f"recording the local tier's run in {path} failed ({type(err).__name__}: {err}); the durable store must "
             "be writable for the local tier to know whose its copies are"
         ) from err

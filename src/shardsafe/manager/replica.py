@@ -46,7 +46,7 @@ from shardsafe.catalog.names import transfer_file
 from shardsafe.catalog.publish import CopyPublication
 from shardsafe.deadline import Deadline
 from shardsafe.engine import api
-from shardsafe.errors import CheckpointError, CheckpointTimeoutError
+from shardsafe.errors import CheckpointTimeoutError, InvalidArgumentError, LocalTierError, UnsafePathError
 from shardsafe.manager.tiers import (
     REPLICA_RE,
     RUN_ID,
@@ -89,7 +89,7 @@ class _Stream:
         self._bound()
         part = self.sock.recv(n)
         if not part:
-            raise CheckpointError("the replica connection was closed by the other side")
+            raise LocalTierError("the replica connection was closed by the other side")
         return part
 
     def exact(self, n: int) -> bytes:
@@ -103,18 +103,18 @@ class _Stream:
         """The next JSON-object line, at most :data:`LINE_LIMIT` bytes."""
         while (end := self.buf.find(b"\n")) < 0:
             if len(self.buf) > LINE_LIMIT:
-                raise CheckpointError(f"replica request line longer than {LINE_LIMIT} bytes refused")
+                raise LocalTierError(f"replica request line longer than {LINE_LIMIT} bytes refused")
             self.buf += self._recv(LINE_LIMIT + 1 - len(self.buf))
         if end > LINE_LIMIT:
-            raise CheckpointError(f"replica request line longer than {LINE_LIMIT} bytes refused")
+            raise LocalTierError(f"replica request line longer than {LINE_LIMIT} bytes refused")
         raw = bytes(self.buf[:end])
         del self.buf[: end + 1]
         try:
             doc = json.loads(raw.decode())
         except (UnicodeDecodeError, ValueError) as err:
-            raise CheckpointError(f"replica request line is not JSON ({err})") from None
+            raise LocalTierError(f"replica request line is not JSON ({err})") from None
         if not isinstance(doc, dict):
-            raise CheckpointError(f"replica request line is not an object: {doc!r:.200}")
+            raise LocalTierError(f"replica request line is not an object: {doc!r:.200}")
         return doc
 
     def into(self, f: BinaryIO, size: int, what: str) -> None:
@@ -129,7 +129,7 @@ class _Stream:
             self._bound()
             block = self.sock.recv(min(BLOCK, left))
             if not block:
-                raise CheckpointError(f"replica connection closed in {what!r} with {left} bytes to go")
+                raise LocalTierError(f"replica connection closed in {what!r} with {left} bytes to go")
             f.write(block)
             left -= len(block)
 
@@ -148,7 +148,7 @@ def files_of(path: str) -> list[list[Any]]:
     for n in sorted(os.listdir(path)):
         st = os.lstat(os.path.join(path, n))
         if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"{os.path.join(path, n)} is not a regular file; a local-tier share holds only files")
+            raise UnsafePathError(f"{os.path.join(path, n)} is not a regular file; a local-tier share holds only files")
         out.append([n, st.st_size])
     return out
 
@@ -158,7 +158,7 @@ def _open_file(path: str) -> int:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise CheckpointError(f"{path} is not a regular file; a local-tier share holds only files")
+        raise UnsafePathError(f"{path} is not a regular file; a local-tier share holds only files")
     return fd
 
 
@@ -169,7 +169,7 @@ def _send_files(stream: _Stream, path: str, files: list[list[Any]]) -> None:
             while left > 0:
                 block = f.read(min(BLOCK, left))
                 if not block:
-                    raise CheckpointError(f"{os.path.join(path, name)} shrank while it was sent")
+                    raise LocalTierError(f"{os.path.join(path, name)} shrank while it was sent")
                 stream.send(block)
                 left -= len(block)
 
@@ -178,22 +178,22 @@ def _check_files(files: Any) -> list[tuple[str, int]]:
     """A request's ``files``: the names of a share's files (its manifest, data files: the catalog's grammar)
     with sizes; else :class:`CheckpointError`, before anything is written."""
     if not isinstance(files, list):
-        raise CheckpointError(f"replica file list {files!r:.200} is not a list")
+        raise LocalTierError(f"replica file list {files!r:.200} is not a list")
     out: list[tuple[str, int]] = []
     for item in files:
         if not (isinstance(item, list) and len(item) == 2):
-            raise CheckpointError(f"replica file entry {item!r:.200} is not [name, size]")
+            raise LocalTierError(f"replica file entry {item!r:.200} is not [name, size]")
         name, size = item
         if not transfer_file(name):
-            raise CheckpointError(
+            raise LocalTierError(
                 f"replica file name {name!r:.200} is not a file of a local-tier share (MANIFEST.json and data "
                 "files only); nothing is written"
             )
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise CheckpointError(f"replica file {name!r} has size {size!r}")
+            raise LocalTierError(f"replica file {name!r} has size {size!r}")
         out.append((name, size))
     if len({n for n, _ in out}) != len(out):
-        raise CheckpointError("replica file list names a file twice")
+        raise LocalTierError("replica file list names a file twice")
     return out
 
 
@@ -208,7 +208,7 @@ def receive_checkpoint(
     path; on any failure nothing of the transfer remains (removed through the delete gate)."""
     listed = _check_files(files)
     if not real_dir(where):
-        raise CheckpointError(f"{where} is a symbolic link or not a folder; nothing is written through a link")
+        raise UnsafePathError(f"{where} is a symbolic link or not a folder; nothing is written through a link")
     copy = CopyPublication(where, final_name)
     copy.hide()
     try:
@@ -223,10 +223,10 @@ def receive_checkpoint(
         api.verify(copy.hidden, timeout=max(deadline.remaining(), 0.001))  # every byte, against the checksums
         meta = api.inspect(copy.hidden).metadata
         if meta != expect:
-            raise CheckpointError(f"the copy received in {copy.hidden} records {meta!r:.300}, not {expect!r:.300}")
+            raise LocalTierError(f"the copy received in {copy.hidden} records {meta!r:.300}, not {expect!r:.300}")
         final = copy.final
         if os.path.lexists(final) and not remove_entry(final, str(expect.get("run"))):
-            raise CheckpointError(f"{final} belongs to another run and stays; the copy cannot take its place")
+            raise LocalTierError(f"{final} belongs to another run and stays; the copy cannot take its place")
         return copy.publish()
     except BaseException:
         _discard(copy)
@@ -255,7 +255,7 @@ class ReplicaServer:
         try:
             self._sock = socket.create_server((host, 0))
         except OSError as err:
-            raise CheckpointError(
+            raise InvalidArgumentError(
                 f"rank {rank}: the local tier's replica server cannot listen on {host!r} ({err}); set "
                 "SHARDSAFE_TIER_HOST to an address of this machine that the other nodes reach"
             ) from err
@@ -338,7 +338,7 @@ class ReplicaServer:
     def _handle(self, stream: _Stream, authenticated: Callable[[], None]) -> None:
         token = stream.exact(TOKEN_CHARS + 1)
         if token[-1:] != b"\n" or not secrets.compare_digest(token[:-1], self.token.encode()):
-            raise CheckpointError(
+            raise LocalTierError(
                 f"replica request to rank {self.rank} without this server's token refused (a request from outside "
                 "the job, or from another job's rank)"
             )
@@ -354,14 +354,14 @@ class ReplicaServer:
             and isinstance(save, str)
             and SAVE_ID.match(save)
         ):
-            raise CheckpointError(f"bad replica request {head!r:.200}")
+            raise LocalTierError(f"bad replica request {head!r:.200}")
         if op == "push":
             rank, meta = head.get("rank"), head.get("metadata")
             if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 10**6:
-                raise CheckpointError(f"bad replica request {head!r:.200}")
+                raise LocalTierError(f"bad replica request {head!r:.200}")
             want = {"step": step, "rank": rank, "run": run, "save": save}
             if not isinstance(meta, dict) or any(meta.get(k) != v for k, v in want.items()):
-                raise CheckpointError(f"replica request's metadata {meta!r:.200} is not its share's {want!r}")
+                raise LocalTierError(f"replica request's metadata {meta!r:.200} is not its share's {want!r}")
             _check_files(head.get("files"))
             where = step_folder(self.folder, run, step, save, create=True)
             stream.send_line({"ok": True})  # accepted: the sender sends the bytes now
@@ -371,15 +371,15 @@ class ReplicaServer:
         elif op == "pull":
             name = head.get("name")
             if not isinstance(name, str) or not (SHARE_RE.match(name) or REPLICA_RE.match(name)):
-                raise CheckpointError(f"bad replica request {head!r:.200}")
+                raise LocalTierError(f"bad replica request {head!r:.200}")
             path = os.path.join(step_folder(self.folder, run, step, save), name)
             files = files_of(path) if real_dir(path) and os.path.lexists(os.path.join(path, "MANIFEST.json")) else None
             if not files:
-                raise CheckpointError(f"rank {self.rank} holds no committed copy at {path}")
+                raise LocalTierError(f"rank {self.rank} holds no committed copy at {path}")
             stream.send_line({"ok": True, "files": files})
             _send_files(stream, path, files)
         else:
-            raise CheckpointError(f"unknown replica request {op!r}")
+            raise LocalTierError(f"unknown replica request {op!r}")
 
 
 def _bounded(address: str, token: str, what: str, deadline: Deadline, fn: Callable[[_Stream], Any]) -> Any:
@@ -391,7 +391,7 @@ def _bounded(address: str, token: str, what: str, deadline: Deadline, fn: Callab
             stream.send(token.encode()[:TOKEN_CHARS].ljust(TOKEN_CHARS, b"0") + b"\n")
             return fn(stream)
     except (OSError, ValueError) as err:
-        raise CheckpointError(
+        raise (CheckpointTimeoutError if isinstance(err, TimeoutError) else LocalTierError)(
             f"{what} with the replica server at {address} failed ({type(err).__name__}: {err}); is that rank "
             "alive and its node reachable? (deadline: the manager's timeout)"
         ) from err
@@ -409,11 +409,11 @@ def push(address: str, token: str, path: str, meta: dict[str, Any], deadline: De
         stream.send_line({**head, "metadata": meta, "files": files})
         answer = stream.line()  # the request accepted (or refused) before any byte is sent
         if answer.get("ok") is not True:
-            raise CheckpointError(f"rank {rank}: replicating {path} was refused by the receiver: {answer.get('error')}")
+            raise LocalTierError(f"rank {rank}: replicating {path} was refused by the receiver: {answer.get('error')}")
         _send_files(stream, path, files)
         answer = stream.line()
         if answer.get("ok") is not True:
-            raise CheckpointError(f"rank {rank}: replicating {path} failed at the receiver: {answer.get('error')}")
+            raise LocalTierError(f"rank {rank}: replicating {path} failed at the receiver: {answer.get('error')}")
 
     _bounded(address, token, f"rank {rank}: pushing the replica of {path}", deadline, run)
 
@@ -429,7 +429,7 @@ def pull(address: str, token: str, name: str, where: str, meta: dict[str, Any], 
         stream.send_line(head)
         answer = stream.line()
         if answer.get("ok") is not True:
-            raise CheckpointError(f"rank {rank}: fetching its share of step {step} failed: {answer.get('error')}")
+            raise LocalTierError(f"rank {rank}: fetching its share of step {step} failed: {answer.get('error')}")
         return receive_checkpoint(stream, where, share_name(rank), answer.get("files"), meta, deadline)
 
     result: str = _bounded(address, token, f"rank {rank}: pulling its share of step {step}", deadline, run)

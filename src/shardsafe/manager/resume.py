@@ -28,7 +28,13 @@ from shardsafe.coord import Deadlines, Operation
 from shardsafe.coord.messages import Empty
 from shardsafe.coord.rounds import Round
 from shardsafe.engine import api
-from shardsafe.errors import CheckpointError, CheckpointTimeoutError, CorruptCheckpointError, RemoteRankError
+from shardsafe.errors import (
+    CheckpointError,
+    CheckpointTimeoutError,
+    CorruptCheckpointError,
+    RemoteRankError,
+    UnforeseenError,
+)
 from shardsafe.manager.config import ManagerConfig
 from shardsafe.manager.listing import CheckpointRecord, scan
 from shardsafe.manager.messages import (
@@ -163,7 +169,7 @@ def _resume(
         except CheckpointError:
             raise
         except Exception as err:  # decided for every rank: each raises this same error
-            raise CheckpointError(
+            raise UnforeseenError(
                 f"resume from {config.root!r}: listing its checkpoints failed on rank 0 ({type(err).__name__}: "
                 f"{err}); fix the storage or the path and restart"
             ) from err

@@ -37,7 +37,7 @@ from shardsafe.catalog import unlink
 from shardsafe.catalog.delete import delete_checkpoint, delete_files, finish_deletion, refuse_link, remove_pending
 from shardsafe.catalog.names import TIER_INCOMING, TIER_PENDING, TIER_REPLICA, TIER_SHARE, TIER_STEP, is_own
 from shardsafe.engine import api
-from shardsafe.errors import CheckpointError, InternalError, InvalidArgumentError
+from shardsafe.errors import CheckpointError, InternalError, InvalidArgumentError, UnsafePathError
 from shardsafe.storage.local import LocalStorage
 
 logger = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ def run_folder(folder: str, run: str, *, create: bool = False) -> str:
     if create and not os.path.lexists(path):
         os.makedirs(path, exist_ok=True)
     if os.path.lexists(path) and not real_dir(path):
-        raise CheckpointError(
+        raise UnsafePathError(
             f"{path} is a symbolic link or not a folder; the local tier reads and writes nothing through a link. "
             "Move it away and save again"
         )
@@ -202,7 +202,7 @@ def step_folder(folder: str, run: str, step: int, save: str, *, create: bool = F
     if create and not os.path.lexists(path):
         os.makedirs(path, exist_ok=True)
     if os.path.lexists(path) and not real_dir(path):
-        raise CheckpointError(
+        raise UnsafePathError(
             f"{path} is a symbolic link or not a folder; the local tier reads and writes nothing through a link. "
             "Move it away and save again"
         )
@@ -287,10 +287,10 @@ def remove_entry(path: str, run: str) -> bool:
         )
     for where in (os.path.dirname(step_dir), step_dir):
         if not real_dir(where):
-            raise CheckpointError(f"refusing to delete {path}: {where} is a symbolic link or not a folder")
+            raise UnsafePathError(f"refusing to delete {path}: {where} is a symbolic link or not a folder")
     refuse_link(path, "delete the local-tier entry")
     if not real_dir(path):
-        raise CheckpointError(f"refusing to delete {path}: not a folder (the local tier writes folders there)")
+        raise UnsafePathError(f"refusing to delete {path}: not a folder (the local tier writes folders there)")
     storage = LocalStorage()
     if PENDING_RE.match(name):
         gone = remove_pending(storage, path)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from shardsafe.errors import CheckpointTimeoutError
 from shardsafe.runtime.config import Plan, RuntimeConfig
 from shardsafe.runtime.errors import LaunchError, WorkerError, WorkerTraceback
 
@@ -183,14 +184,14 @@ def _supervise(procs: list[Any], conns: list[Connection], start_timeout: float, 
             break
         if len(started) < world and now > start_deadline:
             late = sorted(set(range(world)) - started)
-            raise LaunchError(
+            raise CheckpointTimeoutError(
                 f"worker rank(s) {late} did not start within {start_timeout:.0f}s (spawning a process and "
                 "importing the main module). Is the machine overloaded, or does importing the script block? "
                 "Raise timeout= (or SHARDSAFE_TIMEOUT) if starting is merely slow."
             )
         if first_return_at is not None and now - first_return_at > finish_timeout:
             late = sorted(set(range(world)) - finished)
-            raise LaunchError(
+            raise CheckpointTimeoutError(
                 f"worker rank(s) {late} were still running {finish_timeout:.0f}s after another rank had returned "
                 "from the launched function; they were stopped. Every rank must make the same collective calls "
                 "(look for a rank-dependent loop or branch), or raise timeout= if they are merely slower."

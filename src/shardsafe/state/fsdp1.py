@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardsafe.errors import CheckpointError, UnsafeValueError
+from shardsafe.errors import InternalError, InvalidCallError, UnsafeValueError
 from shardsafe.format.datafile import tensor_bytes
 from shardsafe.format.values import decode, dtype_from_name, dtype_name, encode
 from shardsafe.state.layout import Box, Layout
@@ -149,7 +149,7 @@ def _params(root: nn.Module) -> list[_Param]:
         flat = handle.flat_param
         for attr in ("_fqns", "_shapes", "_numels_with_padding", "_is_padding_mask"):
             if not hasattr(flat, attr):
-                raise CheckpointError(
+                raise InternalError(
                     f"FSDP1 FlatParameter lacks {attr!r} in torch {torch.__version__}; shardsafe cannot find each "
                     "parameter's shard. Please report this with your torch version."
                 )
@@ -159,7 +159,7 @@ def _params(root: nn.Module) -> list[_Param]:
         unsharded = sum(flat._numels_with_padding)
         expected = -(-unsharded // handle.world_size) if sharded else unsharded
         if size != expected:
-            raise CheckpointError(
+            raise InvalidCallError(
                 f"FSDP1 unit {prefix or '<root>'!r} holds {size} elements, not its shard of {expected} "
                 f"({unsharded} over {handle.world_size} ranks): save and load outside forward/backward and "
                 "outside summon_full_params()."
@@ -352,4 +352,4 @@ def _no_tensor(path: str, _t: torch.Tensor) -> str:
 
 
 def _no_ref(ref: str) -> Any:
-    raise CheckpointError(f"unexpected tensor reference {ref!r} in an FSDP1 optimizer state description")
+    raise InternalError(f"unexpected tensor reference {ref!r} in an FSDP1 optimizer state description")

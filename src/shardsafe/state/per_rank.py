@@ -32,7 +32,7 @@ from typing import Any
 import xxhash
 
 from shardsafe import knobs
-from shardsafe.errors import CheckpointError, UnsafeValueError
+from shardsafe.errors import InconsistentRanksError, UnsafeValueError
 from shardsafe.format.datafile import tensor_bytes
 from shardsafe.format.manifest import Chunk, TensorEntry
 from shardsafe.format.values import PerRank, dtype_from_name, dtype_name
@@ -207,7 +207,7 @@ def _differing_entries(flat: FlatState, tables: list[dict[str, list[str]]], targ
     kinds = [{k: v[0] for k, v in table.items()} for table in tables]
     odd = [r for r, k in enumerate(kinds) if list(k.items()) != list(kinds[0].items())]
     if odd:
-        raise CheckpointError(
+        raise InconsistentRanksError(
             f"save of {target!r}: ranks {odd} passed a state with other entries than rank 0 (rank 0: {kinds[0]}; "
             f"rank {odd[0]}: {kinds[odd[0]]}). Every rank must pass the same keys, of the same kinds, in the same "
             "order; put values that only some ranks have in a dict under one key."
@@ -317,13 +317,13 @@ def merge_reports(
     parts = [r.get("per_rank") or {"nodes": [], "tensors": []} for r in ordered]
     for i, path in enumerate(flat.per_rank_paths):
         if any(len(p["nodes"]) != len(flat.per_rank_paths) for p in parts):
-            raise CheckpointError("ranks found different per-rank values (planning differed between ranks)")
+            raise InconsistentRanksError("ranks found different per-rank values (planning differed between ranks)")
         _set(flat.objects, path, {"$": "per_rank", "ranks": [p["nodes"][i] for p in parts]})
     tensors: dict[str, TensorEntry] = {}
     for part in parts:
         for name, dtype, shape in part["tensors"]:
             mine = sorted(chunks.get(name, []), key=lambda c: c.offsets)
             if sum(math.prod(c.sizes) for c in mine) != math.prod(shape):
-                raise CheckpointError(f"per-rank tensor {name!r} was not fully written by its rank")
+                raise InconsistentRanksError(f"per-rank tensor {name!r} was not fully written by its rank")
             tensors[name] = TensorEntry(dtype_from_name(dtype, name), tuple(shape), tuple(mine))
     return tensors

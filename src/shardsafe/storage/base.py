@@ -23,7 +23,10 @@ MANIFEST_NAME = "MANIFEST.json"
 class PublishRefusedError(OSError):
     """Raised by :meth:`Storage.publish` when the storage definitely did not make the manifest visible
     and never will: it answered every attempt of the request with a refusal (an HTTP 4xx or 501 of an
-    object store), so nothing of it can land later. The original error is its cause."""
+    object store), so nothing of it can land later. The original error is its cause. It stays here, an
+    ``OSError`` and no :class:`~shardsafe.errors.CheckpointError`, on purpose: the storage interface speaks
+    like ``os``, and the commit turns it into a :class:`~shardsafe.errors.CommitFailedError`; it never
+    reaches a caller."""
 
 
 def missing_files(where: str, missing: list[str]) -> FileNotFoundError:
