@@ -177,7 +177,8 @@ def _header_and_index(path: Path) -> int:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
-    return 8 + n + int(header["/index"]["shape"][0])
+    index = header.get("/index")  # a file of explicit chunks only (no ruled tensor) has none
+    return 8 + n + (int(index["shape"][0]) if index is not None else 0)
 
 
 def main() -> None:

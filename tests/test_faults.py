@@ -469,6 +469,32 @@ def test_a_stall_report_on_a_slow_store_does_not_fail_a_healthy_save(tmp_path: A
     shardsafe.verify(f"{root}/ckpt")
 
 
+def test_a_report_out_of_time_gets_no_grace_and_asks_the_store_nothing_more() -> None:
+    """A stall report's requests share one diagnostic bound: once it has passed, the remaining ranks'
+    lines say "unknown" without a request (the 256-thread simulation had every rank's report outlive the
+    bound and take the next request's grace, then declare the store lost), and at most 16 ranks are read."""
+    from shardsafe.coord.session import STATUS_LINES, Session
+    from shardsafe.deadline import DIAGNOSTIC, Deadline
+
+    past = Deadline(time.monotonic() - 1, DIAGNOSTIC, 1.0)
+    assert past.or_grace() is past
+    assert Deadline(time.monotonic() - 1, "report", 1.0).or_grace().budget == "report"  # a failure's grace stays
+
+    asked: list[str] = []
+
+    class Client:
+        def check(self, keys: list[str], deadline: Deadline) -> bool:
+            asked.append(keys[0])
+            return False
+
+    s = Session.__new__(Session)
+    s.single, s.client, s.world_size, s.namespace, s.op, s.target = False, Client(), 4096, "ns", "save", "p"
+    lines = s.status_lines(past, list(range(4096)))
+    assert not asked and len(lines) == STATUS_LINES + 1 and "4080 more ranks" in lines[-1], lines
+    lines = s.status_lines(Deadline.after(30, DIAGNOSTIC), [7, 0, 7, 5000])
+    assert asked == ["ns/status/7", "ns/status/0"] and len(lines) == 2, (asked, lines)
+
+
 def test_stall_warns_once_with_phase_missing_ranks_and_stack_and_timeout_shows_every_rank(tmp_path: Any) -> None:
     root = str(tmp_path)
     r0, r1 = check_ok(run_ranks(_slow_rank, 2, root, timeout=120, env={"SHARDSAFE_STALL_FRACTION": "0.2"}))

@@ -18,6 +18,11 @@ from dataclasses import dataclass
 from shardsafe import knobs
 from shardsafe.errors import InvalidArgumentError
 
+DIAGNOSTIC = "diagnostic"
+"""The budget of a report's own store requests (a stall or timeout report): a request of it that goes
+unanswered is a line of the report, never a verdict on the store, and it gets no grace (unlike ``"report"``,
+a failing operation's grace, after which the store is taken as lost)."""
+
 LONGEST = 1e9
 """Seconds that stand for "no deadline" where a wait needs a number (about 32 years)."""
 
@@ -55,8 +60,9 @@ class Deadline:
 
     def or_grace(self) -> Deadline:
         """This deadline, or, when it has passed, ``SHARDSAFE_ERROR_REPORT_SECONDS`` from now: the time a
-        rank that is failing (or gave up at the deadline) may still spend telling the others."""
-        if self.expired():
+        rank that is failing (or gave up at the deadline) may still spend telling the others. A
+        :data:`DIAGNOSTIC` deadline gets no grace (a report that ran out of time is only shorter)."""
+        if self.expired() and self.budget != DIAGNOSTIC:
             return Deadline.after(knobs.error_report_seconds(), "report")
         return self
 

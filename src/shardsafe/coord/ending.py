@@ -9,8 +9,8 @@ import logging
 from shardsafe.coord.failures import error_for
 from shardsafe.coord.liveness import Watch
 from shardsafe.coord.messages import Outcome, Timeout
-from shardsafe.coord.session import DIAGNOSTIC, Session
-from shardsafe.deadline import Deadline
+from shardsafe.coord.session import Session
+from shardsafe.deadline import DIAGNOSTIC, Deadline
 from shardsafe.errors import RankDeadError, RankTimeoutError
 
 logger = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ def settle(s: Session, outcome: Outcome, own: BaseException | None) -> None:
         raise error_for(outcome.failure, rank=s.global_rank, op=s.op, target=s.target, own=mine)
     if outcome.timeout is not None:
         t = outcome.timeout
-        lines = s.status_lines(Deadline.after(1.0, DIAGNOSTIC), first=t.missing)
+        lines = s.status_lines(Deadline.after(1.0, DIAGNOSTIC), [*t.missing, 0, s.rank, *t.arrived])
         raise RankTimeoutError(describe_timeout(s, t, lines), missing_ranks=t.missing)
 
 

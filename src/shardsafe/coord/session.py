@@ -44,11 +44,6 @@ STATUS_LINES = 16
 """At most this many ranks' status lines in a stall or timeout report (at thousands of ranks, reading every
 rank's line would be thousands of requests from every waiting rank)."""
 
-DIAGNOSTIC = "diagnostic"
-"""The budget of a report's own store requests: a request of it that goes unanswered is a line of the
-report, never a verdict on the store (unlike ``"report"``, a failing operation's grace, after which the store
-is taken as lost)."""
-
 _seq_lock = threading.Lock()
 _seq: dict[tuple[int, str], int] = {}
 _used: dict[tuple[int, str, int], dict[str, tuple[str, ...]]] = {}  # (identity, prefix, seq) -> keys rank 0 used
@@ -181,17 +176,22 @@ class Session:
         )
         self.client.set(f"{self.namespace}/status/{self.rank}", record, self.clock.end.or_grace(), self.tally)
 
-    def status_lines(self, deadline: Deadline, first: list[int] | None = None) -> list[str]:
-        """Where ranks were last, one line each: the ranks ``first`` names, then the others, at most
-        :data:`STATUS_LINES` of them (two requests each, all within ``deadline``: a diagnostic, whose
-        requests going unanswered say nothing about the operation)."""
+    def status_lines(self, deadline: Deadline, ranks: list[int]) -> list[str]:
+        """Where the ranks ``ranks`` were last, one line each, at most :data:`STATUS_LINES` of them (the
+        rest counted): two requests a rank, all within ``deadline``, a diagnostic's. Its requests going
+        unanswered say nothing about the operation: once it has passed, the remaining ranks are "unknown"
+        without a request (at thousands of ranks, every waiting rank asking for every rank's line would
+        itself overload the store)."""
         if self.single or self.client is None:
             return [f"  rank 0: {self.op}({self.target!r})"]
-        named = list(dict.fromkeys([*(first or []), *range(self.world_size)]))
+        named = list(dict.fromkeys(r for r in ranks if 0 <= r < self.world_size))
         lines = []
         now = time.time()
         for r in named[:STATUS_LINES]:
             key = f"{self.namespace}/status/{r}"
+            if deadline.expired():
+                lines.append(f"  rank {r}: unknown (the store did not answer in time)")
+                continue
             try:
                 if not self.client.check([key], deadline):
                     lines.append(f"  rank {r}: no shardsafe call seen yet")

@@ -33,8 +33,8 @@ from collections.abc import Callable
 from shardsafe import knobs
 from shardsafe.coord.liveness import Watch
 from shardsafe.coord.messages import Envelope, Outcome, Timeout
-from shardsafe.coord.session import DIAGNOSTIC, Session
-from shardsafe.deadline import Deadline
+from shardsafe.coord.session import Session
+from shardsafe.deadline import DIAGNOSTIC, Deadline
 from shardsafe.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ class Wire:
                 bound = Deadline.after(knobs.error_report_seconds(), DIAGNOSTIC)
                 sent = set(self.messages(bound)) | {0}
                 missing = [r for r in range(s.world_size) if r not in sent] if s.rank == 0 else [0]
-                lines = s.status_lines(bound, first=missing if s.rank == 0 else [0, s.rank])
+                lines = s.status_lines(bound, [0, *missing] if s.rank == 0 else [0, s.rank])
             except CheckpointError as err:
                 missing, lines = [], [f"  (the store did not answer: {err})"]
             stack = "".join(traceback.format_stack(limit=12)[:-3])
