@@ -25,7 +25,7 @@ typecheck: setup
 	$(PY) -m mypy
 
 test: setup lint typecheck
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25 tests
 
 # `make test-torch TORCH=2.6.0`: the whole suite on another torch release, in a venv of its own
 # (.venv-torch-2.6.0, set up once like .venv) with the dev lock's other packages; the packages that torch
