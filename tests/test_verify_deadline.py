@@ -52,3 +52,35 @@ def test_a_hung_read_ends_verify_at_its_deadline_and_the_process_exits(tmp_path:
     assert float(lines["DATA"][1]) < 20 and float(lines["MANIFEST"][1]) < 20, lines
     assert done.returncode == 0, done.stderr[-2000:]
     assert took < 60, f"the process took {took:.0f}s to end after verify raised: a reader thread held it"
+
+
+HUNG_RESUME = textwrap.dedent(
+    """
+    import sys, threading, time
+    import torch, shardsafe
+    from shardsafe.storage.local import LocalStorage
+    manager = shardsafe.CheckpointManager(sys.argv[1], timeout=3)
+    manager.save(1, {"w": torch.arange(1000.0)})
+    never = threading.Event()
+    def hung(self, *args, **kwargs):
+        never.wait()  # a read that never returns (a dead NFS server)
+    LocalStorage.read_into = hung
+    t = time.monotonic()
+    try:
+        manager.resume({"w": torch.zeros(1000)}, verify=True)
+    except shardsafe.CheckpointError as err:
+        print("RESUME", type(err).__name__, round(time.monotonic() - t, 1), flush=True)
+    """
+)
+
+
+def test_a_resume_that_verifies_ends_at_its_deadline_when_a_read_hangs(tmp_path: Path) -> None:
+    """The manager's resume verifies each candidate within what is left of its one deadline (it gave the
+    verify none of it: a hung read waited for SHARDSAFE_IO_TIMEOUT, 1,800 s)."""
+    done = subprocess.run(
+        [sys.executable, "-c", HUNG_RESUME, str(tmp_path / "run")], capture_output=True, text=True, timeout=120
+    )
+    words = done.stdout.split()
+    assert words[:2] == ["RESUME", "CheckpointTimeoutError"], (done.stdout, done.stderr[-2000:])
+    assert float(words[2]) < 20, words
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -183,8 +183,7 @@ def _resume(
         if verify:
 
             def check(path: str = path) -> None:
-                _left(op, path, "verifying")
-                api.verify(path, part=(op.rank, op.world_size))
+                api.verify(path, part=(op.rank, op.world_size), timeout=_left(op, path, "verifying"))
 
             steps.append((RESUME_VERIFY, check))
 
