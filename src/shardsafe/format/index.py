@@ -83,6 +83,7 @@ def parse_header(raw: bytes | bytearray, path: str, entry: FileEntry) -> dict[st
         if not (
             isinstance(info, dict)
             and info.keys() == {"dtype", "shape", "data_offsets"}
+            and isinstance(info["dtype"], str)  # a hostile header's dict or list is unhashable: refused, not raised
             and info["dtype"] in _ITEMSIZE
             and isinstance(info["shape"], list)
             and isinstance(info["data_offsets"], list)
