@@ -84,3 +84,38 @@ def test_a_resume_that_verifies_ends_at_its_deadline_when_a_read_hangs(tmp_path:
     assert words[:2] == ["RESUME", "CheckpointTimeoutError"], (done.stdout, done.stderr[-2000:])
     assert float(words[2]) < 20, words
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+HUNG_MANIFEST = textwrap.dedent(
+    """
+    import sys, threading, time
+    import torch, shardsafe
+    from shardsafe.storage.local import LocalStorage
+    path = sys.argv[1]
+    shardsafe.save(path, {"w": torch.arange(10.0)}, files={"notes.txt": b"hi"})
+    never = threading.Event()
+    def hung(self, *args, **kwargs):
+        never.wait()  # a read that never returns (a dead NFS server)
+    LocalStorage.read_bytes = hung
+    for name, call in (("INSPECT", lambda: shardsafe.inspect(path, timeout=1)),
+                       ("READ_FILE", lambda: shardsafe.read_file(path, "notes.txt", timeout=1))):
+        t = time.monotonic()
+        try:
+            call()
+        except shardsafe.CheckpointError as err:
+            print(name, type(err).__name__, round(time.monotonic() - t, 1), flush=True)
+    """
+)
+
+
+def test_inspect_and_read_file_end_at_their_deadline_when_a_read_hangs(tmp_path: Path) -> None:
+    """inspect() and read_file() have one deadline too (``timeout=``, default SHARDSAFE_IO_TIMEOUT): a
+    manifest read that never returns raises CheckpointTimeoutError at it (both waited for ever)."""
+    done = subprocess.run(
+        [sys.executable, "-c", HUNG_MANIFEST, str(tmp_path / "c")], capture_output=True, text=True, timeout=120
+    )
+    lines = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines() if line}
+    for name in ("INSPECT", "READ_FILE"):
+        assert lines.get(name, [""])[0] == "CheckpointTimeoutError", (done.stdout, done.stderr[-2000:])
+        assert float(lines[name][1]) < 20, lines
+    assert done.returncode == 0, done.stderr[-2000:]

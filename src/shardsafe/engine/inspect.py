@@ -193,42 +193,67 @@ def count_boxes(manifest: Manifest, entry: TensorEntry) -> int:
 
 
 @entry_point("inspect", reads=True)
-def inspect(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo:
+def inspect(
+    path: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    timeout: float | Deadlines | None = None,
+) -> CheckpointInfo:
     """What a committed checkpoint holds, from its manifest (no data read); for an incremental one, the
     base checkpoints it refers to, whose files must be there (a missing base is a
-    :class:`CheckpointNotFoundError` naming it)."""
+    :class:`CheckpointNotFoundError` naming it). ``timeout``: as :func:`verify`'s, one deadline for the
+    whole call (default ``SHARDSAFE_IO_TIMEOUT``): past it, :class:`CheckpointTimeoutError` naming the path."""
     path = os.fspath(path)
-    storage = get_storage(path, storage_options)
-    with mapped_errors("inspect", path):
-        manifest = open_manifest(storage, path)
-        check_ref_files(storage, path, manifest)
-        entries = [EntryInfo(key, obj["kind"], None, None, 0, 0) for key, obj in manifest.objects.items()]
-        for name, t in manifest.tensors.items():
-            count = len(t.chunks) if t.sharding is None else count_boxes(manifest, t)
-            entries.append(
-                EntryInfo(name, "tensor", dtype_name(t.dtype), t.shape, count, math.prod(t.shape) * t.dtype.itemsize)
-            )
-        metadata = decode(manifest.metadata, f"{path}: metadata", lambda ref: ref)
-    copied = {name: getattr(manifest, name) for name in _AS_SAVED}
-    return CheckpointInfo(
-        path=path,
-        metadata=metadata,
-        files=sorted(manifest.files),
-        entries=entries,
-        bases=sorted(manifest.refs),
-        side_files={name: f.size for name, f in sorted(manifest.side_files.items())},
-        **copied,
-    )
+    deadline = Deadline.after(Deadlines.resolve(timeout).io, "io")
+    storage = get_storage(path, storage_options, deadline=deadline).within(deadline)
+
+    def read() -> CheckpointInfo:
+        with mapped_errors("inspect", path):
+            manifest = open_manifest(storage, path)
+            check_ref_files(storage, path, manifest)
+            entries = [EntryInfo(key, obj["kind"], None, None, 0, 0) for key, obj in manifest.objects.items()]
+            for name, t in manifest.tensors.items():
+                count = len(t.chunks) if t.sharding is None else count_boxes(manifest, t)
+                entries.append(
+                    EntryInfo(
+                        name, "tensor", dtype_name(t.dtype), t.shape, count, math.prod(t.shape) * t.dtype.itemsize
+                    )
+                )
+            metadata = decode(manifest.metadata, f"{path}: metadata", lambda ref: ref)
+        copied = {name: getattr(manifest, name) for name in _AS_SAVED}
+        return CheckpointInfo(
+            path=path,
+            metadata=metadata,
+            files=sorted(manifest.files),
+            entries=entries,
+            bases=sorted(manifest.refs),
+            side_files={name: f.size for name, f in sorted(manifest.side_files.items())},
+            **copied,
+        )
+
+    return run_bounded("inspecting the checkpoint", path, deadline, read)
 
 
 @entry_point("read_file", reads=True)
-def read_file(path: str | os.PathLike[str], name: str, *, storage_options: dict[str, Any] | None = None) -> bytes:
+def read_file(
+    path: str | os.PathLike[str],
+    name: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    timeout: float | Deadlines | None = None,
+) -> bytes:
     """The bytes of side file ``name`` of the committed checkpoint at ``path`` (one process, no rendezvous),
     checked against the size and checksum its manifest records: :class:`MissingKeysError` (a ``KeyError``)
     when it lists no such side file (the message lists those it has), :class:`CorruptCheckpointError` for a
-    missing, resized or altered file, :class:`CheckpointNotFoundError` when nothing is committed there."""
+    missing, resized or altered file, :class:`CheckpointNotFoundError` when nothing is committed there.
+    ``timeout``: as :func:`verify`'s, one deadline for the whole call (default ``SHARDSAFE_IO_TIMEOUT``)."""
     path = os.fspath(path)
-    storage = get_storage(path, storage_options)
-    with mapped_errors("read_file", path):
-        manifest = open_manifest(storage, path)
-        return read_side_file(storage, path, manifest.side_files, name)
+    deadline = Deadline.after(Deadlines.resolve(timeout).io, "io")
+    storage = get_storage(path, storage_options, deadline=deadline).within(deadline)
+
+    def read() -> bytes:
+        with mapped_errors("read_file", path):
+            manifest = open_manifest(storage, path)
+            return read_side_file(storage, path, manifest.side_files, name)
+
+    return run_bounded("reading a side file", path, deadline, read)
