@@ -42,7 +42,8 @@ from bench.ranks import run_session  # noqa: E402
 
 
 def make_baseline(rev: str, into: Path) -> Path:
-    """``src/shardsafe`` of ``rev`` as the package ``shardsafe_base`` under ``into``."""
+    """``src/shardsafe`` of ``rev`` as the package ``shardsafe_base`` under ``into``, its store keys under
+    ``shardsafe_base/`` (sharing shardsafe's, the two read each other's messages)."""
     raw = subprocess.run(
         ["git", "-C", str(HERE.parent), "archive", rev, "src/shardsafe"], check=True, capture_output=True
     ).stdout
@@ -52,7 +53,8 @@ def make_baseline(rev: str, into: Path) -> Path:
     shutil.move(str(into / "src" / "shardsafe"), pkg)
     for py in pkg.rglob("*.py"):
         text = py.read_text()
-        py.write_text(re.sub(r"\bshardsafe(?=[.\s])", "shardsafe_base", text))
+        text = re.sub(r"\bshardsafe(?=[.\s])", "shardsafe_base", text)
+        py.write_text(text.replace('"shardsafe/', '"shardsafe_base/'))
     return into
 
 
