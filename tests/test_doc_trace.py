@@ -120,6 +120,7 @@ def trace(fn: Callable[[], object]) -> Trace:
             caller = (up.f_code.co_filename[len(src) :], _named(up.f_code.co_qualname))
             out.edges.add((caller, (key[0], _named(key[1]))))
 
+    before = set(threading.enumerate())  # a thread an earlier test of this process left is not the call's
     threading.setprofile(hook)
     sys.setprofile(hook)
     try:
@@ -127,7 +128,7 @@ def trace(fn: Callable[[], object]) -> Trace:
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
-    out.left = sorted(t.name for t in threading.enumerate() if t.name.startswith("shardsafe-"))
+    out.left = sorted(t.name for t in threading.enumerate() if t.name.startswith("shardsafe-") and t not in before)
     return out
 
 
