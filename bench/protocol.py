@@ -23,10 +23,8 @@ import argparse
 import json
 import os
 import platform
-import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,24 +36,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "src"))
 
+from bench.baseline import import_baseline, make_baseline  # noqa: E402
 from bench.ranks import run_session  # noqa: E402
-
-
-def make_baseline(rev: str, into: Path) -> Path:
-    """``src/shardsafe`` of ``rev`` as the package ``shardsafe_base`` under ``into``, its store keys under
-    ``shardsafe_base/`` (sharing shardsafe's, the two read each other's messages)."""
-    raw = subprocess.run(
-        ["git", "-C", str(HERE.parent), "archive", rev, "src/shardsafe"], check=True, capture_output=True
-    ).stdout
-    into.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["tar", "-x", "-C", str(into)], input=raw, check=True)
-    pkg = into / "shardsafe_base"
-    shutil.move(str(into / "src" / "shardsafe"), pkg)
-    for py in pkg.rglob("*.py"):
-        text = py.read_text()
-        text = re.sub(r"\bshardsafe(?=[.\s])", "shardsafe_base", text)
-        py.write_text(text.replace('"shardsafe/', '"shardsafe_base/'))
-    return into
 
 
 def _count_baseline(base: Any) -> Counter[str]:
@@ -88,10 +70,7 @@ def _session(rank: int, world: int, root: str, reps: int, contenders: list[str],
     base: Any = None
     base_counts: Counter[str] = Counter()
     if baseline:
-        sys.path.insert(0, baseline)
-        import shardsafe_base
-
-        base = shardsafe_base
+        base = import_baseline(baseline)
         base_counts = _count_baseline(base)
 
     torch.manual_seed(0)
@@ -151,6 +130,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per session")
     args = ap.parse_args()
     contenders = ["shardsafe", "dcp"] + (["baseline"] if args.baseline else [])
+    os.makedirs(args.out, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="shardsafe-protocol-", dir=args.out))
     basedir = ""
     if args.baseline:

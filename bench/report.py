@@ -74,6 +74,8 @@ FAMILIES: list[tuple[str, str, list[tuple[str, str, str]]]] = [
     ),
 ]
 _SHARDSAFE_OP = {key: next(op for c, op, _ in rows if c == "shardsafe") for key, _, rows in FAMILIES}
+for _key, _title, _rows in FAMILIES:  # with --baseline REV: shardsafe at REV, below shardsafe's row
+    _rows.append(("baseline", _SHARDSAFE_OP[_key], "shardsafe at the baseline revision"))
 
 
 @dataclass
@@ -204,6 +206,8 @@ def markdown(report: dict[str, Any], rows: dict[tuple[str, str, str], Row]) -> s
         f"load average {m.get('loadavg_at_start', '?')} at the start. Run took {report['elapsed_seconds']:.0f} s.",
         "",
     ]
+    if cfg.get("baseline"):
+        lines += [f"The baseline revision is {cfg['baseline'][:10]}, run in the same sessions and rotation.", ""]
     for kind in cfg["kinds"]:
         state = report["states"][kind]["global_bytes"]
         title = "DDP, every rank holds all of it" if kind == "replicated" else "FSDP2, each rank holds half"
@@ -261,8 +265,15 @@ def chart(report: dict[str, Any], rows: dict[tuple[str, str, str], Row], path: s
     from matplotlib.patches import Patch
 
     kinds = report["config"]["kinds"]
-    contenders = ["floor", "torch", "dcp", "fabric", "shardsafe"]
-    colors = {"floor": "#9e9e9e", "torch": "#ef8a62", "dcp": "#67a9cf", "fabric": "#b2abd2", "shardsafe": "#1b7837"}
+    contenders = ["floor", "torch", "dcp", "fabric", "shardsafe", "baseline"]
+    colors = {
+        "floor": "#9e9e9e",
+        "torch": "#ef8a62",
+        "dcp": "#67a9cf",
+        "fabric": "#b2abd2",
+        "shardsafe": "#1b7837",
+        "baseline": "#a6dba0",
+    }
     width = 0.16
     fig, axes = plt.subplots(len(kinds), 1, figsize=(12, 4.4 * len(kinds)), squeeze=False)
     for ax, kind in zip(axes[:, 0], kinds, strict=True):
@@ -288,7 +299,8 @@ def chart(report: dict[str, Any], rows: dict[tuple[str, str, str], Row], path: s
         ax.set_ylabel("seconds (median; lower is better)")
         state = report["states"][kind]["global_bytes"]
         ax.set_title(f"{kind} state, {state / MIB:.0f} MiB, 2 ranks (gloo, CPU)")
-        ax.legend(handles=[Patch(color=colors[c], label=c) for c in contenders], fontsize=8)
+        shown = [c for c in contenders if any(k == kind and cc == c for k, cc, _ in rows)]
+        ax.legend(handles=[Patch(color=colors[c], label=c) for c in shown], fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,11 +1,13 @@
 """Benchmark shardsafe against torch.save, DCP, Lightning Fabric and the storage floors, in one run.
 
-    python bench/run.py [--size-mib 1024] [--reps 3] [--out bench/results]
+    python bench/run.py [--size-mib 1024] [--reps 3] [--out bench/results] [--baseline REV]
 
 Runs a 2-rank session (gloo on CPU, spawned ranks) for replicated (DDP) and for sharded (FSDP2) state,
 then the resharded loads (2 -> 1 plain process; FSDP2 2 -> 3), and writes ``results.json``,
 ``results.md`` and ``results.png`` under ``--out``. Checkpoints go to a scratch directory under
-``--out`` (the disk under test), deleted as soon as each is measured. See bench/README.md.
+``--out`` (the disk under test), deleted as soon as each is measured. ``--baseline REV`` adds shardsafe
+as it was at git revision REV as one more contender, in the same sessions and the same rotation, so that
+a change is measured against what came before in one run (see bench/baseline.py). See bench/README.md.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,7 +31,7 @@ if _REPO not in sys.path:  # run as a script: make the ``bench`` package importa
 CONTENDERS = ("floor", "torch", "dcp", "fabric", "shardsafe")
 KINDS = ("replicated", "sharded")
 _NEEDS = {"torch": "torch", "xxhash": "xxhash", "matplotlib": "matplotlib"}
-_NEEDS_FOR = {"fabric": "lightning", "shardsafe": "shardsafe"}
+_NEEDS_FOR = {"fabric": "lightning", "shardsafe": "shardsafe", "baseline": "shardsafe"}
 
 
 def _missing(contenders: list[str]) -> list[str]:
@@ -90,6 +93,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of " + ", ".join(KINDS))
     p.add_argument("--warm", action="store_true", help="do not drop the page cache before loads")
+    p.add_argument("--baseline", default="", help="a git revision of shardsafe to measure beside this one")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one session may take (default 1800)")
     args = p.parse_args(argv)
     args.contenders = [c for c in args.contenders.split(",") if c]
@@ -98,6 +102,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         bad = [c for c in chosen if c not in allowed]
         if bad or not chosen:
             p.error(f"{name}: {bad or 'nothing'} not in {', '.join(allowed)}")
+    if args.baseline and "baseline" not in args.contenders:
+        args.contenders.append("baseline")
     if args.size_mib < 1 or args.reps < 1:
         p.error("--size-mib and --reps must be at least 1")
     return args
@@ -124,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     scratch = os.path.join(os.path.abspath(args.out), f"ckpt-{os.getpid()}.tmp")
     os.makedirs(scratch)
+    if args.baseline:
+        from bench.baseline import ENV, make_baseline
+
+        os.environ[ENV] = str(make_baseline(args.baseline, Path(scratch) / "baseline"))
     cold = not args.warm and drop_page_cache()
     if not args.warm and not cold:
         print("bench: the kernel refused to drop the page cache; loads are measured warm", file=sys.stderr)
@@ -169,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             "cold_loads": cold,
             "ranks": 2,
             "backend": "gloo (CPU)",
+            "baseline": _cmd("git", "-C", _REPO, "rev-parse", args.baseline) if args.baseline else None,
         },
         "machine": {**machine(os.path.abspath(args.out)), "loadavg_at_start": loadavg_at_start, "repo_commit": commit},
         "states": states,

@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from bench.measure import Ctx
 from bench.state import BenchState
 
-RESHARDING = ("dcp", "shardsafe")
+RESHARDING = ("dcp", "shardsafe", "baseline")
 """The contenders that load a checkpoint into another world size (they implement the reshard pair)."""
 
 
@@ -59,4 +59,8 @@ def create(name: str, state: BenchState) -> Contender:
         from bench.contenders.shardsafe import Shardsafe
 
         return Shardsafe(state)
-    raise ValueError(f"unknown contender {name!r}; choose from floor, torch, dcp, fabric, shardsafe")
+    if name == "baseline":
+        from bench.contenders.shardsafe import ShardsafeBaseline
+
+        return ShardsafeBaseline(state)
+    raise ValueError(f"unknown contender {name!r}; choose from floor, torch, dcp, fabric, shardsafe, baseline")
