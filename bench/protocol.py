@@ -1,6 +1,6 @@
 """The cost of the protocol itself: a tiny-state save and load on N CPU ranks, shardsafe against DCP (and,
 with ``--baseline REV``, against shardsafe as it was at git revision REV), in the same sessions, in
-alternating order.
+an order that changes every repetition (``bench.session.order``).
 
     .venv/bin/python bench/protocol.py --ranks 2,4,8,16,32 --reps 7
     .venv/bin/python bench/protocol.py --ranks 16 --reps 5 --baseline 8170229   # against an older main
@@ -38,6 +38,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 
 from bench.baseline import import_baseline, make_baseline  # noqa: E402
 from bench.ranks import run_session  # noqa: E402
+from bench.session import order  # noqa: E402
 
 
 def _count_baseline(base: Any) -> Counter[str]:
@@ -98,11 +99,7 @@ def _session(rank: int, world: int, root: str, reps: int, contenders: list[str],
     times: dict[str, list[float]] = {f"{c}.{w}": [] for c in contenders for w in ("save", "load")}
     requests: dict[str, Any] = {}
     for rep in range(-1, reps):  # rep -1 warms up (connections, imports, caches)
-        k = rep % len(contenders)
-        order = contenders[k:] + contenders[:k]
-        if rep % 2:
-            order.reverse()
-        for name in order:
+        for name in order(contenders, rep):
             path = f"{root}/{name}"
             for what in ("save", "load"):
                 dist.barrier()

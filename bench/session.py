@@ -1,8 +1,8 @@
 """What each rank runs in a benchmark session (the functions :func:`bench.ranks.run_session` spawns).
 
 A main session (2 ranks) builds one kind of state once and runs every contender's repetitions on it, in
-an order that changes every repetition (rotated, and reversed on odd repetitions) so that no contender
-always runs first or right after the same neighbour. It then saves, untimed, the checkpoints that the
+an order that changes every repetition (rotated, and reversed in every other round; :func:`order`) so that
+no contender always runs first or right after the same neighbour. It then saves, untimed, the checkpoints that the
 reshard sessions (1 plain process; 3 FSDP2 ranks) load.
 """
 
@@ -35,10 +35,15 @@ class SessionConfig:
 
 
 def order(items: list[T], rep: int) -> list[T]:
-    """The contenders' order in repetition ``rep``: rotated by ``rep``, reversed when ``rep`` is odd."""
-    k = rep % len(items) if items else 0
-    rotated = items[k:] + items[:k]
-    return rotated[::-1] if rep % 2 else rotated
+    """The contenders' order in repetition ``rep``: rotated by ``rep``, and reversed in every other round of
+    ``len(items)`` repetitions. Over ``2 * len(items)`` repetitions every contender runs in every position
+    twice and before every other one ``len(items)`` times. (Reversing on odd repetitions instead undoes the
+    rotation of two contenders: the same one would always run first.)"""
+    n = len(items)
+    if not n:
+        return []
+    rotated = items[rep % n :] + items[: rep % n]
+    return rotated[::-1] if (rep // n) % 2 else rotated
 
 
 def _log(rank: int, message: str) -> None:
