@@ -1,8 +1,8 @@
 """What each rank runs in a benchmark session (the functions :func:`bench.ranks.run_session` spawns).
 
 A main session (2 ranks) builds one kind of state once and runs every contender's repetitions on it, in
-an order that changes every repetition (rotated, and reversed in every other round; :func:`order`) so that
-no contender always runs first or right after the same neighbour. It then saves, untimed, the checkpoints that the
+an order that changes every repetition (:func:`order`) so that no contender always runs first or right
+after the same neighbour. It then saves, untimed, the checkpoints that the
 reshard sessions (1 plain process; 3 FSDP2 ranks) load.
 """
 
@@ -35,15 +35,25 @@ class SessionConfig:
 
 
 def order(items: list[T], rep: int) -> list[T]:
-    """The contenders' order in repetition ``rep``: rotated by ``rep``, and reversed in every other round of
-    ``len(items)`` repetitions. Over ``2 * len(items)`` repetitions every contender runs in every position
-    twice and before every other one ``len(items)`` times. (Reversing on odd repetitions instead undoes the
-    rotation of two contenders: the same one would always run first.)"""
+    """The contenders' order in repetition ``rep``: the rows of a Williams design (a Latin square balanced
+    for the neighbour before; with an odd number of contenders, its rows and then their reverses). Over
+    ``2 * len(items)`` repetitions every contender runs in every position twice, before every other one
+    ``len(items)`` times, and right after every other one equally often. (A plain rotation keeps the same
+    neighbour before each contender, which matters: a contender run right after one that churned through
+    memory or the disk is measured in a colder machine; and reversing every other rotation undoes the
+    rotation of two contenders, so the same one always ran first.)"""
     n = len(items)
     if not n:
         return []
-    rotated = items[rep % n :] + items[: rep % n]
-    return rotated[::-1] if (rep // n) % 2 else rotated
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    row = [items[(i + rep) % n] for i in first]
+    return row[::-1] if n % 2 and (rep // n) % 2 else row
 
 
 def _log(rank: int, message: str) -> None:
