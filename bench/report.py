@@ -207,7 +207,8 @@ def markdown(report: dict[str, Any], rows: dict[tuple[str, str, str], Row]) -> s
         "",
     ]
     if cfg.get("baseline"):
-        lines += [f"The baseline revision is {cfg['baseline'][:10]}, run in the same sessions and rotation.", ""]
+        rev = cfg["baseline"][:10]
+        lines += [f"The baseline revision is {rev}, run in the same sessions, in the same running order.", ""]
     for kind in cfg["kinds"]:
         state = report["states"][kind]["global_bytes"]
         title = "DDP, every rank holds all of it" if kind == "replicated" else "FSDP2, each rank holds half"

@@ -6,7 +6,7 @@ Runs a 2-rank session (gloo on CPU, spawned ranks) for replicated (DDP) and for 
 then the resharded loads (2 -> 1 plain process; FSDP2 2 -> 3), and writes ``results.json``,
 ``results.md`` and ``results.png`` under ``--out``. Checkpoints go to a scratch directory under
 ``--out`` (the disk under test), deleted as soon as each is measured. ``--baseline REV`` adds shardsafe
-as it was at git revision REV as one more contender, in the same sessions and the same rotation, so that
+as it was at git revision REV as one more contender, in the same sessions and the same running order, so that
 a change is measured against what came before in one run (see bench/baseline.py). See bench/README.md.
 """
 
