@@ -222,7 +222,7 @@ def run_tasks(
     total = 0
     ok = False
     try:
-        futures = [pool.submit(run.task, t) for t in tasks]
+        futures = [pool.submit(run.batch, b) for b in _batches(tasks, manifest, threads)]
         for i, f in enumerate(futures):
             try:
                 total += f.result(timeout=deadline.remaining())
@@ -238,6 +238,28 @@ def run_tasks(
     finally:
         run.finish(futures, pool, deadline, ok)
     return total
+
+
+_BATCH_BYTES = 1 << 20
+"""Small reads go to the reader threads in batches of at most this many bytes: a future and a thread
+switch per tensor cost more than reading a small tensor."""
+
+
+def _batches(tasks: Sequence[Task], manifest: Manifest, threads: int) -> list[list[Task]]:
+    """``tasks`` in order, cut into runs of at most about ``_BATCH_BYTES``, and small enough that there
+    are about four runs per reader thread (a storage with a long round trip keeps every thread busy); a
+    larger task runs alone."""
+    sizes = [_task_bytes(manifest, t) for t in tasks]
+    cap = max(1, min(_BATCH_BYTES, sum(sizes) // (4 * threads)))
+    out: list[list[Task]] = []
+    size = 0
+    for t, n in zip(tasks, sizes, strict=True):
+        if not out or size + n > cap:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += n
+    return out
 
 
 class _Cancelled(Exception):
@@ -318,12 +340,16 @@ class _ReadRun:
         for _ in range(threads):
             self.free.put(_Bounce(size, pinned))
 
-    def task(self, t: Task) -> int:
+    def batch(self, tasks: Sequence[Task]) -> int:
+        """(a reader thread) Run ``tasks`` in order with this thread's bounce buffer; the bytes read."""
         bounce = self.free.get_nowait()  # one per thread
+        total = 0
         try:
-            return _read_task(self, t, bounce)
+            for t in tasks:
+                total += _read_task(self, t, bounce)
+            return total
         except _Cancelled:
-            return 0
+            return total
         finally:
             bounce.settle()
             self.free.put(bounce)
@@ -453,15 +479,15 @@ def _read(
 def load_bytes(manifest: Manifest, tasks: Sequence[Task]) -> int:
     """(a loading rank) The bytes ``tasks`` deliver (what :func:`~shardsafe.engine.read.run_tasks`
     returns): whole rows of each overlap, the item of a 0-d tensor."""
-    total = 0
-    for t in tasks:
-        itemsize = manifest.tensors[t.name].dtype.itemsize
-        sizes = t.chunk.sizes
-        if not sizes:
-            total += itemsize
-            continue
-        row = itemsize
-        for s in sizes[1:]:
-            row *= s
-        total += (t.box_hi[0] - t.box_lo[0]) * row
-    return total
+    return sum(_task_bytes(manifest, t) for t in tasks)
+
+
+def _task_bytes(manifest: Manifest, t: Task) -> int:
+    itemsize = manifest.tensors[t.name].dtype.itemsize
+    sizes = t.chunk.sizes
+    if not sizes:
+        return itemsize
+    row = itemsize
+    for s in sizes[1:]:
+        row *= s
+    return (t.box_hi[0] - t.box_lo[0]) * row
