@@ -20,9 +20,6 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -32,6 +29,8 @@ import pytest
 import torch
 
 import shardsafe
+from hung_reads import run as run_hung
+from hung_reads import script
 from shardsafe.coord.client import StoreClient
 from shardsafe.deadline import Deadline
 
@@ -56,16 +55,10 @@ def _attempt(fn: Any) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- a hung read
 
 
-HUNG_READ = textwrap.dedent(
+HUNG_READ = script(
     """
-    import sys, threading, time
-    import torch, shardsafe
-    from shardsafe.storage.local import LocalStorage
     path = sys.argv[1]
     shardsafe.save(path, {"w": torch.arange(1000.0)})
-    never = threading.Event()
-    def hung(self, *args, **kwargs):
-        never.wait()  # a read that never returns (a dead NFS server)
     LocalStorage.read_into = hung
     t = time.monotonic()
     try:
@@ -78,11 +71,9 @@ HUNG_READ = textwrap.dedent(
 
 def test_the_process_exits_within_seconds_after_a_load_whose_read_hung(tmp_path: Path) -> None:
     started = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-c", HUNG_READ, str(tmp_path / "c")], capture_output=True, text=True, timeout=120
-    )
+    done, lines = run_hung(HUNG_READ, str(tmp_path / "c"))
     took = time.monotonic() - started
-    assert "RAISED CheckpointTimeoutError" in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert lines.get("RAISED", [""])[0] == "CheckpointTimeoutError", (done.stdout, done.stderr[-2000:])
     assert done.returncode == 0, done.stderr[-2000:]
     assert took < 30, f"the process took {took:.0f}s to end after its load raised: a reader thread held it"
 

@@ -6,22 +6,15 @@ daemon thread). Before, verify took no timeout and waited for a hung read for ev
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
-HUNG = textwrap.dedent(
+from hung_reads import run, script
+
+HUNG = script(
     """
-    import sys, threading, time
-    import torch, shardsafe
-    from shardsafe.storage.local import LocalStorage
     path = sys.argv[1]
     shardsafe.save(path, {"w": torch.arange(1000.0)})
-    never = threading.Event()
-    def hung(self, *args, **kwargs):
-        never.wait()  # a read that never returns (a dead NFS server)
     LocalStorage.read_into = hung  # the data file's blocks
     t = time.monotonic()
     try:
@@ -41,11 +34,8 @@ HUNG = textwrap.dedent(
 def test_a_hung_read_ends_verify_at_its_deadline_and_the_process_exits(tmp_path: Path) -> None:
     started = time.monotonic()
     env = {**os.environ, "SHARDSAFE_IO_TIMEOUT": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", HUNG, str(tmp_path / "c")], capture_output=True, text=True, timeout=120, env=env
-    )
+    done, lines = run(HUNG, str(tmp_path / "c"), env)
     took = time.monotonic() - started
-    lines = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines() if line}
     assert lines.get("DATA", [""])[0] == "CheckpointTimeoutError", (done.stdout, done.stderr[-2000:])
     assert lines["DATA"][2] == "True"  # the message names the checkpoint
     assert lines.get("MANIFEST", [""])[0] == "CheckpointTimeoutError", (done.stdout, done.stderr[-2000:])
@@ -54,16 +44,10 @@ def test_a_hung_read_ends_verify_at_its_deadline_and_the_process_exits(tmp_path:
     assert took < 60, f"the process took {took:.0f}s to end after verify raised: a reader thread held it"
 
 
-HUNG_RESUME = textwrap.dedent(
+HUNG_RESUME = script(
     """
-    import sys, threading, time
-    import torch, shardsafe
-    from shardsafe.storage.local import LocalStorage
     manager = shardsafe.CheckpointManager(sys.argv[1], timeout=3)
     manager.save(1, {"w": torch.arange(1000.0)})
-    never = threading.Event()
-    def hung(self, *args, **kwargs):
-        never.wait()  # a read that never returns (a dead NFS server)
     LocalStorage.read_into = hung
     t = time.monotonic()
     try:
@@ -77,25 +61,16 @@ HUNG_RESUME = textwrap.dedent(
 def test_a_resume_that_verifies_ends_at_its_deadline_when_a_read_hangs(tmp_path: Path) -> None:
     """The manager's resume verifies each candidate within what is left of its one deadline (it gave the
     verify none of it: a hung read waited for SHARDSAFE_IO_TIMEOUT, 1,800 s)."""
-    done = subprocess.run(
-        [sys.executable, "-c", HUNG_RESUME, str(tmp_path / "run")], capture_output=True, text=True, timeout=120
-    )
-    words = done.stdout.split()
-    assert words[:2] == ["RESUME", "CheckpointTimeoutError"], (done.stdout, done.stderr[-2000:])
-    assert float(words[2]) < 20, words
+    done, lines = run(HUNG_RESUME, str(tmp_path / "run"))
+    assert lines.get("RESUME", [""])[0] == "CheckpointTimeoutError", (done.stdout, done.stderr[-2000:])
+    assert float(lines["RESUME"][1]) < 20, lines
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-HUNG_MANIFEST = textwrap.dedent(
+HUNG_MANIFEST = script(
     """
-    import sys, threading, time
-    import torch, shardsafe
-    from shardsafe.storage.local import LocalStorage
     path = sys.argv[1]
     shardsafe.save(path, {"w": torch.arange(10.0)}, files={"notes.txt": b"hi"})
-    never = threading.Event()
-    def hung(self, *args, **kwargs):
-        never.wait()  # a read that never returns (a dead NFS server)
     LocalStorage.read_bytes = hung
     for name, call in (("INSPECT", lambda: shardsafe.inspect(path, timeout=1)),
                        ("READ_FILE", lambda: shardsafe.read_file(path, "notes.txt", timeout=1))):
@@ -111,10 +86,7 @@ HUNG_MANIFEST = textwrap.dedent(
 def test_inspect_and_read_file_end_at_their_deadline_when_a_read_hangs(tmp_path: Path) -> None:
     """inspect() and read_file() have one deadline too (``timeout=``, default SHARDSAFE_IO_TIMEOUT): a
     manifest read that never returns raises CheckpointTimeoutError at it (both waited for ever)."""
-    done = subprocess.run(
-        [sys.executable, "-c", HUNG_MANIFEST, str(tmp_path / "c")], capture_output=True, text=True, timeout=120
-    )
-    lines = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines() if line}
+    done, lines = run(HUNG_MANIFEST, str(tmp_path / "c"))
     for name in ("INSPECT", "READ_FILE"):
         assert lines.get(name, [""])[0] == "CheckpointTimeoutError", (done.stdout, done.stderr[-2000:])
         assert float(lines[name][1]) < 20, lines
